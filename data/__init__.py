@@ -1,0 +1,1 @@
+"""Prompt sources, synthetic task generators, tiny components and shipped toy weights (``mmgrpo.data``)."""

@@ -1,0 +1,47 @@
+"""Group-relative advantage estimators shared by the algorithms."""
+
+from __future__ import annotations
+
+import torch
+
+
+def group_normalize(
+    scores: torch.Tensor,
+    group_ids: torch.Tensor,
+    *,
+    scale: bool = True,
+    global_std: bool = False,
+    eps: float = 1e-4,
+    clip: float | None = None,
+) -> torch.Tensor:
+    """Advantages ``(r - mean_group) / (std_group + eps)`` keyed by explicit group ids.
+
+    Args:
+        scores (`torch.FloatTensor` of shape `[N]`): rewards gathered from every process; NaN or infinite means
+            "not applicable": such samples are left out of the statistics and get advantage 0.
+        group_ids (`torch.LongTensor` of shape `[N]`): group of each sample.
+        scale (`bool`): divide by the standard deviation (``False``: mean-centring only, as Dr. GRPO).
+        global_std (`bool`): divide by the standard deviation of all valid scores instead of the group's.
+        eps (`float`): added to the standard deviation.
+        clip (`float`, *optional*): clamp advantages to ``[-clip, clip]``.
+
+    Returns:
+        `torch.FloatTensor` of shape `[N]`.
+    """
+    scores = scores.float()
+    valid = torch.isfinite(scores)
+    advantages = torch.zeros_like(scores)
+    global_scale = scores[valid].std(unbiased=False) if global_std and valid.sum() > 1 else None
+    for gid in torch.unique(group_ids):
+        members = (group_ids == gid) & valid
+        if members.sum() == 0:
+            continue
+        group = scores[members]
+        centred = group - group.mean()
+        if scale:
+            std = global_scale if global_scale is not None else group.std(unbiased=False)
+            centred = centred / (std + eps)
+        advantages[members] = centred
+    if clip is not None:
+        advantages = advantages.clamp(-clip, clip)
+    return advantages  # [N]

@@ -1,0 +1,67 @@
+"""Resolving model locations: a local folder, a Hugging Face hub id, or a model shipped with mmgrpo."""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+
+SHIPPED_PREFIX = "mmgrpo:"
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+
+
+def shipped_weights_dir() -> Path:
+    """The folder of the toy base models shipped inside the package (``mmgrpo/data/weights``)."""
+    return Path(__file__).resolve().parent.parent / "data" / "weights" if _in_source_tree() else _installed_dir()
+
+
+def _in_source_tree() -> bool:
+    return (Path(__file__).resolve().parent.parent / "data" / "weights").is_dir()
+
+
+def _installed_dir() -> Path:
+    import mmgrpo.data
+
+    return Path(mmgrpo.data.__file__).resolve().parent / "weights"
+
+
+def resolve_pretrained(location: str, key: str = "pretrained") -> str:
+    """Turns a config's model location into what ``from_pretrained`` accepts, or raises a clear error.
+
+    Args:
+        location (`str`): ``mmgrpo:<name>`` for a shipped toy model, a local folder, or a hub id (``org/name``).
+        key (`str`): the config key, named in errors.
+    """
+    if location.startswith(SHIPPED_PREFIX):
+        name = location[len(SHIPPED_PREFIX):]
+        path = shipped_weights_dir() / name
+        if not path.is_dir():
+            available = sorted(p.name for p in shipped_weights_dir().glob("*") if p.is_dir())
+            raise ValueError(f"{key}: no shipped model {name!r}; shipped models: {available}.")
+        return str(path)
+    expanded = os.path.expanduser(location)
+    if os.path.isdir(expanded):
+        return expanded
+    looks_local = location.startswith(("/", ".", "~")) or os.sep in location.strip("/").replace("/", "", 1)
+    if looks_local or not _HUB_ID.match(location):
+        raise ValueError(
+            f"{key}: model folder {location!r} does not exist. Point {key} at a local diffusers/transformers "
+            f"folder (one written by save_pretrained), a hub id like 'org/model', or a shipped model "
+            f"'{SHIPPED_PREFIX}<name>'."
+        )
+    return location
+
+
+def load_diffusers_pipeline(pipeline_cls, location: str, **kwargs):
+    """``pipeline_cls.from_pretrained(location)`` that also accepts a local folder saved with missing (None)
+    components, such as an SD3 pipeline without its T5 encoder: ``model_index.json`` lists them as null and
+    diffusers refuses to load them unless they are passed explicitly as None."""
+    import json
+
+    index_file = Path(location) / "model_index.json"
+    if index_file.is_file():
+        index = json.loads(index_file.read_text(encoding="utf-8"))
+        for name, value in index.items():
+            if isinstance(value, list) and value and value[0] is None:
+                kwargs.setdefault(name, None)
+    return pipeline_cls.from_pretrained(location, **kwargs)

@@ -1,0 +1,83 @@
+"""The three plugin contracts: a pipeline is a `StochasticPolicy`, a reward is a `RewardFn`, an algorithm is an
+`Algorithm`. Plugins implement them structurally (no inheritance); each plugin module exposes its class as
+``PLUGIN``."""
+
+from __future__ import annotations
+
+from contextlib import AbstractContextManager
+from typing import Any, Iterable, Literal, Protocol, runtime_checkable
+
+import torch
+
+from .types import LossOutput, PromptBatch, RewardResult, Rollout, SamplingPlan
+
+
+@runtime_checkable
+class StochasticPolicy(Protocol):
+    """A generative model seen as a stochastic policy: it samples and re-scores its own transitions."""
+
+    Config: type
+    modalities: frozenset[str]  # what `outputs` holds: {"image"}, {"text"}, {"video"}...
+    num_steps: int  # decisions per training rollout (denoising steps, tokens...)
+    eval_num_steps: int  # decisions per evaluation sample
+
+    def prepare(self, accelerator) -> list[torch.nn.Module]:
+        """Moves the policy to the accelerator's device, wraps its trainable modules with accelerate (DDP, FSDP...)
+        and returns the wrapped modules (the trainer uses them for `accelerator.no_sync`)."""
+
+    def sample(self, batch: PromptBatch, plan: SamplingPlan, *, generator: torch.Generator | None = None) -> Rollout:
+        """Samples without gradients and records in `Rollout.trajectory` what `log_prob` needs to replay."""
+
+    def log_prob(self, rollout: Rollout, steps: list[int]) -> dict[str, torch.Tensor]:
+        """Replays transitions `steps` of every sample under the current parameters, with gradients.
+
+        Returns a dictionary with ``log_prob`` (`[N, len(steps)]`) and, where they exist, ``mean`` and ``std`` of
+        the transitions (used for a KL to the reference)."""
+
+    def reference(self) -> AbstractContextManager:
+        """A context in which the policy acts as the frozen reference model (e.g. LoRA adapter disabled)."""
+
+    def trainable_parameters(self) -> Iterable[torch.nn.Parameter]: ...
+
+    def trainable_modules(self) -> dict[str, torch.nn.Module]:
+        """The modules holding trainable parameters, for `accelerate.prepare` and checkpoints."""
+
+    def save_pretrained(self, path: str) -> None: ...
+
+    def load_trainable(self, path: str) -> None:
+        """Loads trainable weights (full or LoRA adapter) written by `save_pretrained`."""
+
+
+@runtime_checkable
+class RewardFn(Protocol):
+    """Scores decoded outputs; expensive set-up belongs in ``__init__``."""
+
+    Config: type
+    modalities: frozenset[str]
+
+    def __call__(self, outputs: dict[str, Any], batch: PromptBatch) -> RewardResult: ...
+
+
+@runtime_checkable
+class Algorithm(Protocol):
+    """An advantage estimator and a loss, plus the sampling schedule it asks of a pipeline."""
+
+    Config: type
+    scoring: Literal["trajectory", "likelihood"]
+    needs_reference: bool
+
+    def schedule(self, num_steps: int, generator: torch.Generator | None = None) -> SamplingPlan:
+        """Which steps are stochastic and which are trained; `generator` is seeded identically on every process."""
+
+    def advantages(self, scores: torch.Tensor, group_ids: torch.Tensor) -> torch.Tensor:
+        """`scores` `[N]` and `group_ids` `[N]` gathered from all ranks -> advantages `[N]`."""
+
+    def loss(
+        self,
+        new: dict[str, torch.Tensor],
+        old_log_prob: torch.Tensor,
+        advantages: torch.Tensor,
+        ref: dict[str, torch.Tensor] | None,
+    ) -> LossOutput:
+        """Loss of one unit of trained steps for a minibatch: `new` from `log_prob` (``log_prob`` `[n, k]`),
+        `old_log_prob` `[n, k]`, `advantages` `[n]`, `ref` the reference policy's `log_prob` output (or None)."""

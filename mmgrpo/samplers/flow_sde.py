@@ -1,0 +1,122 @@
+"""One step of a rectified-flow sampler as a stochastic policy: the Flow-GRPO SDE step, its CPS variant and the
+deterministic ODE (Euler) step, each with the log-probability of the transition it takes.
+
+Flow-GRPO: https://arxiv.org/abs/2505.05470 ; coefficients-preserving sampling (CPS): https://arxiv.org/abs/2509.05952
+
+Convention: sigmas fall from 1 (noise) to 0 (data); ``x_sigma = (1 - sigma) * x0 + sigma * noise``; the model
+predicts the velocity ``v = noise - x0``; a step goes from ``sigma`` to ``sigma_next < sigma``.
+All math runs in float32 whatever the input dtype.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+SDE_TYPES = ("sde", "cps", "ode")
+
+
+@dataclass
+class FlowStepOutput:
+    """Result of one sampler step.
+
+    Args:
+        prev_sample (`torch.FloatTensor` of shape `[N, ...]`): the next latent (sampled, or the given one).
+        log_prob (`torch.FloatTensor` of shape `[N]`): log-density of `prev_sample`, averaged over latent elements
+            (zero for the ODE step, which is deterministic).
+        mean (`torch.FloatTensor` of shape `[N, ...]`): mean of the transition.
+        std (`torch.FloatTensor` of shape `[N, 1, ...]`): standard deviation of the transition (broadcastable).
+    """
+
+    prev_sample: torch.Tensor
+    log_prob: torch.Tensor
+    mean: torch.Tensor
+    std: torch.Tensor
+
+
+def _as_batch(value, like: torch.Tensor) -> torch.Tensor:
+    """A float or a `[N]` tensor -> float32 tensor broadcastable to `like` (`[N, 1, 1, ...]`)."""
+    value = torch.as_tensor(value, dtype=torch.float32, device=like.device)
+    if value.dim() == 0:
+        value = value.expand(like.shape[0])
+    return value.reshape(-1, *([1] * (like.dim() - 1)))
+
+
+def flow_sde_step(
+    velocity: torch.Tensor,
+    sample: torch.Tensor,
+    sigma: float | torch.Tensor,
+    sigma_next: float | torch.Tensor,
+    *,
+    noise_level: float = 0.7,
+    sde_type: str = "sde",
+    sigma_at_one: float | torch.Tensor | None = None,
+    prev_sample: torch.Tensor | None = None,
+    noise: torch.Tensor | None = None,
+    generator: torch.Generator | None = None,
+) -> FlowStepOutput:
+    """Takes (or re-scores) one step of the reverse-time flow SDE.
+
+    Args:
+        velocity (`torch.FloatTensor` of shape `[N, ...]`): the model's velocity (after guidance, if any).
+        sample (`torch.FloatTensor` of shape `[N, ...]`): the current latent `x` at `sigma`.
+        sigma (`float` or `torch.FloatTensor` of shape `[N]`): current noise level.
+        sigma_next (`float` or `torch.FloatTensor` of shape `[N]`): next noise level (smaller).
+        noise_level (`float`): eta; 0 makes the SDE step an ODE step.
+        sde_type (`str`): ``"sde"`` (Flow-GRPO, marginal-preserving SDE), ``"cps"`` (coefficients-preserving) or
+            ``"ode"`` (Euler).
+        sigma_at_one (`float`, *optional*): for ``"sde"``, the value used instead of `sigma` in ``1 - sigma`` when
+            ``sigma == 1`` (Flow-GRPO uses the schedule's second sigma) to avoid dividing by zero.
+        prev_sample (`torch.FloatTensor`, *optional*): re-score this next latent instead of sampling one.
+        noise (`torch.FloatTensor`, *optional*): the standard normal noise to use when sampling.
+        generator (`torch.Generator`, *optional*): used to draw `noise` when neither it nor `prev_sample` is given.
+
+    Returns:
+        [`FlowStepOutput`]. ``"sde"``: exact Gaussian log-density averaged over elements. ``"cps"``: the CPS
+        surrogate ``-mean((x' - mean)^2)`` (constants and the 1/(2 std^2) scale dropped, as its authors do).
+    """
+    if sde_type not in SDE_TYPES:
+        raise ValueError(f"sde_type must be one of {SDE_TYPES}, got {sde_type!r}.")
+    x = sample.float()
+    v = velocity.float()
+    s = _as_batch(sigma, x)
+    s_next = _as_batch(sigma_next, x)
+    dt = s_next - s  # < 0
+
+    if sde_type == "ode" or noise_level == 0:
+        mean = x + dt * v
+        std = torch.zeros_like(s)
+    elif sde_type == "sde":
+        s_safe = s if sigma_at_one is None else torch.where(s >= 1, _as_batch(sigma_at_one, x), s)
+        std_t = noise_level * torch.sqrt(s / (1 - s_safe))  # Flow-GRPO's sigma_t
+        mean = x * (1 + std_t**2 / (2 * s) * dt) + v * (1 + std_t**2 * (1 - s) / (2 * s)) * dt
+        std = std_t * torch.sqrt(-dt)
+    else:  # cps
+        std = s_next * math.sin(noise_level * math.pi / 2)
+        x0_hat = x - s * v
+        x1_hat = x + (1 - s) * v
+        mean = (1 - s_next) * x0_hat + torch.sqrt(torch.clamp(s_next**2 - std**2, min=0)) * x1_hat
+
+    deterministic = bool((std == 0).all())
+    if prev_sample is None:
+        if deterministic:
+            prev = mean
+        else:
+            if noise is None:
+                noise = torch.randn(x.shape, generator=generator, device=x.device, dtype=torch.float32)
+            prev = mean + std * noise.float()
+    else:
+        prev = prev_sample.float()
+
+    reduce_dims = tuple(range(1, x.dim()))
+    if deterministic:
+        log_prob = torch.zeros(x.shape[0], device=x.device)
+    elif sde_type == "cps":
+        log_prob = -((prev.detach() - mean) ** 2).mean(dim=reduce_dims)
+    else:
+        log_prob = (
+            -((prev.detach() - mean) ** 2) / (2 * std**2) - torch.log(std) - 0.5 * math.log(2 * math.pi)
+        ).mean(dim=reduce_dims)
+    return FlowStepOutput(prev_sample=prev, log_prob=log_prob, mean=mean, std=std)

@@ -1,0 +1,268 @@
+"""The one trainer loop, the same for every pipeline, algorithm and reward.
+
+Per step: next prompt batch repeated `G` times with global group ids -> this process's slice -> ``policy.sample``
+(no grad) -> ``reward`` -> scores and group ids gathered from every process -> ``algorithm.advantages`` -> for each
+inner epoch and minibatch, each trained unit of steps is replayed (``policy.log_prob``), scored by
+``algorithm.loss`` and back-propagated, then clipped and stepped. Distribution is accelerate's.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import time
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+from . import checkpoint, registry
+from .config import ExperimentConfig
+from .metrics_log import MetricsLog
+from .optim import build_optimizer
+from .prompt_stream import PromptStream, items_to_batch
+from .types import PromptBatch, SamplingPlan
+from .visualize import plot_reward_curve, save_image_grid
+
+
+def _seed(*parts: int) -> int:
+    value = 0
+    for part in parts:
+        value = (value * 1_000_003 + int(part)) % (2**63 - 1)
+    return value
+
+
+def build_components(config: ExperimentConfig):
+    """Instantiates the plugins named by `config`; checks that the reward can score the pipeline's outputs."""
+    policy_cls = registry.get("pipeline", config.pipeline.name)
+    reward_cls = registry.get("reward", config.reward.name)
+    missing = set(reward_cls.modalities) - set(policy_cls.modalities)
+    if missing:
+        raise ValueError(
+            f"reward {config.reward.name!r} scores {sorted(reward_cls.modalities)} but pipeline "
+            f"{config.pipeline.name!r} produces {sorted(policy_cls.modalities)}: choose a matching reward."
+        )
+    data = registry.get("data", config.data.name)(config.data.options)
+    algorithm = registry.get("algorithm", config.algorithm.name)(config.algorithm.options)
+    reward = reward_cls(config.reward.options)
+    policy = policy_cls(config.pipeline.options)
+    return policy, algorithm, reward, data
+
+
+def make_accelerator(config: ExperimentConfig):
+    """An `Accelerator` that also works on CPU-only machines under torchrun (accelerate needs ``cpu=True`` there)."""
+    from accelerate import Accelerator
+
+    return Accelerator(cpu=not torch.cuda.is_available(), mixed_precision=config.train.mixed_precision)
+
+
+def _finite_mean(values: torch.Tensor) -> float:
+    values = values[torch.isfinite(values)]
+    return values.float().mean().item() if values.numel() else float("nan")
+
+
+class Trainer:
+    """Runs an experiment; see the module docstring for the loop."""
+
+    def __init__(self, config: ExperimentConfig, accelerator=None):
+        self.config = config
+        self.accelerator = accelerator or make_accelerator(config)
+        acc = self.accelerator
+        self.world, self.rank = acc.num_processes, acc.process_index
+        global_n = config.train.prompts_per_step * config.train.group_size
+        if global_n % self.world:
+            raise ValueError(
+                f"prompts_per_step * group_size = {global_n} samples per step does not split over {self.world} "
+                "processes: make it a multiple of the number of processes."
+            )
+        self.local_n = global_n // self.world
+        self.output_dir = Path(config.output_dir)
+        if acc.is_main_process:
+            self.output_dir.mkdir(parents=True, exist_ok=True)
+            (self.output_dir / "config.json").write_text(json.dumps(config.to_dict(), indent=2), encoding="utf-8")
+        self.policy, self.algorithm, self.reward, self.data = build_components(config)
+        self.eval_items = self.data.eval_items()
+        self.optimizer, self.lr_scheduler = build_optimizer(self.policy.trainable_parameters(), config.train)
+        self.wrapped = self.policy.prepare(acc)
+        self.optimizer, self.lr_scheduler = acc.prepare(self.optimizer, self.lr_scheduler)
+        self.stream = PromptStream(self.data.train_items(), seed=config.seed)
+        self.log = MetricsLog(self.output_dir, enabled=acc.is_main_process)
+        self.step = 0
+        self.skipped_updates = 0
+        if config.checkpoint.resume_from:
+            self._resume(config.checkpoint.resume_from)
+
+    # ------------------------------------------------------------------------------------------------- the loop
+    def train(self) -> dict:
+        cfg = self.config
+        if self.step == 0 and cfg.eval.every:
+            self.log.write(0, self.evaluate(0))
+        bar = tqdm(range(self.step, cfg.train.max_steps), disable=not self.accelerator.is_main_process, desc="train")
+        for _ in bar:
+            self.step += 1
+            start = time.perf_counter()
+            metrics = self.train_step()
+            metrics["time/step_s"] = time.perf_counter() - start
+            if cfg.eval.every and (self.step % cfg.eval.every == 0 or self.step == cfg.train.max_steps):
+                metrics.update(self.evaluate(self.step))
+            if self.step % cfg.log_every == 0 or any(k.startswith("eval/") for k in metrics):
+                self.log.write(self.step, metrics)
+            bar.set_postfix(reward=f"{metrics['reward/mean']:.3f}")
+            if cfg.checkpoint.every and self.step % cfg.checkpoint.every == 0:
+                self.save()
+        self.save()
+        summary = self._finish()
+        self.log.close()
+        return summary
+
+    def train_step(self) -> dict[str, float]:
+        cfg, acc = self.config, self.accelerator
+        batch = self.stream.next_batch(cfg.train.prompts_per_step).repeat(
+            cfg.train.group_size, first_group_id=(self.step - 1) * cfg.train.prompts_per_step
+        )
+        local = batch.select(range(self.rank * self.local_n, (self.rank + 1) * self.local_n))
+        plan = self.algorithm.schedule(self.policy.num_steps, torch.Generator().manual_seed(_seed(cfg.seed, self.step)))
+        generator = torch.Generator().manual_seed(_seed(cfg.seed, self.step, self.rank, 1))
+        rollout = self.policy.sample(local, plan, generator=generator)
+        result = self.reward(rollout.outputs, local)
+        scores = result.scores.float().cpu()  # [n]
+        all_scores = acc.gather(scores.to(acc.device)).cpu()  # [N]
+        all_groups = acc.gather(local.group_ids.to(acc.device)).cpu()  # [N]
+        advantages = self.algorithm.advantages(all_scores, all_groups)  # [N]
+        local_adv = advantages[self.rank * self.local_n : (self.rank + 1) * self.local_n]
+        metrics = self._reward_metrics(all_scores, all_groups, result.components)
+        metrics.update(self._update(rollout, plan, local_adv, has_signal=bool((advantages != 0).any()), generator=generator))
+        metrics["lr"] = self.lr_scheduler.get_last_lr()[0]
+        metrics["samples_seen"] = self.step * len(all_scores)
+        return metrics
+
+    def _update(self, rollout, plan: SamplingPlan, advantages, has_signal: bool, generator) -> dict[str, float]:
+        cfg, acc = self.config.train, self.accelerator
+        units = plan.train_units
+        sums: dict[str, float] = {}
+        counts = 0
+        if not units:
+            return {}
+        if not has_signal and not self.algorithm.needs_reference:
+            self.skipped_updates += 1  # every advantage is 0: a step would only apply weight decay
+            return {"train/skipped_updates": self.skipped_updates}
+        for _ in range(cfg.inner_epochs):
+            order = torch.randperm(len(rollout), generator=generator)
+            minibatches = list(order.split(cfg.minibatch_size))
+            per_update = math.ceil(len(minibatches) / cfg.updates_per_step)
+            for u in range(0, len(minibatches), per_update):
+                group = minibatches[u : u + per_update]
+                total = sum(len(m) for m in group)
+                for j, index in enumerate(group):
+                    sub = rollout.select(index)
+                    for k, unit in enumerate(units):
+                        last = j == len(group) - 1 and k == len(units) - 1
+                        out = self._unit_loss(sub, unit, advantages[index])
+                        with contextlib.ExitStack() as stack:
+                            if not last:
+                                for module in self.wrapped:
+                                    stack.enter_context(acc.no_sync(module))
+                            acc.backward(out.loss * (len(index) / total / len(units)))
+                        for key, value in out.metrics.items():
+                            sums[key] = sums.get(key, 0.0) + value
+                        counts += 1
+                grad_norm = acc.clip_grad_norm_(self.policy.trainable_parameters(), cfg.max_grad_norm)
+                if not torch.isfinite(torch.as_tensor(grad_norm)):
+                    self.skipped_updates += 1  # a NaN/inf loss or gradient never reaches the weights
+                    self.optimizer.zero_grad(set_to_none=True)
+                    continue
+                self.optimizer.step()
+                self.lr_scheduler.step()
+                self.optimizer.zero_grad(set_to_none=True)
+                sums["grad_norm"] = sums.get("grad_norm", 0.0) + float(grad_norm) * counts / max(1, len(group) * len(units))
+        metrics = {f"train/{k}": v / max(1, counts) for k, v in sums.items()}
+        metrics["train/skipped_updates"] = self.skipped_updates
+        return metrics
+
+    def _unit_loss(self, sub, unit: list[int], advantages):
+        device = self.accelerator.device
+        new = self.policy.log_prob(sub, unit)
+        ref = None
+        if self.algorithm.needs_reference:
+            with torch.no_grad(), self.policy.reference():
+                ref = self.policy.log_prob(sub, unit)
+        return self.algorithm.loss(new, sub.old_log_probs[:, unit].to(device), advantages.to(device), ref)
+
+    @staticmethod
+    def _reward_metrics(scores, group_ids, components) -> dict[str, float]:
+        finite = torch.isfinite(scores)
+        stds = [scores[(group_ids == g) & finite].std(unbiased=False) for g in torch.unique(group_ids)]
+        stds = torch.stack([s for s in stds if torch.isfinite(s)]) if stds else torch.zeros(0)
+        metrics = {
+            "reward/mean": _finite_mean(scores),
+            "reward/std": scores[finite].std().item() if finite.sum() > 1 else 0.0,
+            "reward/invalid": float((~finite).sum()),
+            "reward/zero_std_groups": float((stds < 1e-8).float().mean()) if stds.numel() else 0.0,
+        }
+        for name, values in components.items():
+            metrics[f"reward/{name}"] = _finite_mean(values.float().cpu())
+        return metrics
+
+    # --------------------------------------------------------------------------------------------- evaluation
+    @torch.no_grad()
+    def evaluate(self, step: int, batch_size: int = 64) -> dict[str, float]:
+        """Deterministic samples of the held-out prompts (same noise every time); reward means and a grid."""
+        cfg, acc = self.config.eval, self.accelerator
+        items = self.eval_items[: cfg.num_prompts]
+        items = items[: len(items) - len(items) % self.world] or items[:1]
+        per_rank = max(1, len(items) // self.world)
+        mine = items[self.rank * per_rank : (self.rank + 1) * per_rank]
+        plan = SamplingPlan.deterministic(self.policy.eval_num_steps)
+        generator = torch.Generator().manual_seed(_seed(cfg.seed, self.rank))
+        scores, components, images, captions = [], {}, [], []
+        for start in range(0, len(mine), batch_size):
+            batch = items_to_batch(mine[start : start + batch_size])
+            batch.group_ids = torch.arange(len(batch))
+            rollout = self.policy.sample(batch, plan, generator=generator)
+            result = self.reward(rollout.outputs, batch)
+            scores.append(result.scores.float().cpu())
+            for name, value in result.components.items():
+                components.setdefault(name, []).append(value.float().cpu())
+            if "images" in rollout.outputs and len(images) < cfg.grid_size:
+                images.extend(rollout.outputs["images"][: cfg.grid_size - len(images)])
+                captions.extend(f"{p}\nr={s:.2f}" for p, s in zip(batch.prompts, result.scores.tolist()))
+        out = {"eval/score": _finite_mean(acc.gather(torch.cat(scores).to(acc.device)).cpu())}
+        for name, values in components.items():
+            out[f"eval/{name}"] = _finite_mean(acc.gather(torch.cat(values).to(acc.device)).cpu())
+        if acc.is_main_process and images:
+            save_image_grid(torch.stack(images), captions[: len(images)], self.output_dir / "samples" / f"step_{step:05d}.png")
+        return out
+
+    # ------------------------------------------------------------------------------------------- checkpoints
+    def save(self) -> Path:
+        state = {"data_position": self.stream.position, "skipped_updates": self.skipped_updates}
+        return checkpoint.save(
+            self.accelerator, self.output_dir / "checkpoints", self.step, self.policy, self.optimizer,
+            self.lr_scheduler, state, self.config.checkpoint.keep_last,
+        )
+
+    def _resume(self, resume_from: str) -> None:
+        path = checkpoint.resolve(resume_from, self.output_dir / "checkpoints")
+        state = checkpoint.load(self.accelerator, path, self.policy, self.optimizer, self.lr_scheduler)
+        self.step = state["step"]
+        self.stream.position = state["data_position"]
+        self.skipped_updates = state["skipped_updates"]
+        self.log.truncate_after(self.step)
+
+    def _finish(self) -> dict:
+        summary = {"steps": self.step, "skipped_updates": self.skipped_updates}
+        metrics_file = self.output_dir / "metrics.jsonl"
+        if self.accelerator.is_main_process and metrics_file.is_file():
+            metric = self.config.eval.metric
+            evals = [r for r in map(json.loads, metrics_file.read_text().splitlines()) if f"eval/{metric}" in r]
+            if evals:
+                summary.update({f"eval_{metric}_first": evals[0][f"eval/{metric}"], f"eval_{metric}_last": evals[-1][f"eval/{metric}"]})
+            plot_reward_curve(metrics_file, self.output_dir / "reward_curve.png", metric)
+            (self.output_dir / "summary.json").write_text(json.dumps(summary, indent=2), encoding="utf-8")
+        return summary
+
+
+def train(config: ExperimentConfig) -> dict:
+    """Builds a [`Trainer`] for `config` and runs it; returns the summary (first/last eval metric...)."""
+    return Trainer(config).train()

@@ -1,0 +1,1 @@
+"""Pipeline adapters: one `StochasticPolicy` per file, imported as ``mmgrpo.pipelines.<name>``."""

@@ -1,0 +1,1 @@
+"""Rewards: one `RewardFn` per file, imported as ``mmgrpo.rewards.<name>``."""

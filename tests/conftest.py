@@ -1,0 +1,30 @@
+"""Test set-up: offline hub, CPU threads, and tiny real-class models saved to local folders."""
+
+import os
+
+for _key, _value in {
+    "HF_HUB_OFFLINE": "1",
+    "TRANSFORMERS_OFFLINE": "1",
+    "HF_DATASETS_OFFLINE": "1",
+    "HF_HUB_DISABLE_TELEMETRY": "1",
+    "ACCELERATE_USE_CPU": "true",
+    "TOKENIZERS_PARALLELISM": "false",
+    "DIFFUSERS_VERBOSITY": "error",
+    "TRANSFORMERS_VERBOSITY": "error",
+}.items():
+    os.environ.setdefault(_key, _value)
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+torch.set_num_threads(2)
+
+
+@pytest.fixture(scope="session")
+def tiny_sd3_dir(tmp_path_factory):
+    """A tiny random SD3 pipeline (real diffusers/transformers classes) written with `save_pretrained`."""
+    from mmgrpo.data.tiny_components import tiny_sd3_pipeline
+
+    path = tmp_path_factory.mktemp("tiny_sd3")
+    tiny_sd3_pipeline(seed=0).save_pretrained(path)
+    return str(path)
