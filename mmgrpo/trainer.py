@@ -81,6 +81,9 @@ class Trainer:
         if acc.is_main_process:
             self.output_dir.mkdir(parents=True, exist_ok=True)
             (self.output_dir / "config.json").write_text(json.dumps(config.to_dict(), indent=2), encoding="utf-8")
+        from accelerate.utils import set_seed
+
+        set_seed(config.seed)  # LoRA initialisation and anything else drawn from global RNGs
         self.policy, self.algorithm, self.reward, self.data = build_components(config)
         self.eval_items = self.data.eval_items()
         self.optimizer, self.lr_scheduler = build_optimizer(self.policy.trainable_parameters(), config.train)
@@ -126,16 +129,23 @@ class Trainer:
         generator = torch.Generator().manual_seed(_seed(cfg.seed, self.step, self.rank, 1))
         rollout = self.policy.sample(local, plan, generator=generator)
         result = self.reward(rollout.outputs, local)
-        scores = result.scores.float().cpu()  # [n]
-        all_scores = acc.gather(scores.to(acc.device)).cpu()  # [N]
-        all_groups = acc.gather(local.group_ids.to(acc.device)).cpu()  # [N]
-        advantages = self.algorithm.advantages(all_scores, all_groups)  # [N]
-        local_adv = advantages[self.rank * self.local_n : (self.rank + 1) * self.local_n]
+        local_adv, all_scores, all_groups, advantages = self.global_advantages(result.scores, local.group_ids)
         metrics = self._reward_metrics(all_scores, all_groups, result.components)
         metrics.update(self._update(rollout, plan, local_adv, has_signal=bool((advantages != 0).any()), generator=generator))
         metrics["lr"] = self.lr_scheduler.get_last_lr()[0]
         metrics["samples_seen"] = self.step * len(all_scores)
         return metrics
+
+    def global_advantages(self, scores: torch.Tensor, group_ids: torch.Tensor):
+        """Gathers this process's scores `[n]` and group ids `[n]` from every process (a group may span processes),
+        computes advantages on the whole batch `[N]` and returns ``(local slice [n], scores [N], groups [N],
+        advantages [N])``."""
+        acc = self.accelerator
+        all_scores = acc.gather(scores.float().to(acc.device)).cpu()  # [N]
+        all_groups = acc.gather(group_ids.to(acc.device)).cpu()  # [N]
+        advantages = self.algorithm.advantages(all_scores, all_groups)  # [N]
+        n = scores.shape[0]
+        return advantages[self.rank * n : (self.rank + 1) * n], all_scores, all_groups, advantages
 
     def _update(self, rollout, plan: SamplingPlan, advantages, has_signal: bool, generator) -> dict[str, float]:
         cfg, acc = self.config.train, self.accelerator
@@ -193,7 +203,7 @@ class Trainer:
     def _reward_metrics(scores, group_ids, components) -> dict[str, float]:
         finite = torch.isfinite(scores)
         stds = [scores[(group_ids == g) & finite].std(unbiased=False) for g in torch.unique(group_ids)]
-        stds = torch.stack([s for s in stds if torch.isfinite(s)]) if stds else torch.zeros(0)
+        stds = torch.tensor([float(s) for s in stds if torch.isfinite(s)])  # [groups with valid scores]
         metrics = {
             "reward/mean": _finite_mean(scores),
             "reward/std": scores[finite].std().item() if finite.sum() > 1 else 0.0,
