@@ -18,7 +18,7 @@ def test_two_process_training_matches_single_process(tmp_path, tiny_sd3_dir):
     (tmp_path / "prompts.txt").write_text("a red circle\na blue square\na green triangle\n")
     env = dict(os.environ, ACCELERATE_USE_CPU="true", OMP_NUM_THREADS="1")
     proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29517",
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
          str(WORKER), tiny_sd3_dir, str(tmp_path)],
         capture_output=True, text=True, timeout=600, env=env,
     )
