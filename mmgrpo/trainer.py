@@ -202,8 +202,8 @@ class Trainer:
     @staticmethod
     def _reward_metrics(scores, group_ids, components) -> dict[str, float]:
         finite = torch.isfinite(scores)
-        stds = [scores[(group_ids == g) & finite].std(unbiased=False) for g in torch.unique(group_ids)]
-        stds = torch.tensor([float(s) for s in stds if torch.isfinite(s)])  # [groups with valid scores]
+        groups = [scores[(group_ids == g) & finite] for g in torch.unique(group_ids)]
+        stds = torch.tensor([float(g.std(unbiased=False)) for g in groups if g.numel()])  # [groups with valid scores]
         metrics = {
             "reward/mean": _finite_mean(scores),
             "reward/std": scores[finite].std().item() if finite.sum() > 1 else 0.0,
