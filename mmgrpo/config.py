@@ -4,6 +4,7 @@ model loads. Unknown keys and wrong types are errors that name the key and say w
 from __future__ import annotations
 
 import dataclasses
+import re
 import types
 import typing
 from dataclasses import dataclass, field
@@ -13,6 +14,9 @@ from typing import Any, Literal
 import yaml
 
 from . import registry
+
+
+_YAML_FLOAT = re.compile(r"^[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?$")
 
 
 class ConfigError(ValueError):
@@ -166,6 +170,8 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
     if dataclasses.is_dataclass(tp):
         return build_dataclass(tp, value, key)
     if tp is float:
+        if isinstance(value, str) and _YAML_FLOAT.match(value.strip()):
+            return float(value)  # PyYAML reads "3e-4" (no dot) as a string
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ConfigError(f"{key}: expected a number, got {value!r} ({type(value).__name__}).")
         return float(value)

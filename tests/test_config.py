@@ -98,9 +98,12 @@ def test_empty_or_missing_prompt_file(tmp_path):
 
 
 def test_overrides_apply_and_are_checked(tmp_path):
-    raw = config_mod.apply_overrides(base_config(tmp_path), ["train.group_size=4", "algorithm.kl_beta=0.01"])
+    raw = config_mod.apply_overrides(
+        base_config(tmp_path), ["train.group_size=4", "algorithm.kl_beta=0.01", "train.learning_rate=3e-4"]
+    )
     cfg = config_mod.from_dict(raw)
     assert cfg.train.group_size == 4 and cfg.algorithm.options.kl_beta == 0.01
+    assert cfg.train.learning_rate == 3e-4  # PyYAML reads "3e-4" as a string; a float field accepts it
     with pytest.raises(ConfigError, match="must look like"):
         config_mod.apply_overrides(raw, ["train.group_size"])
 
