@@ -211,7 +211,8 @@ def build_dataclass(cls: type, values: dict | None, prefix: str) -> Any:
     except ConfigError:
         raise
     except (ValueError, TypeError) as err:
-        raise ConfigError(f"{prefix}: {err}") from err
+        message = str(err)
+        raise ConfigError(message if message.startswith(f"{prefix}.") else f"{prefix}: {message}") from err
 
 
 def _plugin(kind: str, raw: Any) -> PluginSpec:
