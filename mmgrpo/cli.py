@@ -30,11 +30,14 @@ def main(argv: list[str] | None = None) -> int:
     p_eval.add_argument("--checkpoint", required=True, help="a checkpoint folder written by `mmgrpo train`")
     p_eval.add_argument("overrides", nargs="*")
     sub.add_parser("list", help="list registered pipelines, algorithms, rewards and prompt sources")
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    unknown = [item for item in extra if "=" not in item or item.startswith("-")]
+    if unknown or (extra and args.command == "list"):
+        parser.error(f"unrecognized arguments: {' '.join(unknown or extra)}")
 
     if args.command == "list":
         return _list()
-    overrides = list(args.overrides)
+    overrides = list(args.overrides) + extra  # key=value overrides may also follow --checkpoint DIR
     if args.command == "eval":
         overrides.append(f"checkpoint.resume_from={args.checkpoint}")
     try:

@@ -1,0 +1,146 @@
+"""Offline CLIP tokenizer and tiny SD3 pipeline: shapes, determinism, eval mode and save/load round-trip."""
+
+import json
+import os
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+import pytest
+import torch
+
+from mmgrpo.data.tiny_components import TEXT_PAD_LENGTH, clip_tokenizer, load_sd3_pipeline, tiny_sd3_pipeline
+
+
+def _sample(pipe, prompts, seed=0):
+    return pipe(
+        prompt=prompts,
+        num_inference_steps=2,
+        guidance_scale=1.0,
+        height=32,
+        width=32,
+        output_type="pt",
+        generator=torch.Generator().manual_seed(seed),
+        max_sequence_length=TEXT_PAD_LENGTH,
+    ).images  # [N, 3, 32, 32]
+
+
+@pytest.fixture(scope="module")
+def pipe():
+    return tiny_sd3_pipeline()
+
+
+@pytest.mark.slow  # building the full 49408-token vocabulary takes ~4 s
+def test_full_clip_tokenizer_matches_openai_clip_ids():
+    full = clip_tokenizer(n_merges=48894, model_max_length=77)
+    assert full("a photo of a cat").input_ids == [49406, 320, 1125, 539, 320, 2368, 49407]
+
+
+def test_small_clip_tokenizer():
+    small = clip_tokenizer()
+    # ids of tokens made by the first merges are CLIP's own (as open_clip's SimpleTokenizer gives them)
+    assert small("a red of a").input_ids[1:-1] == [320, 736, 539, 320]
+    assert len(small) == 1000
+    assert small.model_max_length == 16
+    ids = small(["a red circle"], padding="max_length", max_length=16).input_ids[0]
+    assert len(ids) == 16 and ids[0] == small.bos_token_id and ids[-1] == small.pad_token_id
+
+
+def test_clip_tokenizer_extra_words_are_kept_whole_and_deterministic():
+    words = ["yellow", "triangle", "magenta", "below"]  # 3-4 tokens each with 486 merges
+    tok = clip_tokenizer(extra_words=words)
+    for word in words:
+        assert tok.tokenize(word) == [word + "</w>"]  # as full CLIP tokenizes them
+    assert tok.tokenize("cyan") == ["c", "y", "an</w>"]  # not added: split as by the first 486 merges
+    assert tok.get_vocab() == clip_tokenizer(extra_words=reversed(words)).get_vocab()
+    # the first 486 merges keep their ids
+    assert tok("a red").input_ids[1:-1] == clip_tokenizer()("a red").input_ids[1:-1]
+
+
+def test_pipeline_components(pipe):
+    assert pipe.text_encoder_3 is None and pipe.tokenizer_3 is None
+    for module in (pipe.text_encoder, pipe.text_encoder_2, pipe.transformer, pipe.vae):
+        assert not module.training
+    assert pipe.vae_scale_factor == 2
+    cfg = pipe.transformer.config
+    assert cfg.pooled_projection_dim == 2 * pipe.text_encoder.config.projection_dim
+    assert cfg.joint_attention_dim >= 2 * pipe.text_encoder.config.hidden_size
+
+
+def test_prompt_embeds_are_clip_then_zero_padding(pipe):
+    embeds, _, pooled, _ = pipe.encode_prompt(
+        ["a red circle", "two blue squares"], None, None, do_classifier_free_guidance=False,
+        max_sequence_length=TEXT_PAD_LENGTH,
+    )
+    assert embeds.shape == (2, 16 + TEXT_PAD_LENGTH, pipe.transformer.config.joint_attention_dim)
+    assert pooled.shape == (2, pipe.transformer.config.pooled_projection_dim)
+    assert torch.all(embeds[:, 16:] == 0)  # no T5: zeros
+    assert embeds[:, :16].abs().sum() > 0
+
+
+def test_pipeline_call_and_determinism(pipe):
+    images = _sample(pipe, ["a red circle", "two blue squares"])
+    assert images.shape == (2, 3, 32, 32)
+    assert images.min() >= 0 and images.max() <= 1
+    assert torch.equal(images, _sample(tiny_sd3_pipeline(seed=0), ["a red circle", "two blue squares"]))
+    other = tiny_sd3_pipeline(seed=1)
+    assert not torch.equal(pipe.transformer.proj_out.weight, other.transformer.proj_out.weight)
+
+
+def test_builder_leaves_global_rng_alone():
+    torch.manual_seed(123)
+    expected = torch.rand(3)
+    torch.manual_seed(123)
+    tiny_sd3_pipeline()
+    assert torch.equal(torch.rand(3), expected)
+
+
+def test_save_load_round_trip_is_exact(pipe, tmp_path):
+    images = _sample(pipe, ["a red circle", "a green triangle left of a blue square"], seed=3)
+    pipe.save_pretrained(tmp_path)
+    loaded = load_sd3_pipeline(str(tmp_path))
+    assert loaded.text_encoder_3 is None and loaded.tokenizer_3 is None
+    assert loaded.tokenizer.model_max_length == 16
+    assert torch.equal(images, _sample(loaded, ["a red circle", "a green triangle left of a blue square"], seed=3))
+
+
+def test_builder_rejects_bad_sizes():
+    with pytest.raises(ValueError, match="power of 2"):
+        tiny_sd3_pipeline(vae_downsample=3)
+    with pytest.raises(ValueError, match="divisible"):
+        tiny_sd3_pipeline(sample_size=30)
+
+
+def test_training_script_smoke(tmp_path):
+    from mmgrpo.data import train_t2i_shapes
+
+    out = tmp_path / "model"
+    train_t2i_shapes.main([
+        "--output", str(out), "--layers", "1", "--vae-steps", "2", "--vae-batch", "4", "--steps", "2",
+        "--batch", "4", "--eval-start", "1", "--eval-every", "1", "--n-select", "4", "--n-eval", "4",
+        "--eval-steps", "2", "--warmup", "1",
+    ])
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert set(metrics["heldout"]) >= {"strict", "partial", "strict_single"}
+    assert metrics["sampling"]["max_sequence_length"] == 4
+    assert (out / "samples.png").is_file()
+    pipe = load_sd3_pipeline(str(out))
+    assert pipe.vae.config.scaling_factor != 1.0  # calibrated latents
+    assert pipe.tokenizer.tokenize("magenta triangle") == ["magenta</w>", "triangle</w>"]
+
+
+SHIPPED = Path(__file__).resolve().parent.parent / "data" / "weights" / "t2i_shapes"
+
+
+@pytest.mark.skipif(not (SHIPPED / "model_index.json").is_file(), reason="shipped weights not present")
+def test_shipped_weights_load_and_sample():
+    metrics = json.loads((SHIPPED / "metrics.json").read_text())
+    pipe = load_sd3_pipeline(str(SHIPPED))
+    images = pipe(
+        prompt=["a red circle", "two blue squares"], num_inference_steps=2, guidance_scale=1.0, height=32, width=32,
+        output_type="pt", generator=torch.Generator().manual_seed(0),
+        max_sequence_length=metrics["sampling"]["max_sequence_length"],
+    ).images
+    assert images.shape == (2, 3, 32, 32)
+    assert sum(f.stat().st_size for f in SHIPPED.rglob("*.safetensors")) < 10_000_000
