@@ -8,8 +8,8 @@ Measures, for the same pipeline, prompts, batch and step count:
 
 The peer is not a dependency: clone it anywhere and pass its folder.
 
-    git clone https://github.com/yifan123/flow_grpo /tmp/flow_grpo
-    python bench/flow_grpo_vs_peer.py --peer-dir /tmp/flow_grpo [--model mmgrpo:t2i_shapes] [--batch 32]
+    git clone https://github.com/yifan123/flow_grpo ../flow_grpo
+    python bench/flow_grpo_vs_peer.py --peer-dir ../flow_grpo [--model mmgrpo:t2i_shapes] [--batch 32]
 """
 
 from __future__ import annotations
