@@ -11,15 +11,8 @@ _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
 
 def shipped_weights_dir() -> Path:
-    """The folder of the toy base models shipped inside the package (``mmgrpo/data/weights``)."""
-    return Path(__file__).resolve().parent.parent / "data" / "weights" if _in_source_tree() else _installed_dir()
-
-
-def _in_source_tree() -> bool:
-    return (Path(__file__).resolve().parent.parent / "data" / "weights").is_dir()
-
-
-def _installed_dir() -> Path:
+    """The folder of the toy base models shipped inside the package (``mmgrpo/data/weights``; in an editable
+    install ``mmgrpo.data`` maps to the repository's ``data/``)."""
     import mmgrpo.data
 
     return Path(mmgrpo.data.__file__).resolve().parent / "weights"

@@ -152,6 +152,7 @@ class Trainer:
         units = plan.train_units
         sums: dict[str, float] = {}
         counts = 0
+        grad_norms = []
         if not units:
             return {}
         if not has_signal and not self.algorithm.needs_reference:
@@ -185,8 +186,10 @@ class Trainer:
                 self.optimizer.step()
                 self.lr_scheduler.step()
                 self.optimizer.zero_grad(set_to_none=True)
-                sums["grad_norm"] = sums.get("grad_norm", 0.0) + float(grad_norm) * counts / max(1, len(group) * len(units))
+                grad_norms.append(float(grad_norm))
         metrics = {f"train/{k}": v / max(1, counts) for k, v in sums.items()}
+        if grad_norms:
+            metrics["train/grad_norm"] = sum(grad_norms) / len(grad_norms)
         metrics["train/skipped_updates"] = self.skipped_updates
         return metrics
 
