@@ -2,8 +2,10 @@
 
 The pipeline is made of the real library classes (`CLIPTextModelWithProjection` x2, `SD3Transformer2DModel`,
 `AutoencoderKL`, `FlowMatchEulerDiscreteScheduler`) with random weights and no T5 encoder. Without T5 the SD3
-pipeline appends `max_sequence_length` all-zero text tokens to the CLIP tokens, so always call it with
-``max_sequence_length=TEXT_PAD_LENGTH`` (or the length a model was trained with): its default is 256.
+pipeline appends `max_sequence_length` all-zero text tokens to the CLIP tokens, and its default is 256: pass
+``max_sequence_length=TEXT_PAD_LENGTH`` to the tiny test pipelines, and the value stored in ``metrics.json``
+(``["sampling"]["max_sequence_length"]``) to the shipped ``weights/t2i_shapes`` model. A pipeline saved without T5
+reloads with [`load_sd3_pipeline`] (plain `from_pretrained` refuses it).
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from typing import Iterable
 
 import torch
 
-# Number of zero "T5" tokens appended to the CLIP tokens; pass as `max_sequence_length` to the SD3 pipeline.
+# Zero "T5" tokens appended to the CLIP tokens by the tiny test pipelines (`max_sequence_length`).
 TEXT_PAD_LENGTH = 16
 
 

@@ -4,11 +4,17 @@ Steps: (1) a 2x-downsampling VAE is trained as an autoencoder on rendered images
 `scaling_factor` are set so latents have zero mean and unit std; (2) both CLIP text encoders and the SD3
 transformer are trained jointly with the rectified-flow loss of SD3 (``x_s = (1 - s) x_0 + s noise``, target
 ``noise - x_0``, `s` logit-normal) on images rendered on the fly for the train prompts of `ShapesPrompts`, with
-empty-prompt dropout; (3) along the way the held-out strict accuracy (MiniGenEval, pipeline sampling with 10 steps
-and no guidance) is measured, and the first checkpoint whose accuracy reaches the target range is kept (RL needs an
-imperfect start). The result is written with `save_pretrained`, with ``metrics.json`` and ``samples.png``.
+10% empty prompts (so classifier-free guidance is possible); (3) from `--eval-start` on, the held-out strict
+accuracy of the EMA weights (MiniGenEval, sampling with the pipeline itself: 10 steps, no guidance) is measured
+every `--eval-every` steps, and training stops once it reaches `--target` (RL needs an imperfect start). The
+result is written with `save_pretrained`, with ``metrics.json`` (accuracies overall and per prompt kind, sampling
+settings, history) and ``samples.png`` (held-out samples with their prompts) beside it.
 
-Run (about 15 minutes on one CPU core)::
+The model has no T5: the pipeline appends `max_sequence_length` zero tokens to the 12 CLIP tokens, and this model
+was trained with 4 (``--pad-length``), so sample it with ``max_sequence_length=4`` (``metrics.json["sampling"]``).
+
+Run (deterministic from ``--seed``; about 15-20 minutes on one CPU core; a killed run continues from its last
+checkpoint when started again with the same arguments)::
 
     HF_HUB_OFFLINE=1 python -m mmgrpo.data.train_t2i_shapes --output data/weights/t2i_shapes
 """
@@ -78,6 +84,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--target", type=float, nargs=2, default=[0.36, 0.6],
                         help="strict-accuracy range: training stops once the mean of the last two evals is in it")
     parser.add_argument("--eval-steps", type=int, default=10)
+    parser.add_argument("--checkpoint-every", type=int, default=250,
+                        help="steps between resumable checkpoints (<output>/resume.pt, deleted at the end)")
     return parser.parse_args(argv)
 
 
@@ -202,9 +210,14 @@ def learning_rate(step: int, args) -> float:
     return args.lr * (0.1 + 0.9 * 0.5 * (1 + np.cos(np.pi * progress)))
 
 
-def train_flow(pipe, pools, select_items, reward, args, rng, log) -> tuple[dict, list[dict]]:
+def train_flow(pipe, pools, select_items, reward, args, rng, log, checkpoint=None) -> tuple[dict, list[dict]]:
     """Trains both text encoders and the transformer with the rectified-flow loss; evaluates the EMA weights on
-    `select_items` every `eval_every` steps and stops at the first evaluation inside `target` (or above it).
+    `select_items` every `eval_every` steps from `eval_start` and stops once the mean of the last two evaluations
+    is inside `target` (or above it).
+
+    `checkpoint` (*optional*) is a `(state, save)` pair: a state saved earlier to resume from (or None), and a
+    function called with the complete training state every `checkpoint_every` steps. Resuming gives exactly the
+    same result as an uninterrupted run.
 
     Returns:
         `tuple[dict, list[dict]]`: the chosen checkpoint ``{"step", "strict", "state"}`` (already loaded into the
@@ -219,7 +232,17 @@ def train_flow(pipe, pools, select_items, reward, args, rng, log) -> tuple[dict,
     gen = torch.Generator().manual_seed(args.seed + 1)
     weights = np.asarray(args.kind_weights, dtype=np.float64)
     pools = {kind: pools[kind] for kind in KINDS if kind in pools}
-    history, chosen = [], None
+    history, chosen, first_step = [], None, 1
+    state, save = checkpoint or (None, None)
+    if state is not None:
+        for name, m in modules.items():
+            m.load_state_dict(state["modules"][name])
+        opt.load_state_dict(state["optimizer"])
+        ema, history, chosen = state["ema"], state["history"], state["chosen"]
+        rng.bit_generator.state = state["rng"]
+        gen.set_state(state["generator"])
+        first_step = state["step"] + 1
+        log(f"resumed at step {first_step}")
 
     def swap_in_ema():
         live = {name: copy.deepcopy(m.state_dict()) for name, m in modules.items()}
@@ -227,7 +250,7 @@ def train_flow(pipe, pools, select_items, reward, args, rng, log) -> tuple[dict,
             m.load_state_dict(ema[name])
         return live
 
-    for step in range(1, args.steps + 1):
+    for step in range(first_step, args.steps + 1):
         for m in modules.values():
             m.train()
         metadata = sample_metadata(pools, weights, args.batch, rng)
@@ -282,6 +305,10 @@ def train_flow(pipe, pools, select_items, reward, args, rng, log) -> tuple[dict,
                 m.load_state_dict(live[name])
             if in_range or overshoot:
                 break
+        if save is not None and step % args.checkpoint_every == 0:
+            save({"step": step, "modules": {n: m.state_dict() for n, m in modules.items()},
+                  "optimizer": opt.state_dict(), "ema": ema, "history": history, "chosen": chosen,
+                  "rng": rng.bit_generator.state, "generator": gen.get_state()})
     log(f"keeping the EMA weights of step {chosen['step']} (smoothed selection strict {chosen['strict']:.3f})")
     for name, m in modules.items():
         m.load_state_dict(chosen["state"][name])
@@ -344,20 +371,36 @@ def main(argv=None) -> None:
              for name in ("transformer", "text_encoder", "text_encoder_2", "vae")}
     log(f"parameters {sizes}")
 
+    os.makedirs(args.output, exist_ok=True)
+    resume_path = os.path.join(args.output, "resume.pt")
+    state = torch.load(resume_path, weights_only=False) if os.path.isfile(resume_path) else None
+    elapsed_before = state["seconds"] if state else 0.0
+
     # ---- (1) VAE
-    train_vae(pipe.vae, source.train_pools, args, rng, log)
-    shift, scale = calibrate_latents(pipe.vae, source.train_pools, rng)
-    vae_accuracy = reconstruction_accuracy(pipe.vae, final_items, reward, args.seed)
+    if state is None:
+        train_vae(pipe.vae, source.train_pools, args, rng, log)
+        shift, scale = calibrate_latents(pipe.vae, source.train_pools, rng)
+        vae_accuracy = reconstruction_accuracy(pipe.vae, final_items, reward, args.seed)
+    else:
+        pipe.vae.load_state_dict(state["vae"])
+        shift, scale, vae_accuracy = state["shift"], state["scale"], state["vae_accuracy"]
+        pipe.vae.register_to_config(shift_factor=shift, scaling_factor=scale)
+    pipe.vae.eval()
     log(f"vae: shift_factor {shift:.4f} scaling_factor {scale:.4f}; strict accuracy of reconstructions "
         f"{vae_accuracy:.3f}")
     pipe.vae.requires_grad_(False)
 
+    def save(flow_state: dict) -> None:
+        flow_state.update(vae=pipe.vae.state_dict(), shift=shift, scale=scale, vae_accuracy=vae_accuracy,
+                          seconds=elapsed_before + time.time() - start)
+        torch.save(flow_state, resume_path + ".tmp")
+        os.replace(resume_path + ".tmp", resume_path)
+
     # ---- (2) text encoders + transformer, rectified flow; keeps the selected EMA weights
-    chosen, history = train_flow(pipe, source.train_pools, select_items, reward, args, rng, log)
-    train_seconds = time.time() - start
+    chosen, history = train_flow(pipe, source.train_pools, select_items, reward, args, rng, log, (state, save))
+    train_seconds = elapsed_before + time.time() - start
 
     # ---- (3) final held-out measurement, save
-    os.makedirs(args.output, exist_ok=True)
     pipe.save_pretrained(args.output)
     metrics, images = evaluate(pipe, final_items, reward, args.seed + 11, args.eval_steps, args.pad_length)
     log(f"final held-out eval: {json.dumps({k: round(v, 3) for k, v in metrics.items()})}")
@@ -384,6 +427,8 @@ def main(argv=None) -> None:
     }
     with open(os.path.join(args.output, "metrics.json"), "w") as f:
         json.dump(report, f, indent=2)
+    if os.path.isfile(resume_path):
+        os.remove(resume_path)
     log(f"saved to {args.output} ({weight_bytes / 1e6:.2f} MB of weights)")
 
 

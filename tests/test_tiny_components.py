@@ -112,22 +112,45 @@ def test_builder_rejects_bad_sizes():
         tiny_sd3_pipeline(sample_size=30)
 
 
-def test_training_script_smoke(tmp_path):
-    from mmgrpo.data import train_t2i_shapes
+TRAIN_ARGS = [
+    "--layers", "1", "--vae-steps", "2", "--vae-batch", "4", "--steps", "4", "--batch", "4", "--eval-start", "3",
+    "--eval-every", "1", "--n-select", "4", "--n-eval", "4", "--eval-steps", "2", "--warmup", "1",
+    "--checkpoint-every", "2", "--target", "0.99", "1.0",
+]
 
-    out = tmp_path / "model"
-    train_t2i_shapes.main([
-        "--output", str(out), "--layers", "1", "--vae-steps", "2", "--vae-batch", "4", "--steps", "2",
-        "--batch", "4", "--eval-start", "1", "--eval-every", "1", "--n-select", "4", "--n-eval", "4",
-        "--eval-steps", "2", "--warmup", "1",
-    ])
-    metrics = json.loads((out / "metrics.json").read_text())
+
+def test_training_script_runs_and_resumes_exactly(tmp_path, monkeypatch):
+    from mmgrpo.data import train_t2i_shapes
+    from safetensors.torch import load_file
+
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    train_t2i_shapes.main(["--output", str(straight), *TRAIN_ARGS])
+    metrics = json.loads((straight / "metrics.json").read_text())
     assert set(metrics["heldout"]) >= {"strict", "partial", "strict_single"}
     assert metrics["sampling"]["max_sequence_length"] == 4
-    assert (out / "samples.png").is_file()
-    pipe = load_sd3_pipeline(str(out))
+    assert [h["step"] for h in metrics["selection_history"]] == [3, 4]
+    assert (straight / "samples.png").is_file() and not (straight / "resume.pt").exists()
+    pipe = load_sd3_pipeline(str(straight))
     assert pipe.vae.config.scaling_factor != 1.0  # calibrated latents
     assert pipe.tokenizer.tokenize("magenta triangle") == ["magenta</w>", "triangle</w>"]
+
+    # a run killed at step 3 resumes from its step-2 checkpoint and ends exactly like the straight run
+    real_rate = train_t2i_shapes.learning_rate
+
+    def crash_at_step_3(step, args):
+        if step == 3:
+            raise KeyboardInterrupt
+        return real_rate(step, args)
+
+    monkeypatch.setattr(train_t2i_shapes, "learning_rate", crash_at_step_3)
+    with pytest.raises(KeyboardInterrupt):
+        train_t2i_shapes.main(["--output", str(resumed), *TRAIN_ARGS])
+    assert (resumed / "resume.pt").is_file()
+    monkeypatch.setattr(train_t2i_shapes, "learning_rate", real_rate)
+    train_t2i_shapes.main(["--output", str(resumed), *TRAIN_ARGS])
+    for name in ("transformer/diffusion_pytorch_model", "text_encoder/model", "vae/diffusion_pytorch_model"):
+        a, b = load_file(straight / f"{name}.safetensors"), load_file(resumed / f"{name}.safetensors")
+        assert all(torch.equal(a[k], b[k]) for k in a), name
 
 
 SHIPPED = Path(__file__).resolve().parent.parent / "data" / "weights" / "t2i_shapes"
