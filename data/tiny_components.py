@@ -1,11 +1,15 @@
-"""Offline tokenizer and tiny-but-real Stable Diffusion 3 pipeline builders (no hub access, deterministic).
+"""Offline tokenizers (CLIP, T5) and tiny-but-real Stable Diffusion 3 and FLUX pipeline builders (no hub access,
+deterministic).
 
-The pipeline is made of the real library classes (`CLIPTextModelWithProjection` x2, `SD3Transformer2DModel`,
+The SD3 pipeline is made of the real library classes (`CLIPTextModelWithProjection` x2, `SD3Transformer2DModel`,
 `AutoencoderKL`, `FlowMatchEulerDiscreteScheduler`) with random weights and no T5 encoder. Without T5 the SD3
 pipeline appends `max_sequence_length` all-zero text tokens to the CLIP tokens, and its default is 256: pass
 ``max_sequence_length=TEXT_PAD_LENGTH`` to the tiny test pipelines, and the value stored in ``metrics.json``
 (``["sampling"]["max_sequence_length"]``) to the shipped ``weights/t2i_shapes`` model. A pipeline saved without T5
 reloads with [`load_sd3_pipeline`] (plain `from_pretrained` refuses it).
+
+The FLUX pipeline ([`tiny_flux_pipeline`]) is complete (CLIP and T5, the T5 tokenizer built by [`t5_tokenizer`]) and
+reloads with plain `FluxPipeline.from_pretrained`.
 """
 
 from __future__ import annotations
@@ -225,3 +229,158 @@ def load_sd3_pipeline(path: str, **kwargs):
     from mmgrpo.hub import load_diffusers_pipeline
 
     return load_diffusers_pipeline(StableDiffusion3Pipeline, path, **kwargs)
+
+
+# Words the hand-built T5 vocabulary keeps whole (everything else falls back to single characters).
+T5_WORDS: tuple[str, ...] = (
+    "a", "an", "the", "of", "and", "with", "in", "on", "photo", "picture", "image", "cat", "dog", "red", "green",
+    "blue", "yellow", "cyan", "magenta", "circle", "circles", "square", "squares", "triangle", "triangles", "one",
+    "two", "three", "four", "left", "right", "above", "below",
+)
+_T5_CHARACTERS = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789.,;:!?'\"-()"
+
+
+def t5_tokenizer(words: Iterable[str] = T5_WORDS, model_max_length: int = 16):
+    """Builds a small T5 (Unigram) tokenizer in memory, deterministically and without any file or network access.
+
+    The vocabulary is ``<pad>`` (0), ``</s>`` (1), ``<unk>`` (2), then each of `words` as a whole piece (``▁word``),
+    the bare word boundary ``▁`` and single ASCII characters, so any ASCII prompt tokenizes (unknown words letter by
+    letter). Trained Unigram vocabularies are not reproducible from run to run; this one is.
+
+    Args:
+        words (`Iterable[str]`, *optional*): words kept as single tokens (order-insensitive).
+        model_max_length (`int`, defaults to 16): default padded/truncated length.
+
+    Returns:
+        `transformers.T5Tokenizer`: with ``<pad>`` as pad and ``</s>`` as eos; no ``<extra_id_*>`` tokens.
+    """
+    from transformers import T5Tokenizer
+
+    pieces = [("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0)]
+    pieces += [("\u2581" + w, -1.0) for w in sorted(set(words))]
+    pieces += [("\u2581", -3.0)] + [(c, -5.0) for c in _T5_CHARACTERS]
+    return T5Tokenizer(vocab=pieces, extra_ids=0, model_max_length=model_max_length)
+
+
+def tiny_flux_pipeline(
+    *,
+    num_layers: int = 1,
+    num_single_layers: int = 1,
+    attention_head_dim: int = 16,
+    num_attention_heads: int = 2,
+    axes_dims_rope: tuple[int, int, int] = (4, 4, 8),
+    sample_size: int = 32,
+    vae_channels: tuple[int, ...] = (8, 8),
+    latent_channels: int = 4,
+    text_hidden_size: int = 32,
+    text_layers: int = 2,
+    text_max_length: int = 16,
+    guidance_embeds: bool = True,
+    seed: int = 0,
+):
+    """Builds a randomly initialised, tiny `FluxPipeline` from real library classes, fully offline.
+
+    Components as in FLUX.1-dev, scaled down: `CLIPTextModel` (pooled text vector) with the tokenizer of
+    [`clip_tokenizer`], `T5EncoderModel` with the tokenizer of [`t5_tokenizer`], a `FluxTransformer2DModel` with the
+    guidance embedding, an `AutoencoderKL` with FLUX-style ``shift_factor`` / ``scaling_factor`` and a
+    `FlowMatchEulerDiscreteScheduler` with FLUX.1-dev's resolution-dependent (dynamic) shift. Latents are packed in
+    2x2 patches, so the transformer's ``in_channels`` is ``4 * latent_channels``. All modules are in `eval()` mode;
+    the same arguments and `seed` give the same weights, and the global torch RNG is left untouched.
+
+    Args:
+        num_layers (`int`, defaults to 1): double-stream (MM-DiT) blocks.
+        num_single_layers (`int`, defaults to 1): single-stream blocks.
+        attention_head_dim (`int`, defaults to 16): head width; must equal ``sum(axes_dims_rope)``.
+        num_attention_heads (`int`, defaults to 2): transformer heads.
+        axes_dims_rope (`tuple[int, int, int]`, defaults to `(4, 4, 8)`): rotary dimensions per position axis.
+        sample_size (`int`, defaults to 32): default image size in pixels (height = width).
+        vae_channels (`tuple[int, ...]`, defaults to `(8, 8)`): VAE block channels; ``len - 1`` halvings, so the
+            default downsamples by 2 and a 32 px image becomes 16x16 latents, i.e. 8x8 = 64 packed tokens.
+        latent_channels (`int`, defaults to 4): VAE latent channels.
+        text_hidden_size (`int`, defaults to 32): width of both text encoders (CLIP's pooled vector and T5's states).
+        text_layers (`int`, defaults to 2): layers of each text encoder.
+        text_max_length (`int`, defaults to 16): CLIP token length.
+        guidance_embeds (`bool`, defaults to `True`): FLUX.1-dev's distilled guidance embedding (schnell has none).
+        seed (`int`, defaults to 0): seed of the weight initialisation.
+
+    Returns:
+        `diffusers.FluxPipeline`
+    """
+    from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
+    from transformers import CLIPTextConfig, CLIPTextModel, T5Config, T5EncoderModel
+
+    if sum(axes_dims_rope) != attention_head_dim:
+        raise ValueError(f"sum(axes_dims_rope) {sum(axes_dims_rope)} must equal attention_head_dim {attention_head_dim}.")
+    tokenizer = clip_tokenizer(model_max_length=text_max_length)
+    tokenizer_2 = t5_tokenizer()
+    clip_config = CLIPTextConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=text_hidden_size,
+        intermediate_size=2 * text_hidden_size,
+        num_attention_heads=max(1, text_hidden_size // 16),
+        num_hidden_layers=text_layers,
+        max_position_embeddings=text_max_length,
+        hidden_act="gelu",
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    t5_config = T5Config(
+        vocab_size=len(tokenizer_2),
+        d_model=text_hidden_size,
+        d_kv=8,
+        d_ff=2 * text_hidden_size,
+        num_layers=text_layers,
+        num_heads=max(1, text_hidden_size // 8),
+        relative_attention_num_buckets=8,
+        pad_token_id=tokenizer_2.pad_token_id,
+        eos_token_id=tokenizer_2.eos_token_id,
+        decoder_start_token_id=tokenizer_2.pad_token_id,
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        text_encoder = CLIPTextModel(clip_config)
+        text_encoder_2 = T5EncoderModel(t5_config)
+        transformer = FluxTransformer2DModel(
+            patch_size=1,
+            in_channels=4 * latent_channels,
+            num_layers=num_layers,
+            num_single_layers=num_single_layers,
+            attention_head_dim=attention_head_dim,
+            num_attention_heads=num_attention_heads,
+            joint_attention_dim=text_hidden_size,  # T5 width
+            pooled_projection_dim=text_hidden_size,  # CLIP pooled width
+            guidance_embeds=guidance_embeds,
+            axes_dims_rope=tuple(axes_dims_rope),
+        )
+        vae = AutoencoderKL(
+            in_channels=3,
+            out_channels=3,
+            down_block_types=("DownEncoderBlock2D",) * len(vae_channels),
+            up_block_types=("UpDecoderBlock2D",) * len(vae_channels),
+            block_out_channels=tuple(vae_channels),
+            layers_per_block=1,
+            latent_channels=latent_channels,
+            norm_num_groups=min(4, min(vae_channels)),
+            sample_size=sample_size,
+            use_quant_conv=False,
+            use_post_quant_conv=False,
+            mid_block_add_attention=False,
+            shift_factor=0.1,
+            scaling_factor=1.5,
+        )
+    for module in (text_encoder, text_encoder_2, transformer, vae):
+        module.eval()
+    scheduler = FlowMatchEulerDiscreteScheduler(  # FLUX.1-dev's scheduler config
+        shift=3.0, use_dynamic_shifting=True, base_shift=0.5, max_shift=1.15, base_image_seq_len=256,
+        max_image_seq_len=4096,
+    )
+    return FluxPipeline(
+        scheduler=scheduler,
+        vae=vae,
+        text_encoder=text_encoder,
+        tokenizer=tokenizer,
+        text_encoder_2=text_encoder_2,
+        tokenizer_2=tokenizer_2,
+        transformer=transformer,
+    )

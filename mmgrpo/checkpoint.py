@@ -2,8 +2,9 @@
 
 A checkpoint is a folder ``<output_dir>/checkpoints/step_XXXXXXX`` holding the trainable weights (written by the
 policy's ``save_pretrained``), ``optimizer.pt``, ``lr_scheduler.pt``, one ``rng_rank{r}.pt`` per process and
-``trainer_state.json``. It is written under a temporary name and renamed when complete, so a crash while saving
-leaves the previous checkpoint intact and loadable.
+``trainer_state.json``, plus ``algorithm.pt`` when the algorithm has state of its own (``state_dict`` /
+``load_state_dict``, e.g. DGPO's fast-EMA old model). It is written under a temporary name and renamed when
+complete, so a crash while saving leaves the previous checkpoint intact and loadable.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import numpy as np
 import torch
 
 STATE_FILE = "trainer_state.json"
+ALGORITHM_FILE = "algorithm.pt"
 PREFIX = "step_"
 
 
@@ -40,7 +42,9 @@ def complete_checkpoints(root: str | Path) -> list[Path]:
     return sorted(found, key=lambda p: int(p.name[len(PREFIX):]))
 
 
-def save(accelerator, root: str | Path, step: int, policy, optimizer, lr_scheduler, state: dict, keep_last: int) -> Path:
+def save(
+    accelerator, root: str | Path, step: int, policy, optimizer, lr_scheduler, state: dict, keep_last: int, algorithm=None
+) -> Path:
     """Writes checkpoint `step` atomically from every process (rank 0 writes the shared parts)."""
     root = Path(root)
     final = root / f"{PREFIX}{step:07d}"
@@ -54,6 +58,8 @@ def save(accelerator, root: str | Path, step: int, policy, optimizer, lr_schedul
         policy.save_pretrained(str(tmp / "weights"))
         torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
         torch.save(lr_scheduler.state_dict(), tmp / "lr_scheduler.pt")
+        if hasattr(algorithm, "state_dict"):
+            torch.save(algorithm.state_dict(), tmp / ALGORITHM_FILE)
         (tmp / STATE_FILE).write_text(json.dumps({"step": step, **state}, indent=2), encoding="utf-8")
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
@@ -79,9 +85,14 @@ def resolve(resume_from: str, root: str | Path) -> Path:
     return path
 
 
-def load(accelerator, path: Path, policy, optimizer, lr_scheduler) -> dict:
-    """Restores weights, optimizer, LR schedule and RNG states; returns the trainer state (step, data position)."""
+def load(accelerator, path: Path, policy, optimizer, lr_scheduler, algorithm=None) -> dict:
+    """Restores weights, optimizer, LR schedule, the algorithm's own state and RNG states; returns the trainer state
+    (step, data position)."""
     policy.load_trainable(str(path / "weights"))
+    if hasattr(algorithm, "load_state_dict"):
+        if not (path / ALGORITHM_FILE).is_file():
+            raise FileNotFoundError(f"{path} has no {ALGORITHM_FILE}: it was written by a run of another algorithm.")
+        algorithm.load_state_dict(torch.load(path / ALGORITHM_FILE, weights_only=False))
     optimizer.load_state_dict(torch.load(path / "optimizer.pt", weights_only=False))
     lr_scheduler.load_state_dict(torch.load(path / "lr_scheduler.pt", weights_only=False))
     rng_file = path / f"rng_rank{accelerator.process_index}.pt"

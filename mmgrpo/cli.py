@@ -1,4 +1,5 @@
-"""Command line: ``mmgrpo train CONFIG [key=value ...]``, ``mmgrpo eval CONFIG --checkpoint DIR``, ``mmgrpo list``."""
+"""Command line: ``mmgrpo train CONFIG [key=value ...]``, ``mmgrpo eval CONFIG --checkpoint DIR``, ``mmgrpo list``,
+``mmgrpo serve-reward CONFIG [--port P]``."""
 
 from __future__ import annotations
 
@@ -30,6 +31,11 @@ def main(argv: list[str] | None = None) -> int:
     p_eval.add_argument("--checkpoint", required=True, help="a checkpoint folder written by `mmgrpo train`")
     p_eval.add_argument("overrides", nargs="*")
     sub.add_parser("list", help="list registered pipelines, algorithms, rewards and prompt sources")
+    p_serve = sub.add_parser("serve-reward", help="serve the config's reward over HTTP (for the `remote` reward)")
+    p_serve.add_argument("config", help="an experiment YAML (its reward section) or a YAML with the reward's name")
+    p_serve.add_argument("--host", default="127.0.0.1", help="interface to listen on (loopback by default)")
+    p_serve.add_argument("--port", type=int, default=8000, help="port (0: any free port, printed at start)")
+    p_serve.add_argument("overrides", nargs="*")
     args, extra = parser.parse_known_args(argv)
     unknown = [item for item in extra if "=" not in item or item.startswith("-")]
     if unknown or (extra and args.command == "list"):
@@ -38,6 +44,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "list":
         return _list()
     overrides = list(args.overrides) + extra  # key=value overrides may also follow --checkpoint DIR
+    if args.command == "serve-reward":
+        from .reward_server import serve
+
+        return serve(args.config, overrides, args.host, args.port)
     if args.command == "eval":
         overrides.append(f"checkpoint.resume_from={args.checkpoint}")
     try:

@@ -29,6 +29,11 @@ class TrainConfig:
 
     Args:
         max_steps (`int`): number of trainer steps (one rollout batch and its updates each).
+        max_seconds (`float`): wall-clock training budget in seconds; 0 (the default) sets none. Only the time spent
+            in training steps (rollout, reward, updates; logged as ``time/step_s``, cumulated as ``time/train_s``)
+            counts: start-up, evaluation and checkpointing do not. The run stops after the step during which the
+            total passed the budget (or at `max_steps`, whichever comes first), then evaluates and saves as after
+            the last step. The total is kept in checkpoints, so a resumed run continues the same budget.
         prompts_per_step (`int`): distinct prompts sampled per step, over all processes (`B`).
         group_size (`int`): samples per prompt (`G`); `B * G` must divide evenly across processes.
         minibatch_size (`int`): samples per backward pass; gradients accumulate over minibatches.
@@ -36,11 +41,16 @@ class TrainConfig:
         inner_epochs (`int`): passes over each rollout batch.
         learning_rate (`float`), weight_decay (`float`), adam_betas (`list[float]`), adam_eps (`float`): AdamW.
         warmup_steps (`int`): linear learning-rate warm-up, in optimizer updates.
+        lr_schedule (`str`): after warm-up, ``"constant"`` or ``"cosine"`` (decays to ``min_lr_ratio`` times the
+            learning rate at the last update; group-relative RL on small models tends to gain fast and then
+            oscillate, and a decay keeps what was gained).
+        min_lr_ratio (`float`): final learning rate of the cosine schedule, as a fraction of `learning_rate`.
         max_grad_norm (`float`): gradient clipping.
         mixed_precision (`str`): ``"no"``, ``"bf16"`` or ``"fp16"`` (accelerate).
     """
 
     max_steps: int = 100
+    max_seconds: float = 0.0
     prompts_per_step: int = 8
     group_size: int = 8
     minibatch_size: int = 8
@@ -51,6 +61,8 @@ class TrainConfig:
     adam_betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
     adam_eps: float = 1e-8
     warmup_steps: int = 0
+    lr_schedule: Literal["constant", "cosine"] = "constant"
+    min_lr_ratio: float = 0.1
     max_grad_norm: float = 1.0
     mixed_precision: Literal["no", "bf16", "fp16"] = "no"
 
@@ -58,8 +70,12 @@ class TrainConfig:
         for name in ("max_steps", "prompts_per_step", "group_size", "minibatch_size", "updates_per_step", "inner_epochs"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"train.{name} must be >= 1, got {getattr(self, name)}.")
+        if self.max_seconds < 0:
+            raise ConfigError(f"train.max_seconds must be >= 0 (0: no time limit), got {self.max_seconds}.")
         if self.group_size < 2:
             raise ConfigError("train.group_size must be >= 2: group-relative advantages need at least two samples.")
+        if not 0.0 <= self.min_lr_ratio <= 1.0:
+            raise ConfigError(f"train.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}.")
         if len(self.adam_betas) != 2:
             raise ConfigError(f"train.adam_betas must have two values, got {self.adam_betas}.")
 
@@ -70,6 +86,10 @@ class EvalConfig:
 
     Args:
         every (`int`): evaluate every this many steps (and before the first and after the last step); 0 disables.
+        every_seconds (`float`): also evaluate each time the training time (as counted by ``train.max_seconds``:
+            training steps only) passes a multiple of this many seconds; 0 (the default) disables. For curves over
+            wall-clock time, when the number of steps a budget allows is not known in advance. Evaluation happens
+            before the first and after the last step when either `every` or `every_seconds` is set.
         num_prompts (`int`): held-out prompts evaluated (one deterministic sample each).
         grid_size (`int`): samples drawn in each `samples/step_*.png` grid.
         metric (`str`): the reward component reported as the headline eval metric (e.g. ``strict``), or
@@ -78,10 +98,17 @@ class EvalConfig:
     """
 
     every: int = 10
+    every_seconds: float = 0.0
     num_prompts: int = 64
     grid_size: int = 16
     metric: str = "score"
     seed: int = 1234
+
+    def __post_init__(self):
+        if self.every < 0 or self.every_seconds < 0:
+            raise ConfigError(
+                f"eval.every and eval.every_seconds must be >= 0 (0 disables), got {self.every} and {self.every_seconds}."
+            )
 
 
 @dataclass

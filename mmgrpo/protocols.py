@@ -32,7 +32,17 @@ class StochasticPolicy(Protocol):
         """Replays transitions `steps` of every sample under the current parameters, with gradients.
 
         Returns a dictionary with ``log_prob`` (`[N, len(steps)]`) and, where they exist, ``mean`` and ``std`` of
-        the transitions (used for a KL to the reference)."""
+        the transitions (used for a KL to the reference) and ``mask`` (`[N, len(steps)]`, bool): the entries that are
+        trained transitions of that sample (`rollout.mask`); the others are placeholders losses must ignore.
+
+        Optional members, needed only by the plans and algorithms that use them:
+
+        - ``plan_features`` (`frozenset[str]`): the [`SamplingPlan.features`] this policy implements (``"merge"``,
+          ``"branch"``, ``"unit_selection"``, ``"dpm"``, ``"likelihood"``); the trainer refuses a plan asking for more.
+        - ``likelihood(rollout, steps) -> dict``: for ``scoring = "likelihood"`` algorithms, a sample-only score of the
+          final outputs with gradients, ``log_prob`` `[N, len(steps)]` (minus the flow-matching loss at the plan's noise
+          levels for diffusion), plus what the algorithm's loss reads (``velocity``, ``group_ids``).
+        """
 
     def reference(self) -> AbstractContextManager:
         """A context in which the policy acts as the frozen reference model (e.g. LoRA adapter disabled)."""
@@ -60,7 +70,16 @@ class RewardFn(Protocol):
 
 @runtime_checkable
 class Algorithm(Protocol):
-    """An advantage estimator and a loss, plus the sampling schedule it asks of a pipeline."""
+    """An advantage estimator and a loss, plus the sampling schedule it asks of a pipeline.
+
+    `scoring` says which policy method scores a unit: ``"trajectory"`` -> ``policy.log_prob`` (replay of the sampled
+    transitions), ``"likelihood"`` -> ``policy.likelihood`` (a sample-only surrogate). Optional members:
+
+    - ``old_policy(policy) -> ContextManager``: the algorithm keeps its own "old" model (DGPO's fast EMA); the trainer
+      scores the unit inside this context and passes its ``log_prob`` as `old_log_prob` instead of the rollout's.
+    - ``after_update(policy)``: called after every optimizer step.
+    - ``state_dict()`` / ``load_state_dict(state)``: state saved in and restored from checkpoints.
+    """
 
     Config: type
     scoring: Literal["trajectory", "likelihood"]
@@ -79,5 +98,6 @@ class Algorithm(Protocol):
         advantages: torch.Tensor,
         ref: dict[str, torch.Tensor] | None,
     ) -> LossOutput:
-        """Loss of one unit of trained steps for a minibatch: `new` from `log_prob` (``log_prob`` `[n, k]`),
-        `old_log_prob` `[n, k]`, `advantages` `[n]`, `ref` the reference policy's `log_prob` output (or None)."""
+        """Loss of one unit of trained steps for a minibatch: `new` from the scoring method (``log_prob`` `[n, k]`,
+        maybe ``mask`` `[n, k]`), `old_log_prob` `[n, k]`, `advantages` `[n]`, `ref` the reference policy's score (or
+        None)."""

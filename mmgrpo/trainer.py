@@ -1,9 +1,10 @@
 """The one trainer loop, the same for every pipeline, algorithm and reward.
 
 Per step: next prompt batch repeated `G` times with global group ids -> this process's slice -> ``policy.sample``
-(no grad) -> ``reward`` -> scores and group ids gathered from every process -> ``algorithm.advantages`` -> for each
-inner epoch and minibatch, each trained unit of steps is replayed (``policy.log_prob``), scored by
-``algorithm.loss`` and back-propagated, then clipped and stepped. Distribution is accelerate's.
+(no grad) -> ``reward`` -> scores and the rollout's group ids gathered from every process -> ``algorithm.advantages``
+-> for each inner epoch and minibatch, each trained unit is scored (``policy.log_prob`` or ``policy.likelihood``, as
+``algorithm.scoring`` says; see [`score_unit`]), passed to ``algorithm.loss`` and back-propagated, then clipped and
+stepped. Distribution is accelerate's.
 """
 
 from __future__ import annotations
@@ -36,25 +37,70 @@ def _seed(*parts: int) -> int:
 def build_components(config: ExperimentConfig):
     """Instantiates the plugins named by `config`; checks that the reward can score the pipeline's outputs."""
     policy_cls = registry.get("pipeline", config.pipeline.name)
-    reward_cls = registry.get("reward", config.reward.name)
-    missing = set(reward_cls.modalities) - set(policy_cls.modalities)
+    reward = registry.get("reward", config.reward.name)(config.reward.options)
+    # the instance's modalities: a reward may be configured for another modality (e.g. clip_score on video)
+    missing = set(reward.modalities) - set(policy_cls.modalities)
     if missing:
         raise ValueError(
-            f"reward {config.reward.name!r} scores {sorted(reward_cls.modalities)} but pipeline "
+            f"reward {config.reward.name!r} scores {sorted(reward.modalities)} but pipeline "
             f"{config.pipeline.name!r} produces {sorted(policy_cls.modalities)}: choose a matching reward."
         )
     data = registry.get("data", config.data.name)(config.data.options)
     algorithm = registry.get("algorithm", config.algorithm.name)(config.algorithm.options)
-    reward = reward_cls(config.reward.options)
     policy = policy_cls(config.pipeline.options)
+    check_plan(policy, algorithm, config)
     return policy, algorithm, reward, data
+
+
+SCORING_METHODS = {"trajectory": "log_prob", "likelihood": "likelihood"}  # Algorithm.scoring -> policy method
+
+
+def check_plan(policy, algorithm, config: ExperimentConfig) -> None:
+    """Fails fast when the algorithm's sampling plan asks for features (branches, merged steps, a solver, likelihood
+    scoring...) that the pipeline does not implement, instead of letting them be silently ignored."""
+    plan = algorithm.schedule(policy.num_steps, torch.Generator().manual_seed(0))
+    missing = plan.features() - set(getattr(policy, "plan_features", ()))
+    if missing or not hasattr(policy, SCORING_METHODS[algorithm.scoring]):
+        raise ValueError(
+            f"algorithm {config.algorithm.name!r} needs {sorted(missing) or [algorithm.scoring + ' scoring']}, which "
+            f"pipeline {config.pipeline.name!r} does not implement: choose another pipeline or algorithm."
+        )
+
+
+def score_unit(policy, algorithm, sub, unit: list[int], device) -> tuple[dict, torch.Tensor, dict | None]:
+    """The inputs of `algorithm.loss` for one unit of a minibatch: ``(new, old_log_prob, ref)``.
+
+    `new` is the policy's score of `sub` at `unit`, with gradients: ``policy.log_prob`` or ``policy.likelihood`` as
+    `algorithm.scoring` says. `old_log_prob` `[n, k]` is what the rollout recorded or, when the algorithm keeps its own
+    old model (an ``old_policy(policy)`` context, e.g. DGPO's fast EMA), the ``log_prob`` entry of the score under it.
+    `ref` is the reference policy's score when `algorithm.needs_reference`.
+    """
+    score = getattr(policy, SCORING_METHODS[algorithm.scoring])
+    old_policy = getattr(algorithm, "old_policy", None)
+    if old_policy is None:
+        old = sub.old_log_probs[:, unit].to(device)
+    else:
+        with torch.no_grad(), old_policy(policy):  # before `new`: swapping weights must not touch a live graph
+            old = score(sub, unit)["log_prob"]
+    new = score(sub, unit)
+    ref = None
+    if algorithm.needs_reference:
+        with torch.no_grad(), policy.reference():
+            ref = score(sub, unit)
+    return new, old, ref
 
 
 def make_accelerator(config: ExperimentConfig):
     """An `Accelerator` that also works on CPU-only machines under torchrun (accelerate needs ``cpu=True`` there)."""
     from accelerate import Accelerator
 
-    return Accelerator(cpu=not torch.cuda.is_available(), mixed_precision=config.train.mixed_precision)
+    # step_scheduler_with_optimizer=False: the schedule counts optimizer updates, which are global (one per update on
+    # every rank); accelerate's default would step it once per process, i.e. world-size times too fast.
+    return Accelerator(
+        cpu=not torch.cuda.is_available(),
+        mixed_precision=config.train.mixed_precision,
+        step_scheduler_with_optimizer=False,
+    )
 
 
 def _finite_mean(values: torch.Tensor) -> float:
@@ -93,31 +139,58 @@ class Trainer:
         self.log = MetricsLog(self.output_dir, enabled=acc.is_main_process)
         self.step = 0
         self.skipped_updates = 0
+        self.train_seconds = 0.0  # wall-clock time of training steps only (what train.max_seconds limits)
+        self._eval_mark = 0.0  # train_seconds at the last evaluation
         if config.checkpoint.resume_from:
             self._resume(config.checkpoint.resume_from)
 
     # ------------------------------------------------------------------------------------------------- the loop
     def train(self) -> dict:
         cfg = self.config
-        if self.step == 0 and cfg.eval.every:
+        evaluating = bool(cfg.eval.every or cfg.eval.every_seconds)
+        if self.step == 0 and evaluating:
             self.log.write(0, self.evaluate(0))
         bar = tqdm(range(self.step, cfg.train.max_steps), disable=not self.accelerator.is_main_process, desc="train")
         for _ in bar:
             self.step += 1
-            start = time.perf_counter()
-            metrics = self.train_step()
-            metrics["time/step_s"] = time.perf_counter() - start
-            if cfg.eval.every and (self.step % cfg.eval.every == 0 or self.step == cfg.train.max_steps):
+            metrics = self.timed_train_step()
+            out_of_time = 0 < cfg.train.max_seconds <= self.train_seconds
+            last = out_of_time or self.step == cfg.train.max_steps
+            if evaluating and (last or self._eval_due()):
                 metrics.update(self.evaluate(self.step))
-            if self.step % cfg.log_every == 0 or any(k.startswith("eval/") for k in metrics):
+                self._eval_mark = self.train_seconds
+            if self.step % cfg.log_every == 0 or last or any(k.startswith("eval/") for k in metrics):
                 self.log.write(self.step, metrics)
             bar.set_postfix(reward=f"{metrics['reward/mean']:.3f}")
             if cfg.checkpoint.every and self.step % cfg.checkpoint.every == 0:
                 self.save()
+            if out_of_time:
+                break  # train.max_seconds spent: the last step was evaluated above, and is saved below
         self.save()
         summary = self._finish()
         self.log.close()
         return summary
+
+    def timed_train_step(self) -> dict[str, float]:
+        """[`train_step`] plus its wall-clock time (``time/step_s``) and the running total of training time
+        (``time/train_s``, what ``train.max_seconds`` limits; evaluation and checkpoints are outside it)."""
+        start = time.perf_counter()
+        metrics = self.train_step()
+        elapsed = time.perf_counter() - start
+        if self.world > 1:  # every process must agree on when the budget is spent and when to evaluate
+            elapsed = self.accelerator.gather(torch.tensor([elapsed], device=self.accelerator.device)).max().item()
+        self.train_seconds += elapsed
+        metrics["time/step_s"] = elapsed
+        metrics["time/train_s"] = self.train_seconds
+        return metrics
+
+    def _eval_due(self) -> bool:
+        """Whether `eval.every` divides this step or the training time passed a multiple of `eval.every_seconds`
+        since the last evaluation."""
+        cfg = self.config.eval
+        if cfg.every and self.step % cfg.every == 0:
+            return True
+        return bool(cfg.every_seconds) and self.train_seconds // cfg.every_seconds > self._eval_mark // cfg.every_seconds
 
     def train_step(self) -> dict[str, float]:
         cfg, acc = self.config, self.accelerator
@@ -129,7 +202,7 @@ class Trainer:
         generator = torch.Generator().manual_seed(_seed(cfg.seed, self.step, self.rank, 1))
         rollout = self.policy.sample(local, plan, generator=generator)
         result = self.reward(rollout.outputs, local)
-        local_adv, all_scores, all_groups, advantages = self.global_advantages(result.scores, local.group_ids)
+        local_adv, all_scores, all_groups, advantages = self.global_advantages(result.scores, rollout.group_ids)
         metrics = self._reward_metrics(all_scores, all_groups, result.components)
         metrics.update(self._update(rollout, plan, local_adv, has_signal=bool((advantages != 0).any()), generator=generator))
         metrics["lr"] = self.lr_scheduler.get_last_lr()[0]
@@ -186,6 +259,8 @@ class Trainer:
                 self.optimizer.step()
                 self.lr_scheduler.step()
                 self.optimizer.zero_grad(set_to_none=True)
+                if hasattr(self.algorithm, "after_update"):
+                    self.algorithm.after_update(self.policy)  # e.g. DGPO's fast-EMA old model follows the weights
                 grad_norms.append(float(grad_norm))
         metrics = {f"train/{k}": v / max(1, counts) for k, v in sums.items()}
         if grad_norms:
@@ -195,12 +270,8 @@ class Trainer:
 
     def _unit_loss(self, sub, unit: list[int], advantages):
         device = self.accelerator.device
-        new = self.policy.log_prob(sub, unit)
-        ref = None
-        if self.algorithm.needs_reference:
-            with torch.no_grad(), self.policy.reference():
-                ref = self.policy.log_prob(sub, unit)
-        return self.algorithm.loss(new, sub.old_log_probs[:, unit].to(device), advantages.to(device), ref)
+        new, old, ref = score_unit(self.policy, self.algorithm, sub, unit, device)
+        return self.algorithm.loss(new, old, advantages.to(device), ref)
 
     @staticmethod
     def _reward_metrics(scores, group_ids, components) -> dict[str, float]:
@@ -249,22 +320,24 @@ class Trainer:
 
     # ------------------------------------------------------------------------------------------- checkpoints
     def save(self) -> Path:
-        state = {"data_position": self.stream.position, "skipped_updates": self.skipped_updates}
+        state = {"data_position": self.stream.position, "skipped_updates": self.skipped_updates,
+                 "train_seconds": self.train_seconds}
         return checkpoint.save(
             self.accelerator, self.output_dir / "checkpoints", self.step, self.policy, self.optimizer,
-            self.lr_scheduler, state, self.config.checkpoint.keep_last,
+            self.lr_scheduler, state, self.config.checkpoint.keep_last, algorithm=self.algorithm,
         )
 
     def _resume(self, resume_from: str) -> None:
         path = checkpoint.resolve(resume_from, self.output_dir / "checkpoints")
-        state = checkpoint.load(self.accelerator, path, self.policy, self.optimizer, self.lr_scheduler)
+        state = checkpoint.load(self.accelerator, path, self.policy, self.optimizer, self.lr_scheduler, self.algorithm)
         self.step = state["step"]
         self.stream.position = state["data_position"]
         self.skipped_updates = state["skipped_updates"]
+        self.train_seconds = self._eval_mark = state.get("train_seconds", 0.0)  # absent in older checkpoints
         self.log.truncate_after(self.step)
 
     def _finish(self) -> dict:
-        summary = {"steps": self.step, "skipped_updates": self.skipped_updates}
+        summary = {"steps": self.step, "skipped_updates": self.skipped_updates, "train_seconds": round(self.train_seconds, 3)}
         metrics_file = self.output_dir / "metrics.jsonl"
         if self.accelerator.is_main_process and metrics_file.is_file():
             metric = self.config.eval.metric

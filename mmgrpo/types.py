@@ -22,12 +22,16 @@ class PromptBatch:
         group_ids (`torch.LongTensor` of shape `[N]`, *optional*): which group each sample belongs to; samples
             of the same prompt share an id. Ids are global: the same id on two ranks is the same group.
         conditions (`dict`, *optional*): per-item conditioning inputs (images, videos...), each a list of length `N`.
+        member_ids (`torch.LongTensor` of shape `[N]`, *optional*): position of each sample inside its group
+            (``0 .. G - 1``), set by [`~PromptBatch.repeat`]; plans that treat group members differently (branches)
+            key on it, so it stays right when a group spans processes.
     """
 
     prompts: list[str]
     metadata: list[dict] = field(default_factory=list)
     group_ids: torch.Tensor | None = None  # [N] long
     conditions: dict[str, list[Any]] = field(default_factory=dict)
+    member_ids: torch.Tensor | None = None  # [N] long
 
     def __post_init__(self):
         if not self.metadata:
@@ -46,6 +50,7 @@ class PromptBatch:
             metadata=[self.metadata[i] for i in index],
             group_ids=torch.tensor(index, dtype=torch.long) + first_group_id,
             conditions={k: [v[i] for i in index] for k, v in self.conditions.items()},
+            member_ids=torch.arange(group_size).repeat(len(self)),
         )
 
     def select(self, index: list[int] | torch.Tensor) -> "PromptBatch":
@@ -56,6 +61,7 @@ class PromptBatch:
             metadata=[self.metadata[i] for i in index],
             group_ids=None if self.group_ids is None else self.group_ids[index],
             conditions={k: [v[i] for i in index] for k, v in self.conditions.items()},
+            member_ids=None if self.member_ids is None else self.member_ids[index],
         )
 
 
@@ -127,14 +133,41 @@ class LossOutput:
 class SamplingPlan:
     """Which denoising steps (or decisions) are stochastic and which are trained, as an algorithm asks.
 
+    The first five fields describe a plain plan (every sample follows the same steps); the others are opt-in
+    features named by [`~SamplingPlan.features`]. A policy lists the features it implements in its
+    ``plan_features`` attribute and the trainer refuses a plan that asks for more, so no feature is silently ignored.
+
     Args:
         num_steps (`int`): number of sampling steps `S`.
         sde_steps (`list[int]`): indices of steps that sample stochastically (the others are deterministic).
         train_units (`list[list[int]]`): the trained steps, grouped into units that are scored and back-propagated
-            together (one step each for Flow-GRPO; a chunk of steps for Chunk-GRPO). Every step in a unit must be
-            in `sde_steps`.
+            together (one step each for Flow-GRPO; a chunk of steps for Chunk-GRPO). With ``"trajectory"`` scoring
+            every step in a unit must be in `sde_steps`; with ``"likelihood"`` scoring a unit lists indices of the
+            sampling noise levels at which the likelihood is evaluated.
         noise_level (`float`): the SDE noise scale (eta).
         sde_type (`str`): ``"sde"`` (Flow-GRPO) or ``"cps"`` (coefficients-preserving sampling).
+        merge (`dict[int, int]`): feature ``"merge"``: SDE step `i` -> `m`, the step jumps from ``sigma_i`` to
+            ``sigma_{i+m}`` in one transition (E-GRPO's merged step); the skipped steps are not taken.
+        merge_entropy (`float`, *optional*): feature ``"merge"``, adaptive: each SDE step not in `merge` spans the
+            fewest intervals (at most `max_merge`) whose transition entropy per latent element,
+            ``0.5 * log(2 * pi * e * std^2)`` in nats, reaches this value.
+        max_merge (`int`): the longest adaptive merge.
+        branch (`bool`): feature ``"branch"``: the samples of a group share one initial noise and one deterministic
+            anchor trajectory; member `m` of each group (see `PromptBatch.member_ids`) takes a single SDE step, at
+            ``sde_steps[m % len(sde_steps)]``, and continues deterministically. The rollout's group ids become
+            ``group_id * len(sde_steps) + branch`` (samples sharing a prompt *and* an SDE step, E-GRPO's multi-step
+            group normalisation); see [`~SamplingPlan.branch_group_ids`].
+        seed (`int`): seed of the noise shared within a group (the branch anchor's initial noise, the likelihood's
+            noise); drawn by the algorithm from the generator that is seeded identically on every process.
+        units_per_sample (`int`): feature ``"unit_selection"``: each sample trains only this many of `train_units`
+            (0: all), drawn per sample after sampling, see [`~SamplingPlan.select_units`].
+        unit_weighting (`str`): ``"uniform"`` or ``"latent_change"`` (a unit is drawn with probability proportional
+            to the mean relative L1 change of the latent over its steps, Chunk-GRPO's weighted chunk sampling).
+        solver (`str`): ``"flow"`` (Euler ODE / flow SDE steps) or, feature ``"dpm"``, ``"dpm"``: diffusers'
+            `DPMSolverMultistepScheduler` configured for flow matching (deterministic; no SDE step allowed).
+        flow_shift (`float`): the ``flow_shift`` of the ``"dpm"`` solver's noise levels.
+        scoring (`str`): ``"trajectory"`` or, feature ``"likelihood"``, ``"likelihood"`` (the policy's
+            ``likelihood`` scores the final samples at the noise levels of `train_units`).
     """
 
     num_steps: int
@@ -142,11 +175,106 @@ class SamplingPlan:
     train_units: list[list[int]]
     noise_level: float = 0.7
     sde_type: str = "sde"
+    merge: dict[int, int] = field(default_factory=dict)
+    merge_entropy: float | None = None
+    max_merge: int = 1
+    branch: bool = False
+    seed: int = 0
+    units_per_sample: int = 0
+    unit_weighting: str = "uniform"
+    solver: str = "flow"
+    flow_shift: float = 3.0
+    scoring: str = "trajectory"
 
     def __post_init__(self):
-        bad = [s for unit in self.train_units for s in unit if s not in self.sde_steps]
-        if bad:
-            raise ValueError(f"SamplingPlan trains steps {bad} that are not stochastic (sde_steps={self.sde_steps}).")
+        trained = [s for unit in self.train_units for s in unit]
+        if self.scoring == "trajectory":
+            bad = [s for s in trained if s not in self.sde_steps]
+            if bad:
+                raise ValueError(f"SamplingPlan trains steps {bad} that are not stochastic (sde_steps={self.sde_steps}).")
+        elif self.scoring == "likelihood":
+            if any(not 0 <= s < self.num_steps for s in trained):
+                raise ValueError(f"SamplingPlan scores noise levels {trained} outside 0..{self.num_steps - 1}.")
+        else:
+            raise ValueError(f"SamplingPlan.scoring must be 'trajectory' or 'likelihood', got {self.scoring!r}.")
+        if self.solver not in ("flow", "dpm"):
+            raise ValueError(f"SamplingPlan.solver must be 'flow' or 'dpm', got {self.solver!r}.")
+        if self.solver == "dpm" and self.sde_steps:
+            raise ValueError("The 'dpm' solver is deterministic: a plan using it cannot have sde_steps.")
+        if self.unit_weighting not in ("uniform", "latent_change"):
+            raise ValueError(f"unit_weighting must be 'uniform' or 'latent_change', got {self.unit_weighting!r}.")
+        if not 0 <= self.units_per_sample <= len(self.train_units):
+            raise ValueError(f"units_per_sample {self.units_per_sample} must be in 0..{len(self.train_units)}.")
+        self._check_merges()
+        if self.branch and (not self.sde_steps or len(set(self.sde_steps)) != len(self.sde_steps)):
+            raise ValueError(f"A branching plan needs distinct sde_steps (one per branch), got {self.sde_steps}.")
+
+    def _check_merges(self) -> None:
+        if any(i not in self.sde_steps or m < 1 or i + m > self.num_steps for i, m in self.merge.items()):
+            raise ValueError(
+                f"SamplingPlan.merge {self.merge}: each key must be an SDE step i and each value m >= 1 with "
+                f"i + m <= num_steps ({self.num_steps})."
+            )
+        if self.max_merge < 1:
+            raise ValueError(f"max_merge must be >= 1, got {self.max_merge}.")
+        if not self.branch:  # one path for every sample: a merged step must not jump over another SDE step
+            for i, m in self.merge.items():
+                inside = [s for s in self.sde_steps if i < s < i + m]
+                if inside:
+                    raise ValueError(f"Merged step {i} (spanning {m} steps) jumps over SDE steps {inside}.")
+
+    def features(self) -> set[str]:
+        """The opt-in features this plan uses (a subset of ``{"merge", "branch", "unit_selection", "dpm",
+        "likelihood"}``); a policy must list them all in its ``plan_features``."""
+        used = {
+            "merge": bool(self.merge) or self.merge_entropy is not None,
+            "branch": self.branch,
+            "unit_selection": self.units_per_sample > 0,
+            "dpm": self.solver == "dpm",
+            "likelihood": self.scoring == "likelihood",
+        }
+        return {name for name, on in used.items() if on}
+
+    @property
+    def trained_steps(self) -> list[int]:
+        return [s for unit in self.train_units for s in unit]
+
+    def branch_index(self, member_ids: torch.Tensor) -> torch.Tensor:
+        """Which branch (index into `sde_steps`) each sample takes: ``member_ids % len(sde_steps)``, `[N]`."""
+        if member_ids is None:
+            raise ValueError("A branching plan needs PromptBatch.member_ids (set by PromptBatch.repeat).")
+        return member_ids.long() % len(self.sde_steps)
+
+    def branch_group_ids(self, group_ids: torch.Tensor, member_ids: torch.Tensor) -> torch.Tensor:
+        """Group ids after branching, `[N]`: samples share one iff they share the prompt group and the SDE step."""
+        return group_ids.long() * len(self.sde_steps) + self.branch_index(member_ids)
+
+    def select_units(self, n: int, step_change: torch.Tensor | None, generator: torch.Generator | None) -> torch.Tensor:
+        """Per-sample choice of `units_per_sample` trained units (feature ``"unit_selection"``).
+
+        Args:
+            n (`int`): number of samples.
+            step_change (`torch.FloatTensor` of shape `[n, S]`, *optional*): relative latent change of each step,
+                needed by ``unit_weighting="latent_change"``.
+            generator (`torch.Generator`, *optional*): draws the units.
+
+        Returns:
+            `torch.BoolTensor` of shape `[n, S]`: the trained steps of each sample (all steps of its chosen units).
+        """
+        mask = torch.zeros(n, self.num_steps, dtype=torch.bool)
+        k = self.units_per_sample or len(self.train_units)
+        if self.unit_weighting == "latent_change":
+            if step_change is None:
+                raise ValueError("unit_weighting='latent_change' needs the per-step latent change of the samples.")
+            weights = torch.stack([step_change[:, unit].float().mean(dim=1) for unit in self.train_units], dim=1)
+            weights = weights.clamp_min(0) + 1e-8  # [n, U]
+        else:
+            weights = torch.ones(n, len(self.train_units))  # [n, U]
+        probabilities = weights / weights.sum(dim=1, keepdim=True)  # [n, U]
+        chosen = torch.multinomial(probabilities, k, replacement=False, generator=generator)  # [n, k]
+        for row, units in enumerate(chosen.tolist()):
+            mask[row, [s for u in units for s in self.train_units[u]]] = True
+        return mask  # [n, S]
 
     @classmethod
     def deterministic(cls, num_steps: int) -> "SamplingPlan":

@@ -7,20 +7,15 @@ encoders, `FlowMatchEulerDiscreteScheduler`); the adapter owns only the denoisin
 
 from __future__ import annotations
 
-import contextlib
-import copy
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Literal
 
 import torch
 
 from mmgrpo.hub import load_diffusers_pipeline, resolve_pretrained
-from mmgrpo.samplers.flow_sde import flow_sde_step
+from mmgrpo.pipelines._flow_common import DTYPES, TrainableTransformer
+from mmgrpo.pipelines._flow_plans import PLAN_FEATURES, plan_likelihood, replay_plan, run_plan
 from mmgrpo.types import PromptBatch, Rollout, SamplingPlan
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-LORA_WEIGHTS = "pytorch_lora_weights.safetensors"
 
 
 @dataclass
@@ -76,6 +71,7 @@ class SD3Policy:
 
     Config = SD3Config
     modalities = frozenset({"image"})
+    plan_features = PLAN_FEATURES  # merged steps, branches, per-sample units, DPM solver, likelihood
 
     def __init__(self, config: SD3Config):
         from diffusers import StableDiffusion3Pipeline
@@ -88,32 +84,16 @@ class SD3Policy:
             module = getattr(self.pipe, name, None)
             if module is not None:
                 module.requires_grad_(False).eval()
-        transformer = self.pipe.transformer
-        self._reference_transformer = None
-        if config.lora_rank > 0:
-            from peft import LoraConfig
-
-            transformer.add_adapter(
-                LoraConfig(
-                    r=config.lora_rank,
-                    lora_alpha=config.lora_alpha,
-                    init_lora_weights="gaussian",
-                    target_modules=config.lora_targets,
-                )
-            )
-            for param in transformer.parameters():
-                if param.requires_grad:
-                    param.data = param.data.float()
-        else:
-            transformer.float().requires_grad_(True)
-            self._reference_transformer = copy.deepcopy(transformer).requires_grad_(False).eval()
-        self.transformer = transformer  # the unwrapped module (checkpoints, adapters)
-        self._forward = transformer  # what forwards run through (a DDP/FSDP wrapper after `prepare`)
+        self.trainable = TrainableTransformer(
+            self.pipe.transformer, lora_rank=config.lora_rank, lora_alpha=config.lora_alpha,
+            lora_targets=config.lora_targets,
+        )
+        self.transformer = self.trainable.module  # the unwrapped module (checkpoints, adapters)
         self.device = torch.device("cpu")
 
     # ----------------------------------------------------------------------------------------------------- set-up
     def trainable_parameters(self):
-        return [p for p in self.transformer.parameters() if p.requires_grad]
+        return self.trainable.parameters()
 
     def trainable_modules(self) -> dict[str, torch.nn.Module]:
         return {"transformer": self.transformer}
@@ -130,26 +110,11 @@ class SD3Policy:
         """Moves every component to the accelerator's device and wraps the trainable module for distribution."""
         self.device = accelerator.device
         self.pipe.to(self.device)
-        if self._reference_transformer is not None:
-            self._reference_transformer.to(self.device)
-        self._forward = accelerator.prepare_model(self.transformer)
-        return [self._forward]
+        return self.trainable.prepare(accelerator)
 
-    @contextlib.contextmanager
     def reference(self):
         """The reference policy: LoRA adapter disabled, or the frozen initial transformer when fully fine-tuned."""
-        if self._reference_transformer is not None:
-            previous, self._forward = self._forward, self._reference_transformer
-            try:
-                yield
-            finally:
-                self._forward = previous
-        else:
-            self.transformer.disable_adapters()
-            try:
-                yield
-            finally:
-                self.transformer.enable_adapters()
+        return self.trainable.reference()
 
     # --------------------------------------------------------------------------------------------------- sampling
     def sigmas(self, num_steps: int) -> torch.Tensor:
@@ -191,14 +156,16 @@ class SD3Policy:
             out.update(negative_prompt_embeds=npe, negative_pooled=npooled)
         return out
 
-    def velocity(self, latents, sigma, embeds, module=None) -> torch.Tensor:
-        """Guided velocity `[n, C, h, w]` for latents `[n, C, h, w]` at noise level `sigma`."""
-        module = self._forward if module is None else module
+    def velocity(self, latents, sigma, embeds, module=None, guidance: bool = True) -> torch.Tensor:
+        """Velocity `[n, C, h, w]` for latents `[n, C, h, w]` at noise level `sigma`, guided (CFG) unless
+        ``guidance=False`` (the conditional velocity, which the flow-matching likelihood scores)."""
+        module = self.trainable.forward if module is None else module
+        cfg = self.do_cfg and guidance
         dtype = self.pipe.transformer.dtype
         n = latents.shape[0]
         x = latents.to(dtype)
         text, pooled = embeds["prompt_embeds"], embeds["pooled"]
-        if self.do_cfg:
+        if cfg:
             x = torch.cat([x, x])
             text = torch.cat([embeds["negative_prompt_embeds"], text])
             pooled = torch.cat([embeds["negative_pooled"], pooled])
@@ -207,7 +174,7 @@ class SD3Policy:
             hidden_states=x, timestep=timestep, encoder_hidden_states=text.to(dtype), pooled_projections=pooled.to(dtype),
             return_dict=False,
         )[0].float()
-        if self.do_cfg:
+        if cfg:
             v_uncond, v_text = v[:n], v[n:]
             v = v_uncond + self.config.guidance_scale * (v_text - v_uncond)
         return v
@@ -220,72 +187,67 @@ class SD3Policy:
         images = vae.decode(z, return_dict=False)[0]
         return (images.float() / 2 + 0.5).clamp(0, 1)
 
+    def _model(self, embeds: dict[str, torch.Tensor], guidance: bool = True):
+        """``velocity(latents [r, ...], sigma, rows)`` over the samples `rows` (None: all) of `embeds`."""
+
+        def velocity(x, sigma, rows=None):
+            picked = embeds if rows is None else {k: v[rows.to(v.device)] for k, v in embeds.items()}
+            return self.velocity(x, sigma, picked, guidance=guidance)
+
+        return velocity
+
+    def _noise(self, count: int, generator: torch.Generator | None) -> torch.Tensor:
+        """Initial latents `[count, C, h, w]`, standard normal, drawn on the CPU as the diffusers pipeline does."""
+        side = self.config.resolution // self.pipe.vae_scale_factor
+        shape = (count, self.pipe.transformer.config.in_channels, side, side)
+        return torch.randn(shape, generator=generator).to(self.device)
+
+    def _embeds(self, trajectory: dict) -> dict[str, torch.Tensor]:
+        names = ("prompt_embeds", "pooled", "negative_prompt_embeds", "negative_pooled")
+        return {k: trajectory[k].to(self.device) for k in names if k in trajectory}
+
     @torch.no_grad()
     def sample(self, batch: PromptBatch, plan: SamplingPlan, *, generator: torch.Generator | None = None) -> Rollout:
-        """Samples one image per prompt following `plan` (SDE on `plan.sde_steps`, ODE elsewhere).
+        """Samples one image per prompt following `plan` (SDE on `plan.sde_steps`, ODE elsewhere; merged steps,
+        branches from a shared anchor, the DPM solver: see `mmgrpo.pipelines._flow_plans`).
 
         The trajectory keeps every latent (`latents` `[N, S + 1, C, h, w]`), the text embeddings and the noise level
         of each step, so `log_prob` can re-score exactly the transitions taken.
         """
         n = len(batch)
         embeds = self.encode(batch.prompts)
-        sigmas = self.sigmas(plan.num_steps)
-        noise_levels = torch.tensor([plan.noise_level if i in plan.sde_steps else 0.0 for i in range(plan.num_steps)])
-        channels = self.pipe.transformer.config.in_channels
-        side = self.config.resolution // self.pipe.vae_scale_factor
-        shape = (n, channels, side, side)
-        latents = torch.randn(shape, generator=generator).to(self.device)
-        states, log_probs = [latents], []
-        for i in range(plan.num_steps):
-            v = self.velocity(latents, sigmas[i], embeds)
-            noise = torch.randn(shape, generator=generator).to(self.device) if noise_levels[i] > 0 else None
-            step = flow_sde_step(
-                v, latents, sigmas[i], sigmas[i + 1], noise_level=float(noise_levels[i]), sde_type=plan.sde_type,
-                sigma_at_one=sigmas[1], noise=noise,
-            )
-            latents = step.prev_sample
-            states.append(latents)
-            log_probs.append(step.log_prob)
-        mask = torch.zeros(n, plan.num_steps, dtype=torch.bool)
-        mask[:, [s for unit in plan.train_units for s in unit]] = True
+        group_ids = batch.group_ids if batch.group_ids is not None else torch.arange(n)
+        trajectory, log_probs, mask, group_ids = run_plan(
+            self._model(embeds), self._noise, self.sigmas(plan.num_steps), plan, group_ids, batch.member_ids, generator
+        )
         return Rollout(
-            group_ids=batch.group_ids if batch.group_ids is not None else torch.arange(n),
-            outputs={"images": self.decode(latents).cpu()},
-            old_log_probs=torch.stack(log_probs, dim=1).cpu(),  # [N, S]
+            group_ids=group_ids,
+            outputs={"images": self.decode(trajectory["latents"][:, -1]).cpu()},
+            old_log_probs=log_probs,  # [N, S]
             mask=mask,
-            trajectory={
-                "latents": torch.stack(states, dim=1),  # [N, S + 1, C, h, w]
-                **embeds,
-                "shared_sigmas": sigmas,  # [S + 1]
-                "shared_noise_levels": noise_levels,  # [S]
-                "shared_sde_type": plan.sde_type,
-            },
+            trajectory={**trajectory, **embeds},  # latents [N, S + 1, C, h, w], embeddings, shared_* step parameters
         )
 
     def log_prob(self, rollout: Rollout, steps: list[int]) -> dict[str, torch.Tensor]:
-        """Replays transitions `steps` under the current parameters (with gradients).
+        """Replays transitions `steps` under the current parameters (with gradients), for the samples that train
+        them (`rollout.mask`).
 
         Returns:
-            `dict` with ``log_prob`` `[n, k]`, ``mean`` `[n, k, C, h, w]` and ``std`` `[n, k, 1, 1, 1]`.
+            `dict` with ``log_prob`` `[n, k]`, ``mean`` `[n, k, C, h, w]`, ``std`` `[n, k, 1, 1, 1]` and ``mask``
+            `[n, k]` (which entries are replayed transitions).
         """
-        traj = rollout.trajectory
-        sigmas, levels = traj["shared_sigmas"], traj["shared_noise_levels"]
-        latents = traj["latents"].to(self.device)
-        embeds = {k: traj[k].to(self.device) for k in ("prompt_embeds", "pooled", "negative_prompt_embeds", "negative_pooled") if k in traj}
-        outs = []
-        for i in steps:
-            v = self.velocity(latents[:, i], sigmas[i], embeds)
-            outs.append(
-                flow_sde_step(
-                    v, latents[:, i], sigmas[i], sigmas[i + 1], noise_level=float(levels[i]),
-                    sde_type=traj["shared_sde_type"], sigma_at_one=sigmas[1], prev_sample=latents[:, i + 1],
-                )
-            )
-        return {
-            "log_prob": torch.stack([o.log_prob for o in outs], dim=1),
-            "mean": torch.stack([o.mean for o in outs], dim=1),
-            "std": torch.stack([o.std for o in outs], dim=1),
-        }
+        model = self._model(self._embeds(rollout.trajectory))
+        return replay_plan(model, rollout.trajectory, rollout.group_ids, rollout.mask, steps, self.device)
+
+    def likelihood(self, rollout: Rollout, steps: list[int]) -> dict[str, torch.Tensor]:
+        """Minus the flow-matching loss of the final latents at noise levels ``sigmas[j]``, `j` in `steps`, with noise
+        shared within a group; the conditional velocity (no CFG), with gradients.
+
+        Returns:
+            `dict` with ``log_prob`` `[n, k]`, ``velocity`` `[n, k, C, h, w]` and ``group_ids`` `[n]`.
+        """
+        model = self._model(self._embeds(rollout.trajectory), guidance=False)
+        return plan_likelihood(model, self._noise, rollout.trajectory, rollout.group_ids, steps, self.device)
 
     # ------------------------------------------------------------------------------------------------ checkpoints
     def save_pretrained(self, path: str) -> None:
@@ -293,37 +255,11 @@ class SD3Policy:
         fully fine-tuned, a ``transformer/`` folder that replaces the base pipeline's."""
         from diffusers import StableDiffusion3Pipeline
 
-        path = Path(path)
-        path.mkdir(parents=True, exist_ok=True)
-        if self.config.lora_rank > 0:
-            from peft.utils import get_peft_model_state_dict
-
-            StableDiffusion3Pipeline.save_lora_weights(
-                path,
-                transformer_lora_layers=get_peft_model_state_dict(self.transformer),
-                transformer_lora_adapter_metadata=self.transformer.peft_config["default"].to_dict(),
-                safe_serialization=True,
-            )
-        else:
-            self.transformer.save_pretrained(path / "transformer")
+        self.trainable.save(path, StableDiffusion3Pipeline)
 
     def load_trainable(self, path: str) -> None:
         """Loads weights written by [`~SD3Policy.save_pretrained`] into this policy."""
-        path = Path(path)
-        if self.config.lora_rank > 0:
-            from peft.utils import set_peft_model_state_dict
-            from safetensors.torch import load_file
-
-            state = load_file(path / LORA_WEIGHTS)
-            state = {k.removeprefix("transformer."): v for k, v in state.items()}
-            result = set_peft_model_state_dict(self.transformer, state)
-            if getattr(result, "unexpected_keys", None):
-                raise ValueError(f"LoRA file {path / LORA_WEIGHTS} has keys this model lacks: {result.unexpected_keys[:3]}")
-        else:
-            from diffusers import SD3Transformer2DModel
-
-            loaded = SD3Transformer2DModel.from_pretrained(path / "transformer")
-            self.transformer.load_state_dict(loaded.state_dict())
+        self.trainable.load(path)
 
 
 PLUGIN = SD3Policy

@@ -1,58 +1,74 @@
 """JPEG compressibility (or incompressibility) of images, DDPO's classic programmatic reward.
 
-DDPO: https://arxiv.org/abs/2305.13301 . The score is minus (or plus) the JPEG file size in kilobytes.
+DDPO: https://arxiv.org/abs/2305.13301 . The score is minus (compressibility) or plus (incompressibility) the JPEG file
+size in kilobytes (1000 bytes) at the configured quality, as in DDPO's ``jpeg_compressibility``. Images are quantised
+to 8 bits (``round(255 * x)``) first. A video scores the mean over its frames. Pixels that are NaN or infinite are
+encoded as 0 (or 1 for +inf) and the sample is counted in ``malformed``; nothing is NaN (every image has a size).
 """
 
 from __future__ import annotations
 
 import io
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 import numpy as np
 import torch
 from PIL import Image
 
+from mmgrpo.rewards._common import frames, non_finite_samples
 from mmgrpo.types import PromptBatch, RewardResult
 
 
 @dataclass
 class JpegConfig:
-    """Options of [`JpegReward`].
+    """Configuration of [`JpegReward`].
 
     Args:
-        mode (`str`): ``"compressibility"`` rewards small files, ``"incompressibility"`` large ones.
-        quality (`int`): JPEG quality used to encode (1-95).
+        mode (`str`, defaults to `"compressibility"`): ``"compressibility"`` rewards small files, ``"incompressibility"``
+            large ones.
+        quality (`int`, defaults to 95): JPEG quality used to encode (1-95).
+        modality (`str`, defaults to `"image"`): ``"image"`` (``outputs["images"]`` `[N, 3, H, W]`) or ``"video"``
+            (``outputs["videos"]`` `[N, F, 3, H, W]`, mean over frames).
     """
 
     mode: Literal["compressibility", "incompressibility"] = "compressibility"
     quality: int = 95
+    modality: Literal["image", "video"] = "image"
 
     def __post_init__(self):
         if not 1 <= self.quality <= 95:
-            raise ValueError(f"quality must be in [1, 95], got {self.quality}.")
+            raise ValueError(f"jpeg.quality must be in [1, 95], got {self.quality}.")
+
+
+def jpeg_kilobytes(images: torch.Tensor, quality: int) -> torch.Tensor:
+    """JPEG sizes in kilobytes, `[M]` float32, of images `[M, 3, H, W]` in [0, 1]."""
+    pixels = (images.clamp(0, 1) * 255).round().to(torch.uint8).permute(0, 2, 3, 1).cpu().numpy()  # [M, H, W, 3]
+    sizes = []
+    for array in pixels:
+        buffer = io.BytesIO()
+        Image.fromarray(np.ascontiguousarray(array)).save(buffer, format="JPEG", quality=quality)
+        sizes.append(buffer.tell() / 1000.0)
+    return torch.tensor(sizes, dtype=torch.float32)
 
 
 class JpegReward:
-    """Scores images `[N, 3, H, W]` in [0, 1] by their JPEG size."""
+    """Scores images `[N, 3, H, W]` (or videos `[N, F, 3, H, W]`) in [0, 1] by their JPEG size."""
 
     Config = JpegConfig
-    modalities = frozenset({"image"})
+    modalities = frozenset({"image"})  # the default; an instance holds its configured modality
 
-    def __init__(self, config: JpegConfig):
-        self.config = config
+    def __init__(self, config: JpegConfig | None = None):
+        self.config = config or JpegConfig()
+        self.modalities = frozenset({self.config.modality})
 
-    def __call__(self, outputs: dict, batch: PromptBatch) -> RewardResult:
-        images = outputs["images"]  # [N, 3, H, W]
-        pixels = (images.clamp(0, 1) * 255).round().to(torch.uint8).permute(0, 2, 3, 1).cpu().numpy()
-        sizes = []
-        for array in pixels:
-            buffer = io.BytesIO()
-            Image.fromarray(np.ascontiguousarray(array)).save(buffer, format="JPEG", quality=self.config.quality)
-            sizes.append(buffer.tell() / 1000.0)
-        size_kb = torch.tensor(sizes, dtype=torch.float32)  # [N]
+    def __call__(self, outputs: dict[str, Any], batch: PromptBatch) -> RewardResult:
+        """Returns `scores` `[N]` (signed size) and `components` ``jpeg_kb`` (size) and ``malformed``, each `[N]`."""
+        pixels, per_sample = frames(outputs, self.config.modality, "jpeg")  # [N * F, 3, H, W]
+        size_kb = jpeg_kilobytes(pixels, self.config.quality).view(-1, per_sample).mean(dim=1)  # [N]
         sign = -1.0 if self.config.mode == "compressibility" else 1.0
-        return RewardResult(scores=sign * size_kb, components={"jpeg_kb": size_kb})
+        malformed = non_finite_samples(outputs, self.config.modality)
+        return RewardResult(scores=sign * size_kb, components={"jpeg_kb": size_kb, "malformed": malformed})
 
 
 PLUGIN = JpegReward

@@ -5,10 +5,11 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 
 from mmgrpo import config as config_mod
-from mmgrpo.config import ConfigError
+from mmgrpo.config import ConfigError, TrainConfig
 
 ROOT = Path(__file__).resolve().parent.parent
 ALL_CONFIGS = sorted(p for p in (ROOT / "configs").rglob("*.yaml") if "accelerate" not in p.parts)
@@ -119,3 +120,47 @@ def test_cli_reports_config_error_before_loading_models(tmp_path):
     assert "train.group_sise" in proc.stderr and "Traceback" not in proc.stderr
     assert "Loading pipeline" not in proc.stderr
     assert not (tmp_path / "out").exists()
+
+
+def test_cosine_schedule_warms_up_then_decays_to_the_floor():
+    from mmgrpo.optim import build_optimizer, learning_rate_factor
+
+    config = TrainConfig(max_steps=10, updates_per_step=2, warmup_steps=4, lr_schedule="cosine", min_lr_ratio=0.1)
+    factors = [learning_rate_factor(n, config) for n in range(20)]
+    assert factors[:4] == [0.25, 0.5, 0.75, 1.0]
+    assert factors[4] == 1.0 and abs(factors[-1] - 0.1) < 1e-12
+    assert all(a >= b for a, b in zip(factors[4:], factors[5:]))  # monotone decay after warm-up
+    # midpoint of the cosine is halfway between 1 and the floor
+    assert abs(learning_rate_factor(4 + 15 / 2, config) - 0.55) < 1e-12
+    constant = TrainConfig(max_steps=10, warmup_steps=0)
+    assert {learning_rate_factor(n, constant) for n in range(10)} == {1.0}
+
+    parameter = torch.nn.Parameter(torch.zeros(1))
+    optimizer, schedule = build_optimizer([parameter], TrainConfig(learning_rate=2.0, max_steps=3, lr_schedule="cosine",
+                                                                   min_lr_ratio=0.5))
+    seen = []
+    for _ in range(3):
+        seen.append(schedule.get_last_lr()[0])
+        optimizer.step()
+        schedule.step()
+    assert seen == [2.0, 1.5, 1.0]
+
+
+def test_bad_schedule_is_named(tmp_path):
+    with pytest.raises(ConfigError, match="min_lr_ratio"):
+        TrainConfig(min_lr_ratio=1.5)
+
+
+@pytest.mark.parametrize("path", ALL_CONFIGS, ids=lambda p: p.name)
+def test_shipped_configs_schedule_on_their_pipeline(path, monkeypatch):
+    """The algorithm's plan fits the pipeline's steps and asks only for features the pipeline implements (what the
+    trainer checks at start-up, here without loading any weights)."""
+    from mmgrpo import registry
+
+    monkeypatch.chdir(ROOT)
+    cfg = config_mod.load(path)
+    algorithm = registry.get("algorithm", cfg.algorithm.name)(cfg.algorithm.options)
+    plan = algorithm.schedule(cfg.pipeline.options.num_steps, torch.Generator().manual_seed(0))
+    assert plan.features() <= set(getattr(registry.get("pipeline", cfg.pipeline.name), "plan_features", ()))
+    if plan.branch:  # whole sub-groups of at least 2 samples per branch
+        assert cfg.train.group_size % len(plan.sde_steps) == 0 and cfg.train.group_size // len(plan.sde_steps) >= 2

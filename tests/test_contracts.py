@@ -10,18 +10,55 @@ import torch
 
 from mmgrpo import registry
 from mmgrpo.protocols import Algorithm, RewardFn, StochasticPolicy
+from mmgrpo.trainer import score_unit
 from mmgrpo.types import PromptBatch
+from reward_fixtures import jpeg_server, tiny_aesthetic_head, tiny_clip_dir, tiny_pickscore_dir  # noqa: F401
 
 
-def _sd3(tiny_sd3_dir):
+def _sd3(request):
     from mmgrpo.pipelines.sd3 import SD3Config, SD3Policy
 
-    return SD3Policy(SD3Config(pretrained=tiny_sd3_dir, resolution=32, num_steps=3, guidance_scale=1.0, lora_rank=4, max_sequence_length=16))
+    path = request.getfixturevalue("tiny_sd3_dir")
+    return SD3Policy(SD3Config(pretrained=path, resolution=32, num_steps=3, guidance_scale=1.0, lora_rank=4, max_sequence_length=16))
 
 
-PIPELINE_BUILDERS = {"sd3": _sd3}
-SAMPLE_OUTPUTS = {"image": lambda n: {"images": torch.rand(n, 3, 32, 32, generator=torch.Generator().manual_seed(n))}}
-REWARD_OPTIONS = {}  # reward name -> options needed to build it in tests (defaults otherwise)
+def _flux(request):
+    from mmgrpo.pipelines.flux import FluxConfig, FluxPolicy
+
+    path = request.getfixturevalue("tiny_flux_dir")
+    return FluxPolicy(FluxConfig(pretrained=path, resolution=32, num_steps=3, lora_rank=4, lora_alpha=8, max_sequence_length=16))
+
+
+# pipeline name -> builder of a tiny policy; a builder takes pytest's `request` and asks it for the fixtures it needs
+PIPELINE_BUILDERS = {"sd3": _sd3, "flux": _flux}
+TEXTS = [
+    "<think>look</think><answer>[4, 4, 20, 20]</answer>",
+    "<answer>42</answer>",
+    "junk [4, 4, 1, 1] 41",
+    "",
+    "<think>a</think><answer>\\frac{84}{2}</answer>",
+]
+SAMPLE_OUTPUTS = {  # modality -> outputs of n samples (a reward gets the union over its modalities)
+    "image": lambda n: {"images": torch.rand(n, 3, 32, 32, generator=torch.Generator().manual_seed(n))},
+    "video": lambda n: {"videos": torch.rand(n, 2, 3, 32, 32, generator=torch.Generator().manual_seed(n))},
+    "text": lambda n: {"texts": [TEXTS[i % len(TEXTS)] for i in range(n)]},
+    "mask": lambda n: {"masks": torch.rand(n, 16, 16, generator=torch.Generator().manual_seed(n))},
+}
+
+
+def _tiny_clip(request) -> dict:
+    return {"model_name": f"local-dir:{request.getfixturevalue('tiny_clip_dir')}", "device": "cpu"}
+
+
+# reward name -> options needed to build it in tests (defaults otherwise); a callable gets pytest's `request`
+REWARD_OPTIONS = {
+    "clip_score": _tiny_clip,
+    "aesthetic": lambda request: {**_tiny_clip(request), "head_path": request.getfixturevalue("tiny_aesthetic_head")},
+    "pickscore": lambda request: {"model": request.getfixturevalue("tiny_pickscore_dir"), "processor": None, "device": "cpu"},
+    "remote": lambda request: {"url": request.getfixturevalue("jpeg_server").url, "timeout": 10.0, "retries": 0},
+    "composite": {"rewards": {"format": {"weight": 0.5}, "accuracy": {}, "jpeg": {"weight": 0.01}}},
+}
+ALGORITHM_OPTIONS = {"dgpo": {"trunc_steps": 2, "num_train_timesteps": 2}}  # fit the tiny policies' 3 steps
 
 
 def _shapes_batch(n):
@@ -31,7 +68,14 @@ def _shapes_batch(n):
     return items_to_batch(ShapesPrompts().train_items()[:n])
 
 
-REWARD_BATCHES = {"mini_geneval": _shapes_batch}  # rewards that need per-prompt metadata
+def _task_batch(n):
+    """Prompts with every ground truth the text, box and mask rewards read (see each reward's docstring)."""
+    truth = {"answer": "42", "boxes": [[8, 8, 40, 40]], "image_size": [64, 64], "input_size": [32, 32],
+             "mask": torch.arange(256).view(16, 16) % 3 == 0}
+    return PromptBatch(["a red circle"] * n, metadata=[dict(truth) for _ in range(n)])
+
+
+REWARD_BATCHES = {"mini_geneval": _shapes_batch}  # rewards that need other per-prompt metadata than `_task_batch`
 
 
 def test_every_pipeline_has_a_tiny_builder():
@@ -40,20 +84,28 @@ def test_every_pipeline_has_a_tiny_builder():
 
 @pytest.mark.parametrize("name", sorted(registry.available("pipeline")))
 @pytest.mark.parametrize("algorithm_name", sorted(registry.available("algorithm")))
-def test_pipeline_contract(name, algorithm_name, tiny_sd3_dir):
+def test_pipeline_contract(name, algorithm_name, request):
     """Replay consistency, on-policy ratio 1 and zero advantage -> zero gradient, for every pipeline x algorithm."""
-    policy = PIPELINE_BUILDERS[name](tiny_sd3_dir)
+    policy = PIPELINE_BUILDERS[name](request)
     assert isinstance(policy, StochasticPolicy)
-    algorithm = registry.get("algorithm", algorithm_name)(registry.get("algorithm", algorithm_name).Config())
+    cls = registry.get("algorithm", algorithm_name)
+    algorithm = cls(cls.Config(**ALGORITHM_OPTIONS.get(algorithm_name, {})))
     plan = algorithm.schedule(policy.num_steps, torch.Generator().manual_seed(0))
+    missing = plan.features() - set(getattr(policy, "plan_features", ()))
+    if missing:
+        pytest.skip(f"{name} does not implement the plan features {sorted(missing)} that {algorithm_name} needs")
     batch = PromptBatch(["a red circle", "a blue square"]).repeat(2)
     rollout = policy.sample(batch, plan, generator=torch.Generator().manual_seed(1))
     assert rollout.old_log_probs.shape[0] == 4 and rollout.mask.shape == rollout.old_log_probs.shape
     assert torch.equal(rollout.group_ids, torch.tensor([0, 0, 1, 1]))
     for unit in plan.train_units:
-        new = policy.log_prob(rollout, unit)
-        torch.testing.assert_close(new["log_prob"].detach(), rollout.old_log_probs[:, unit], rtol=0, atol=1e-5)
-        out = algorithm.loss(new, rollout.old_log_probs[:, unit], torch.zeros(4), None)
+        # what the trainer feeds the loss: the policy's score now, the old policy's (recorded, or the algorithm's own
+        # old model), the reference's
+        new, old, ref = score_unit(policy, algorithm, rollout, unit, torch.device("cpu"))
+        scored = new.get("mask", torch.ones_like(old, dtype=torch.bool))  # entries that are real transitions
+        assert scored.any()
+        torch.testing.assert_close(new["log_prob"].detach()[scored], old[scored], rtol=0, atol=1e-5)
+        out = algorithm.loss(new, old, torch.zeros(4), ref)
         assert out.metrics["ratio_mean"] == pytest.approx(1.0, abs=1e-5)
         out.loss.backward()
         assert all(p.grad is None or torch.count_nonzero(p.grad) == 0 for p in policy.trainable_parameters())
@@ -62,7 +114,7 @@ def test_pipeline_contract(name, algorithm_name, tiny_sd3_dir):
 @pytest.mark.parametrize("name", sorted(registry.available("algorithm")))
 def test_algorithm_contract(name):
     cls = registry.get("algorithm", name)
-    algorithm = cls(cls.Config())
+    algorithm = cls(cls.Config(**ALGORITHM_OPTIONS.get(name, {})))
     assert isinstance(algorithm, Algorithm) and algorithm.scoring in ("trajectory", "likelihood")
     scores = torch.tensor([1.0, 0.0, float("nan"), 2.0, 2.0, 0.5])
     groups = torch.tensor([0, 0, 0, 1, 1, 1])
@@ -70,27 +122,34 @@ def test_algorithm_contract(name):
     assert adv.shape == (6,) and torch.isfinite(adv).all() and adv[2] == 0  # NaN = not applicable
     assert adv[0] > 0 > adv[1]
     plan = algorithm.schedule(6, torch.Generator().manual_seed(0))
-    assert all(s in plan.sde_steps for unit in plan.train_units for s in unit)
+    assert plan.train_units and plan.scoring == algorithm.scoring
+    if algorithm.scoring == "trajectory":
+        assert all(s in plan.sde_steps for unit in plan.train_units for s in unit)
+    same = algorithm.schedule(6, torch.Generator().manual_seed(0))
+    assert same == plan  # identical on every process that seeds the generator identically
 
 
 @pytest.mark.parametrize("name", sorted(registry.available("reward")))
-def test_reward_contract(name):
+def test_reward_contract(name, request):
     cls = registry.get("reward", name)
     assert dataclasses.is_dataclass(cls.Config)
-    reward = cls(cls.Config(**REWARD_OPTIONS.get(name, {})))
-    assert isinstance(reward, RewardFn)
-    (modality,) = reward.modalities
-    outputs = SAMPLE_OUTPUTS[modality](5)
-    batch = REWARD_BATCHES.get(name, lambda n: PromptBatch(["a red circle"] * n))(5)
+    options = REWARD_OPTIONS.get(name, {})
+    reward = cls(cls.Config(**(options(request) if callable(options) else options)))
+    assert isinstance(reward, RewardFn) and reward.modalities
+    outputs = {k: v for modality in sorted(reward.modalities) for k, v in SAMPLE_OUTPUTS[modality](5).items()}
+    batch = REWARD_BATCHES.get(name, _task_batch)(5)
     first, second = reward(outputs, batch), reward(outputs, batch)
     assert first.scores.shape == (5,) and first.scores.dtype == torch.float32
     assert torch.isfinite(first.scores).all()
     torch.testing.assert_close(first.scores, second.scores, rtol=0, atol=0)  # deterministic
+    for values in first.components.values():
+        assert values.shape == (5,) and values.dtype == torch.float32
     # an item the reward does not apply to is NaN or a number, never an exception
     no_metadata = reward(outputs, PromptBatch(["?"] * 5))
-    assert no_metadata.scores.shape == (5,)
-    for values in first.components.values():
-        assert values.shape == (5,)
+    assert no_metadata.scores.shape == (5,) and no_metadata.scores.dtype == torch.float32
+    # NaN pass-through: an item without metadata does not change the others' scores
+    mixed = reward(outputs, PromptBatch(batch.prompts, metadata=[{}] + batch.metadata[1:]))
+    torch.testing.assert_close(mixed.scores[1:], first.scores[1:], rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("name", sorted(registry.available("data")))

@@ -1,4 +1,4 @@
-"""Offline CLIP tokenizer and tiny SD3 pipeline: shapes, determinism, eval mode and save/load round-trip."""
+"""Offline CLIP / T5 tokenizers, tiny SD3 and FLUX pipelines: shapes, determinism, eval mode, save/load round-trip."""
 
 import json
 import os
@@ -167,3 +167,32 @@ def test_shipped_weights_load_and_sample():
     ).images
     assert images.shape == (2, 3, 32, 32)
     assert sum(f.stat().st_size for f in SHIPPED.rglob("*.safetensors")) < 10_000_000
+
+
+def test_t5_tokenizer_is_deterministic_and_covers_any_ascii_prompt():
+    from mmgrpo.data.tiny_components import t5_tokenizer
+
+    tok = t5_tokenizer()
+    assert tok.get_vocab() == t5_tokenizer().get_vocab()
+    ids = tok("a red circle").input_ids
+    assert len(ids) == 4 and ids[-1] == tok.eos_token_id  # three whole words, then </s>
+    assert tok.unk_token_id not in tok("a Zebra-like shape, 3 times!").input_ids  # unknown words go letter by letter
+    assert t5_tokenizer(words=["red", "a"]).get_vocab() == t5_tokenizer(words=["a", "red"]).get_vocab()
+
+
+def test_tiny_flux_pipeline_round_trips_through_save_pretrained(tiny_flux_dir):
+    from diffusers import FluxPipeline
+
+    from mmgrpo.data.tiny_components import tiny_flux_pipeline
+
+    def sample(pipe):
+        pipe.set_progress_bar_config(disable=True)
+        return pipe(
+            prompt=["a red circle", "two blue squares"], num_inference_steps=2, guidance_scale=3.5, height=32,
+            width=32, output_type="pt", generator=torch.Generator().manual_seed(0), max_sequence_length=16,
+        ).images  # [2, 3, 32, 32]
+
+    fresh = tiny_flux_pipeline(seed=0)
+    assert not any(m.training for m in (fresh.text_encoder, fresh.text_encoder_2, fresh.transformer, fresh.vae))
+    assert fresh.transformer.config.guidance_embeds and fresh.scheduler.config.use_dynamic_shifting
+    assert torch.equal(sample(fresh), sample(FluxPipeline.from_pretrained(tiny_flux_dir)))

@@ -127,3 +127,63 @@ def test_nan_loss_is_skipped_and_counted(tmp_path, tiny_sd3_dir):
     trainer.train()
     assert all(torch.equal(a, b) for a, b in zip(before, weights(trainer)))
     assert read_metrics(tmp_path / "run")[-1]["train/skipped_updates"] == 1
+
+
+def test_max_seconds_stops_after_the_step_that_spent_it_then_evaluates_and_saves(tmp_path, tiny_sd3_dir):
+    raw = make_config(tmp_path, tiny_sd3_dir, max_seconds=1e-9)  # any real step takes longer
+    raw["eval"]["every"] = 3
+    summary = Trainer(config_mod.from_dict(raw)).train()
+    run = tmp_path / "run"
+    records = read_metrics(run)
+    assert summary["steps"] == 1 and summary["train_seconds"] > 0
+    assert [r["step"] for r in records if "eval/jpeg_kb" in r] == [0, 1]  # the final evaluation still runs
+    assert records[-1]["time/train_s"] == pytest.approx(records[-1]["time/step_s"])
+    assert [p.name for p in checkpoint.complete_checkpoints(run / "checkpoints")] == ["step_0000001"]
+    assert "eval_jpeg_kb_last" in summary and (run / "samples" / "step_00001.png").is_file()
+
+
+class FakeClock:
+    """Stands in for `time` in the trainer: training steps take 1 s, evaluations 10 s, nothing else takes time."""
+
+    def __init__(self):
+        self.now = 0.0
+
+    def perf_counter(self):
+        return self.now
+
+
+def fake_timed_trainer(tmp_path, tiny_sd3_dir, monkeypatch, train: dict, eval: dict):
+    from mmgrpo import trainer as trainer_mod
+
+    raw = make_config(tmp_path, tiny_sd3_dir, **train)
+    raw["eval"].update(eval)
+    raw["checkpoint"]["every"] = 0
+    trainer = Trainer(config_mod.from_dict(raw))
+    clock = FakeClock()
+    monkeypatch.setattr(trainer_mod, "time", clock)
+
+    def train_step():
+        clock.now += 1.0
+        return {"reward/mean": 0.0}
+
+    def evaluate(step):
+        clock.now += 10.0
+        return {"eval/jpeg_kb": float(step)}
+
+    trainer.train_step, trainer.evaluate = train_step, evaluate
+    return trainer
+
+
+def test_max_seconds_counts_training_steps_only(tmp_path, tiny_sd3_dir, monkeypatch):
+    trainer = fake_timed_trainer(tmp_path, tiny_sd3_dir, monkeypatch, {"max_steps": 50, "max_seconds": 2.5}, {"every": 1})
+    summary = trainer.train()  # evaluations (10 s each) would spend the budget after one step if they counted
+    records = read_metrics(tmp_path / "run")
+    assert summary["steps"] == 3 and summary["train_seconds"] == 3.0
+    assert [r["time/train_s"] for r in records if "time/train_s" in r] == [1.0, 2.0, 3.0]
+
+
+def test_eval_every_seconds_spaces_evaluations_in_training_time(tmp_path, tiny_sd3_dir, monkeypatch):
+    trainer = fake_timed_trainer(tmp_path, tiny_sd3_dir, monkeypatch, {"max_steps": 7}, {"every": 0, "every_seconds": 2.0})
+    trainer.train()
+    records = read_metrics(tmp_path / "run")
+    assert [r["step"] for r in records if "eval/jpeg_kb" in r] == [0, 2, 4, 6, 7]  # base, every 2 s, and the last

@@ -120,3 +120,63 @@ def flow_sde_step(
             -((prev.detach() - mean) ** 2) / (2 * std**2) - torch.log(std) - 0.5 * math.log(2 * math.pi)
         ).mean(dim=reduce_dims)
     return FlowStepOutput(prev_sample=prev, log_prob=log_prob, mean=mean, std=std)
+
+
+def flow_sde_std(
+    sigma: float | torch.Tensor,
+    sigma_next: float | torch.Tensor,
+    *,
+    noise_level: float = 0.7,
+    sde_type: str = "sde",
+    sigma_at_one: float | torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Standard deviation of the transition [`flow_sde_step`] takes from `sigma` to `sigma_next` (0 for the ODE).
+
+    A step may jump several scheduler intervals at once (E-GRPO's merged step): ``"sde"`` then uses the noise scale
+    at `sigma` over the whole ``|sigma_next - sigma|``, exactly as [`flow_sde_step`] does.
+
+    Returns:
+        `torch.FloatTensor` of shape `[]` (or the broadcast shape of the sigmas).
+    """
+    if sde_type not in SDE_TYPES:
+        raise ValueError(f"sde_type must be one of {SDE_TYPES}, got {sde_type!r}.")
+    s = torch.as_tensor(sigma, dtype=torch.float32)
+    s_next = torch.as_tensor(sigma_next, dtype=torch.float32)
+    if sde_type == "ode" or noise_level == 0:
+        return torch.zeros_like(s)
+    if sde_type == "cps":
+        return s_next * math.sin(noise_level * math.pi / 2)
+    s_safe = s if sigma_at_one is None else torch.where(s >= 1, torch.as_tensor(sigma_at_one, dtype=torch.float32), s)
+    return noise_level * torch.sqrt(s / (1 - s_safe)) * torch.sqrt(s - s_next)
+
+
+def gaussian_entropy(std: float | torch.Tensor) -> torch.Tensor:
+    """Differential entropy per element of ``N(mu, std^2 I)``: ``0.5 * log(2 * pi * e * std^2)`` nats (-inf at 0)."""
+    std = torch.as_tensor(std, dtype=torch.float32)
+    return 0.5 * torch.log(2 * math.pi * math.e * std**2)
+
+
+def entropy_merge_span(
+    sigmas: torch.Tensor,
+    start: int,
+    min_entropy: float,
+    *,
+    noise_level: float,
+    sde_type: str = "sde",
+    max_span: int,
+) -> int:
+    """E-GRPO's adaptive merge: the fewest scheduler intervals `m` (``1 <= m <= max_span``, not past the last sigma)
+    such that one SDE transition from ``sigmas[start]`` to ``sigmas[start + m]`` has entropy per element of at least
+    `min_entropy`; `max_span` (or what is left) when no span reaches it.
+
+    Args:
+        sigmas (`torch.FloatTensor` of shape `[S + 1]`): the noise levels, falling to 0.
+        start (`int`): the SDE step.
+    """
+    last = min(max_span, len(sigmas) - 1 - start)
+    for m in range(1, last + 1):
+        std = flow_sde_std(sigmas[start], sigmas[start + m], noise_level=noise_level, sde_type=sde_type,
+                           sigma_at_one=sigmas[1])
+        if float(gaussian_entropy(std)) >= min_entropy:
+            return m
+    return max(1, last)

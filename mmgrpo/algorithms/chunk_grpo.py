@@ -1,0 +1,143 @@
+"""Chunk-GRPO: clipped policy gradient on chunks of consecutive SDE steps (chunk ratio: geometric mean of steps).
+
+The chunk ratio is the geometric mean of its step ratios.
+
+Paper: https://arxiv.org/abs/2510.21583 (code: xingzhejun/GCPO, its "chunk-GRPO" path). Every step is an SDE step;
+consecutive steps are grouped into chunks (a fixed list such as ``[2, 3, 4, 7]``, high noise first, or a uniform
+`chunk_size`), the chunk log-probability is the mean of its step log-probabilities, and each sample trains a random
+`timestep_fraction` of the chunks, optionally drawn with probability proportional to the chunk's relative latent
+change. Chunks are the plan's train units, so the trainer replays and back-propagates one chunk at a time.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+from ..advantages import group_normalize
+from ..losses import clipped_surrogate, masked_mean
+from ..types import LossOutput, SamplingPlan
+
+
+@dataclass
+class ChunkGRPOConfig:
+    """Options of [`ChunkGRPO`].
+
+    Args:
+        chunks (`list[int]`, *optional*): chunk lengths from the first (noisiest) step, e.g. ``[2, 3, 4, 7]``; they
+            must not sum to more than the sampling steps, and steps after the last chunk are sampled but not trained.
+            Default: chunks of `chunk_size` over every step but the last (the last chunk takes the remainder).
+        chunk_size (`int`): length of the uniform chunks when `chunks` is not given.
+        timestep_fraction (`float`): each sample trains ``max(1, int(num_chunks * timestep_fraction))`` chunks.
+        weighting (`str`): how each sample draws its chunks: ``"uniform"``, or ``"latent_change"`` (probability
+            proportional to the chunk's mean relative L1 latent change, the authors' weighted chunk sampling).
+        clip_range (`float`): lower clip of the chunk ratio, ``1 - clip_range``.
+        clip_range_high (`float`, *optional*): upper clip, ``1 + clip_range_high`` (default: `clip_range`).
+        adv_clip_max (`float`): advantages are clamped to ``[-adv_clip_max, adv_clip_max]``.
+        kl_coeff (`float`): weight of the k3 estimate ``exp(d) - 1 - d``, ``d = log pi_old - log pi_new`` of the
+            chunk, between the sampling and the current policy (0: off, the authors' default).
+        noise_level (`float`): SDE noise scale eta.
+        sde_type (`str`): ``"sde"`` or ``"cps"``.
+        global_std (`bool`): normalise by the batch standard deviation instead of the group's.
+    """
+
+    chunks: list[int] | None = None
+    chunk_size: int = 4
+    timestep_fraction: float = 0.5
+    weighting: Literal["uniform", "latent_change"] = "uniform"
+    clip_range: float = 5e-5
+    clip_range_high: float | None = None
+    adv_clip_max: float = 5.0
+    kl_coeff: float = 0.0
+    noise_level: float = 0.7
+    sde_type: Literal["sde", "cps"] = "sde"
+    global_std: bool = False
+
+    def __post_init__(self):
+        if self.chunks is not None and (not self.chunks or any(c < 1 for c in self.chunks)):
+            raise ValueError(f"chunks must be a non-empty list of positive lengths, got {self.chunks}.")
+        if self.chunk_size < 1:
+            raise ValueError(f"chunk_size must be >= 1, got {self.chunk_size}.")
+        if not 0 < self.timestep_fraction <= 1:
+            raise ValueError(f"timestep_fraction must be in (0, 1], got {self.timestep_fraction}.")
+        if self.clip_range <= 0 or (self.clip_range_high is not None and self.clip_range_high <= 0):
+            raise ValueError(
+                f"clip_range and clip_range_high must be > 0, got {self.clip_range} and {self.clip_range_high}."
+            )
+        if self.noise_level <= 0:
+            raise ValueError(f"noise_level must be > 0 for a stochastic policy, got {self.noise_level}.")
+        if self.kl_coeff < 0:
+            raise ValueError(f"kl_coeff must be >= 0, got {self.kl_coeff}.")
+
+
+class ChunkGRPO:
+    """Chunk-GRPO: group-normalised advantages, clipped chunk-level ratio (geometric mean of the step ratios)."""
+
+    Config = ChunkGRPOConfig
+    scoring = "trajectory"
+    needs_reference = False
+
+    def __init__(self, config: ChunkGRPOConfig):
+        self.config = config
+
+    def chunk_units(self, num_steps: int) -> list[list[int]]:
+        """The chunks as lists of consecutive step indices."""
+        c = self.config
+        if c.chunks is None:
+            trained = max(1, num_steps - 1)  # the last (noise-free) step is not trained, as the authors
+            rest = trained % c.chunk_size
+            sizes = [c.chunk_size] * (trained // c.chunk_size) + ([rest] if rest else [])
+        else:
+            sizes = list(c.chunks)
+            if sum(sizes) > num_steps:
+                raise ValueError(
+                    f"algorithm.chunks {sizes} cover {sum(sizes)} steps but the pipeline samples {num_steps}: make "
+                    "them sum to at most pipeline.num_steps."
+                )
+        starts = [sum(sizes[:k]) for k in range(len(sizes))]
+        return [list(range(start, start + size)) for start, size in zip(starts, sizes)]
+
+    def schedule(self, num_steps: int, generator: torch.Generator | None = None) -> SamplingPlan:
+        """Every step SDE; the chunks are the train units, each sample training a `timestep_fraction` of them."""
+        units = self.chunk_units(num_steps)
+        per_sample = max(1, int(len(units) * self.config.timestep_fraction))
+        return SamplingPlan(
+            num_steps=num_steps,
+            sde_steps=list(range(num_steps)),
+            train_units=units,
+            noise_level=self.config.noise_level,
+            sde_type=self.config.sde_type,
+            units_per_sample=per_sample if per_sample < len(units) else 0,
+            unit_weighting=self.config.weighting,
+        )
+
+    def advantages(self, scores: torch.Tensor, group_ids: torch.Tensor) -> torch.Tensor:
+        return group_normalize(scores, group_ids, global_std=self.config.global_std, clip=self.config.adv_clip_max)
+
+    def loss(self, new, old_log_prob, advantages, ref=None) -> LossOutput:
+        """Clipped surrogate on one chunk.
+
+        Args:
+            new (`dict`): ``log_prob`` `[n, k]` of the chunk's `k` steps and, optionally, ``mask`` `[n, k]` (samples
+                that do not train this chunk are ignored).
+            old_log_prob (`torch.FloatTensor` of shape `[n, k]`): log-probs recorded at sampling.
+            advantages (`torch.FloatTensor` of shape `[n]`).
+        """
+        c = self.config
+        mask = new.get("mask")
+        steps = mask.float() if mask is not None else torch.ones_like(new["log_prob"])  # [n, k]
+        chunk_log_ratio = ((new["log_prob"] - old_log_prob) * steps).sum(1) / steps.sum(1).clamp_min(1.0)  # [n]
+        trains = steps.sum(1) > 0  # [n] samples that train this chunk
+        high = c.clip_range if c.clip_range_high is None else c.clip_range_high
+        loss, metrics = clipped_surrogate(chunk_log_ratio[:, None], advantages, c.clip_range, high, trains[:, None])
+        if c.kl_coeff > 0:
+            d = -chunk_log_ratio  # log pi_old - log pi_new
+            kl = masked_mean(torch.exp(d) - 1 - d, trains)
+            loss = loss + c.kl_coeff * kl
+            metrics["kl"] = kl.item()
+        return LossOutput(loss=loss, metrics=metrics)
+
+
+PLUGIN = ChunkGRPO

@@ -1,0 +1,201 @@
+"""DGPO: direct group preference optimisation on the flow-matching loss of deterministic (ODE) rollouts.
+
+Paper: https://arxiv.org/abs/2510.08425 (code: Luo-Yihong/DGPO). Rollouts use a fast deterministic solver
+(DPM-Solver++ for flow matching, 10 steps); there is no policy gradient through an SDE. Each sample is scored by the
+policy's likelihood surrogate, ``-L(i)`` with ``L(i) = mean ||(eps - x0) - v(x_t)||^2`` at ``x_t = (1 - s) x0 + s eps``,
+with the noise `eps` and the noise levels `s` shared within a group. The loss is the gradient of
+``-log sigmoid(R(G+) - R(G-))`` with the implicit reward ``R(i) = -beta_dpo (L(i) - L_ref(i))``:
+
+    S_g = mean_{i in g} A_i * beta_dpo * (L(i) - L_ref(i))          (no gradient)
+    loss = mean_i sigmoid(S_{g(i)}) * A_i * L(i)  +  kl_beta * mean ||v(x_t) - v_ref(x_t)||^2
+
+so positive-advantage samples get their flow-matching loss lowered and negative ones raised, and a group whose
+preference is already satisfied (``S_g`` very negative) is down-weighted. The ratio ``exp(L_old(i) - L(i))`` against a
+fast-EMA "old" copy of the weights clips (detaches) ``L(i)`` like PPO: when ``A > 0`` and it exceeds ``1 + clip_range``,
+or ``A < 0`` and it falls below ``1 - clip_range``.
+
+The fast EMA belongs to the algorithm, not the policy: it is part of how DGPO optimises (like the optimizer's moments),
+it works unchanged for every pipeline (it only needs `trainable_parameters`), and the policy stays a model adapter.
+The trainer evaluates the policy under [`~DGPO.old_policy`], calls [`~DGPO.after_update`] after every optimizer step
+and checkpoints [`~DGPO.state_dict`], so resume is exact.
+
+Differences from the authors' code: ``S_g`` averages over the group members present in the minibatch on this process
+(the authors all-reduce complete groups; identical when a minibatch holds whole groups, e.g. ``minibatch_size`` equal
+to the samples per process on one process); rollouts always use the current weights (the authors switch to the EMA
+weights after ``switch_ema_ref`` updates).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..advantages import group_normalize
+from ..ema import ParameterEMA
+from ..types import LossOutput, SamplingPlan
+
+
+@dataclass
+class DGPOConfig:
+    """Options of [`DGPO`].
+
+    Args:
+        beta_dpo (`float`): scale of the implicit reward in the sigmoid group weight (10-100 against the frozen
+            reference; 2000-5000 with `use_ema_ref`).
+        kl_beta (`float`): weight of the velocity-space KL ``mean ||v - v_ref||^2`` to the reference (0: off).
+        clip_range (`float`): clip of the denoising-loss ratio against the fast-EMA old model.
+        clip_dsm (`bool`): detach a sample's flow-matching loss when its ratio is clipped.
+        clip_kl (`bool`): also detach its KL term.
+        num_train_timesteps (`int`): noise levels scored per rollout batch (the plan's train units).
+        trunc_steps (`int`): they are drawn without replacement from the first ``trunc_steps + 1`` sampling noise levels
+            (the high-noise end; with 10 DPM steps and shift 3, 4 means ``sigma >= ~0.7``).
+        adv_clip_max (`float`): advantages are clamped to ``[-adv_clip_max, adv_clip_max]``.
+        global_std (`bool`): normalise by the batch standard deviation instead of the group's.
+        use_ema_ref (`bool`): the preference's reference is the fast-EMA old model instead of the frozen reference
+            (TDM-R1's dynamic reference); the KL still uses the frozen reference.
+        ema_decay_max (`float`), ema_decay_rate (`float`): the old model's EMA decay after `u` optimizer updates is
+            ``min(ema_decay_max, ema_decay_rate * u)``.
+        flow_shift (`float`): ``flow_shift`` of the DPM-Solver++ noise levels of the rollouts.
+    """
+
+    beta_dpo: float = 100.0
+    kl_beta: float = 0.02
+    clip_range: float = 1e-2
+    clip_dsm: bool = True
+    clip_kl: bool = False
+    num_train_timesteps: int = 4
+    trunc_steps: int = 4
+    adv_clip_max: float = 5.0
+    global_std: bool = False
+    use_ema_ref: bool = False
+    ema_decay_max: float = 0.3
+    ema_decay_rate: float = 1e-3
+    flow_shift: float = 3.0
+
+    def __post_init__(self):
+        if self.beta_dpo <= 0 or self.kl_beta < 0 or self.clip_range <= 0:
+            raise ValueError(
+                f"beta_dpo and clip_range must be > 0 and kl_beta >= 0, got {self.beta_dpo}, {self.clip_range}, "
+                f"{self.kl_beta}."
+            )
+        if self.num_train_timesteps < 1 or self.trunc_steps + 1 < self.num_train_timesteps:
+            raise ValueError(
+                f"num_train_timesteps ({self.num_train_timesteps}) noise levels are drawn from the first "
+                f"trunc_steps + 1 ({self.trunc_steps + 1}): raise trunc_steps or lower num_train_timesteps."
+            )
+        if not 0 <= self.ema_decay_max < 1 or self.ema_decay_rate < 0:
+            raise ValueError(f"ema_decay_max must be in [0, 1) and ema_decay_rate >= 0, got {self.ema_decay_max}.")
+        if self.flow_shift <= 0:
+            raise ValueError(f"flow_shift must be > 0, got {self.flow_shift}.")
+
+
+class DGPO:
+    """DGPO: sigmoid-weighted group preference on the flow-matching loss, clipped against a fast-EMA old model."""
+
+    Config = DGPOConfig
+    scoring = "likelihood"
+
+    def __init__(self, config: DGPOConfig):
+        self.config = config
+        self.needs_reference = config.kl_beta > 0 or not config.use_ema_ref
+        self.ema = ParameterEMA()
+        self.updates = 0
+
+    def schedule(self, num_steps: int, generator: torch.Generator | None = None) -> SamplingPlan:
+        """Deterministic DPM-Solver++ rollouts; `num_train_timesteps` noise levels from the high-noise end."""
+        c = self.config
+        if c.trunc_steps >= num_steps:
+            raise ValueError(
+                f"algorithm.trunc_steps {c.trunc_steps} must be below the {num_steps} sampling steps (noise level "
+                f"index {num_steps} is the clean sample)."
+            )
+        order = torch.randperm(c.trunc_steps + 1, generator=generator)[: c.num_train_timesteps]
+        return SamplingPlan(
+            num_steps=num_steps,
+            sde_steps=[],
+            train_units=[[int(j)] for j in order],
+            noise_level=0.0,
+            solver="dpm",
+            flow_shift=c.flow_shift,
+            scoring="likelihood",
+            seed=int(torch.randint(0, 2**62, (1,), generator=generator)),
+        )
+
+    def advantages(self, scores: torch.Tensor, group_ids: torch.Tensor) -> torch.Tensor:
+        return group_normalize(scores, group_ids, global_std=self.config.global_std, clip=self.config.adv_clip_max)
+
+    # ---------------------------------------------------------------------------------- the fast-EMA old model
+    def old_policy(self, policy):
+        """Context in which `policy` holds the fast-EMA weights (the trainer scores the old model inside it)."""
+        return self.ema.swapped(policy.trainable_parameters())
+
+    def after_update(self, policy) -> None:
+        """One EMA step after an optimizer update, decay ``min(ema_decay_max, ema_decay_rate * updates)``."""
+        decay = min(self.config.ema_decay_max, self.config.ema_decay_rate * self.updates)
+        self.ema.update(policy.trainable_parameters(), decay)
+        self.updates += 1
+
+    def state_dict(self) -> dict:
+        return {"updates": self.updates, "ema": self.ema.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.updates = state["updates"]
+        self.ema.load_state_dict(state["ema"])
+
+    # ------------------------------------------------------------------------------------------------- the loss
+    def loss(self, new, old_log_prob, advantages, ref=None) -> LossOutput:
+        """DGPO loss on one unit of noise levels.
+
+        Args:
+            new (`dict`): the policy's ``likelihood``: ``log_prob`` `[n, k]` (``-L``), ``velocity`` `[n, k, ...]`,
+                ``group_ids`` `[n]`.
+            old_log_prob (`torch.FloatTensor` of shape `[n, k]`): ``-L_old`` of the fast-EMA old model.
+            advantages (`torch.FloatTensor` of shape `[n]`).
+            ref (`dict`, *optional*): the reference's ``likelihood`` (needed unless `use_ema_ref` and no KL).
+        """
+        c = self.config
+        fm = -new["log_prob"]  # [n, k] flow-matching loss L(i), with gradient
+        adv = advantages[:, None].to(fm.dtype)  # [n, 1]
+        ratio = torch.exp(new["log_prob"].detach() - old_log_prob)  # [n, k] = exp(L_old - L)
+        clipped = torch.where(adv > 0, ratio > 1 + c.clip_range, ratio < 1 - c.clip_range)  # [n, k]
+        fm_used = torch.where(clipped, fm.detach(), fm) if c.clip_dsm else fm
+        fm_ref = -old_log_prob if c.use_ema_ref else -ref["log_prob"]  # [n, k]
+        weights = group_weights(adv * c.beta_dpo * (fm.detach() - fm_ref), new["group_ids"])  # [n, k]
+        policy_loss = (weights * adv * fm_used).mean()
+        loss = policy_loss
+        metrics = {
+            "policy_loss": policy_loss.item(),
+            "fm_loss": fm.detach().mean().item(),
+            "group_weight": weights.mean().item(),
+            "ratio_mean": ratio.mean().item(),
+            "clip_frac": clipped.float().mean().item(),
+        }
+        if c.kl_beta > 0:
+            dims = tuple(range(2, new["velocity"].dim()))
+            kl = ((new["velocity"] - ref["velocity"].detach()) ** 2).mean(dim=dims)  # [n, k]
+            kl = torch.where(clipped, kl.detach(), kl) if c.clip_kl else kl
+            loss = loss + c.kl_beta * kl.mean()
+            metrics["kl"] = kl.mean().item()
+        return LossOutput(loss=loss, metrics=metrics)
+
+
+def group_weights(terms: torch.Tensor, group_ids: torch.Tensor) -> torch.Tensor:
+    """DGPO's group weight ``sigmoid(S_g)``, ``S_g`` the mean of `terms` over the members of group `g`.
+
+    Args:
+        terms (`torch.FloatTensor` of shape `[n, k]`): ``A_i * beta_dpo * (L(i) - L_ref(i))`` per sample and noise
+            level.
+        group_ids (`torch.LongTensor` of shape `[n]`).
+
+    Returns:
+        `torch.FloatTensor` of shape `[n, k]`: each sample's group weight (no gradient).
+    """
+    terms = terms.detach()
+    _, inverse = torch.unique(group_ids.to(terms.device), return_inverse=True)
+    sums = terms.new_zeros((int(inverse.max()) + 1, terms.shape[1])).index_add_(0, inverse, terms)  # [groups, k]
+    counts = torch.bincount(inverse).to(terms.dtype)[:, None]  # [groups, 1]
+    return torch.sigmoid(sums / counts)[inverse]  # [n, k]
+
+
+PLUGIN = DGPO

@@ -1,0 +1,56 @@
+"""An exponential moving average of a policy's trainable parameters that can stand in for them (DGPO's fast-EMA
+"old" model), with a state dict for exact resume."""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+
+class ParameterEMA:
+    """Shadow copies ``s <- decay * s + (1 - decay) * p`` of a list of parameters.
+
+    The shadow is created from the parameters on first use (so on their device, after ``prepare``), or restored by
+    [`~ParameterEMA.load_state_dict`].
+    """
+
+    def __init__(self):
+        self.shadow: list[torch.Tensor] | None = None
+
+    def _ensure(self, parameters: list[torch.nn.Parameter]) -> list[torch.Tensor]:
+        if self.shadow is None:
+            self.shadow = [p.detach().clone() for p in parameters]
+        if len(self.shadow) != len(parameters):
+            raise ValueError(f"The EMA holds {len(self.shadow)} tensors but the policy has {len(parameters)}.")
+        self.shadow = [s.to(p.device) for s, p in zip(self.shadow, parameters)]
+        return self.shadow
+
+    @torch.no_grad()
+    def update(self, parameters, decay: float) -> None:
+        """One EMA step towards the current `parameters` (``decay=0`` copies them)."""
+        parameters = list(parameters)
+        for shadow, param in zip(self._ensure(parameters), parameters):
+            shadow.add_(param.detach().to(shadow.dtype) - shadow, alpha=1.0 - decay)
+
+    @contextlib.contextmanager
+    def swapped(self, parameters):
+        """Inside, the parameters hold the EMA values; their own values are restored on exit (bit for bit)."""
+        parameters = list(parameters)
+        shadow = self._ensure(parameters)
+        saved = [p.detach().clone() for p in parameters]
+        with torch.no_grad():
+            for param, value in zip(parameters, shadow):
+                param.copy_(value)
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for param, value in zip(parameters, saved):
+                    param.copy_(value)
+
+    def state_dict(self) -> dict:
+        return {"shadow": None if self.shadow is None else [s.detach().cpu() for s in self.shadow]}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.shadow = None if state["shadow"] is None else [s.clone() for s in state["shadow"]]

@@ -1,0 +1,53 @@
+"""Loss pieces shared by the algorithms: masked means and the clipped (PPO) surrogate on plain tensors."""
+
+from __future__ import annotations
+
+import torch
+
+
+def masked_mean(values: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """Mean of `values` over the entries where `mask` is true (all entries without a mask).
+
+    Stays connected to the graph when the mask is empty (the result is then 0 with a zero gradient), so every process
+    still runs the same backward.
+    """
+    if mask is None:
+        return values.mean()
+    mask = mask.to(values.dtype)
+    return (values * mask).sum() / mask.sum().clamp_min(1.0)
+
+
+def clipped_surrogate(
+    log_ratio: torch.Tensor,
+    advantages: torch.Tensor,
+    clip_low: float,
+    clip_high: float,
+    mask: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """PPO's clipped objective ``mean(max(-A r, -A clip(r, 1 - clip_low, 1 + clip_high)))``.
+
+    Args:
+        log_ratio (`torch.FloatTensor` of shape `[n, k]`): ``log pi_new - log pi_old`` per scored entry.
+        advantages (`torch.FloatTensor` of shape `[n]`).
+        clip_low (`float`), clip_high (`float`): the ratio is clipped to ``[1 - clip_low, 1 + clip_high]``.
+        mask (`torch.BoolTensor` of shape `[n, k]`, *optional*): entries to average over.
+
+    Returns:
+        `tuple`: the loss `[]` and metrics (``policy_loss``, ``ratio_mean``, ``clip_frac``, ``approx_kl``), all over
+        the masked entries.
+    """
+    ratio = torch.exp(log_ratio)  # [n, k]
+    adv = advantages[:, None].to(ratio.dtype)  # [n, 1]
+    per_entry = torch.maximum(-adv * ratio, -adv * torch.clamp(ratio, 1 - clip_low, 1 + clip_high))  # [n, k]
+    loss = masked_mean(per_entry, mask)
+    if mask is not None and not bool(mask.any()):  # nothing trained here: log the on-policy values, not zeros
+        return loss, {"policy_loss": 0.0, "ratio_mean": 1.0, "clip_frac": 0.0, "approx_kl": 0.0}
+    with torch.no_grad():
+        clipped = ((ratio < 1 - clip_low) | (ratio > 1 + clip_high)).float()
+        metrics = {
+            "policy_loss": loss.item(),
+            "ratio_mean": masked_mean(ratio, mask).item(),
+            "clip_frac": masked_mean(clipped, mask).item(),
+            "approx_kl": masked_mean(0.5 * log_ratio**2, mask).item(),
+        }
+    return loss, metrics

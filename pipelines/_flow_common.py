@@ -1,0 +1,170 @@
+"""Pieces shared by the flow-matching image adapters (`sd3`, `flux`): the trained transformer (LoRA adapter or full
+fine-tuning, its reference, its checkpoints) and the plain SDE/ODE sampling loop around
+[`mmgrpo.samplers.flow_sde.flow_sde_step`] (replay and the richer plans: `mmgrpo.pipelines._flow_plans`).
+
+Not a plugin: it defines no ``PLUGIN`` and its name starts with an underscore, so the registry skips it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from mmgrpo.samplers.flow_sde import flow_sde_step
+from mmgrpo.types import SamplingPlan
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+LORA_WEIGHTS = "pytorch_lora_weights.safetensors"
+
+# velocity(latents [n, ...], step index i) -> velocity [n, ...] in float32, at the step's noise level
+Velocity = Callable[[torch.Tensor, int], torch.Tensor]
+
+
+class TrainableTransformer:
+    """The trained part of a diffusers pipeline: a peft LoRA adapter on its transformer, or the whole transformer
+    with a frozen copy of its initial weights as the reference policy.
+
+    Args:
+        transformer (`torch.nn.Module`): the pipeline's (frozen, `eval()`) transformer; modified in place.
+        lora_rank (`int`): LoRA rank; 0 trains the whole transformer.
+        lora_alpha (`int`): LoRA scaling numerator.
+        lora_targets (`list[str]`): module names (suffixes) that get LoRA.
+
+    Attributes:
+        module (`torch.nn.Module`): the unwrapped transformer (checkpoints, adapters).
+        forward (`torch.nn.Module`): what forwards run through: the module, its DDP/FSDP wrapper after
+            [`~TrainableTransformer.prepare`], or the frozen copy inside [`~TrainableTransformer.reference`].
+    """
+
+    def __init__(self, transformer: torch.nn.Module, *, lora_rank: int, lora_alpha: int, lora_targets: list[str]):
+        self.lora = lora_rank > 0
+        self.frozen = None
+        if self.lora:
+            from peft import LoraConfig
+
+            transformer.add_adapter(
+                LoraConfig(
+                    r=lora_rank, lora_alpha=lora_alpha, init_lora_weights="gaussian", target_modules=lora_targets
+                )
+            )
+            for param in transformer.parameters():
+                if param.requires_grad:
+                    param.data = param.data.float()  # trainable parameters are always float32
+        else:
+            transformer.float().requires_grad_(True)
+            self.frozen = copy.deepcopy(transformer).requires_grad_(False).eval()
+        self.module = transformer
+        self.forward = transformer
+
+    def parameters(self) -> list[torch.nn.Parameter]:
+        return [p for p in self.module.parameters() if p.requires_grad]
+
+    def prepare(self, accelerator) -> list[torch.nn.Module]:
+        """Moves the frozen reference to the accelerator's device and wraps the trained module for distribution."""
+        if self.frozen is not None:
+            self.frozen.to(accelerator.device)
+        self.forward = accelerator.prepare_model(self.module)
+        return [self.forward]
+
+    @contextlib.contextmanager
+    def reference(self):
+        """Forwards run through the reference: LoRA adapter disabled, or the frozen initial transformer."""
+        if self.frozen is not None:
+            previous, self.forward = self.forward, self.frozen
+            try:
+                yield
+            finally:
+                self.forward = previous
+        else:
+            self.module.disable_adapters()
+            try:
+                yield
+            finally:
+                self.module.enable_adapters()
+
+    def save(self, path: str | Path, pipeline_cls: type) -> None:
+        """Writes a diffusers LoRA file with its adapter metadata (``pipeline_cls.load_lora_weights(path)`` reads it)
+        or, when fully fine-tuned, a ``transformer/`` folder that replaces the base pipeline's."""
+        path = Path(path)
+        path.mkdir(parents=True, exist_ok=True)
+        if self.lora:
+            from peft.utils import get_peft_model_state_dict
+
+            pipeline_cls.save_lora_weights(
+                path,
+                transformer_lora_layers=get_peft_model_state_dict(self.module),
+                transformer_lora_adapter_metadata=self.module.peft_config["default"].to_dict(),
+                safe_serialization=True,
+            )
+        else:
+            self.module.save_pretrained(path / "transformer")
+
+    def load(self, path: str | Path) -> None:
+        """Loads weights written by [`~TrainableTransformer.save`] into the trained module."""
+        path = Path(path)
+        if self.lora:
+            from peft.utils import set_peft_model_state_dict
+            from safetensors.torch import load_file
+
+            if not (path / LORA_WEIGHTS).is_file():
+                raise FileNotFoundError(
+                    f"No LoRA file {path / LORA_WEIGHTS}: this policy trains a LoRA (lora_rank > 0); point at a folder "
+                    f"written by its save_pretrained, or set lora_rank: 0 to load a full transformer/ folder."
+                )
+            state = {k.removeprefix("transformer."): v for k, v in load_file(path / LORA_WEIGHTS).items()}
+            result = set_peft_model_state_dict(self.module, state)
+            if getattr(result, "unexpected_keys", None):
+                raise ValueError(
+                    f"LoRA file {path / LORA_WEIGHTS} has keys this model lacks: {result.unexpected_keys[:3]}"
+                )
+        else:
+            loaded = type(self.module).from_pretrained(path / "transformer")
+            self.module.load_state_dict(loaded.state_dict())
+
+
+def sample_flow(
+    velocity: Velocity,
+    latents: torch.Tensor,
+    sigmas: torch.Tensor,
+    plan: SamplingPlan,
+    generator: torch.Generator | None = None,
+) -> tuple[dict, torch.Tensor, torch.Tensor]:
+    """Runs a flow sampler from pure noise following `plan`: SDE on `plan.sde_steps`, ODE elsewhere.
+
+    Args:
+        velocity (`Callable`): ``velocity(latents, i)``, the (guided) model velocity at step `i`.
+        latents (`torch.FloatTensor` of shape `[N, ...]`): the initial noise (at ``sigmas[0]``).
+        sigmas (`torch.FloatTensor` of shape `[S + 1]`): the noise levels, ending at 0.
+        plan ([`SamplingPlan`]): which steps are stochastic and which are trained.
+        generator (`torch.Generator`, *optional*): draws the SDE noise (on the CPU, then moved to the latents' device).
+
+    Returns:
+        `tuple`: the replay state (``latents`` `[N, S + 1, ...]` and the ``shared_*`` step parameters), the
+        log-probabilities `[N, S]` of the steps taken (on the CPU) and the trained-step mask `[N, S]`.
+    """
+    n = latents.shape[0]
+    noise_levels = torch.tensor([plan.noise_level if i in plan.sde_steps else 0.0 for i in range(plan.num_steps)])
+    states, log_probs = [latents], []
+    for i in range(plan.num_steps):
+        v = velocity(latents, i)
+        noise = torch.randn(latents.shape, generator=generator).to(latents.device) if noise_levels[i] > 0 else None
+        step = flow_sde_step(
+            v, latents, sigmas[i], sigmas[i + 1], noise_level=float(noise_levels[i]), sde_type=plan.sde_type,
+            sigma_at_one=sigmas[1], noise=noise,
+        )
+        latents = step.prev_sample
+        states.append(latents)
+        log_probs.append(step.log_prob)
+    mask = torch.zeros(n, plan.num_steps, dtype=torch.bool)
+    mask[:, [s for unit in plan.train_units for s in unit]] = True
+    trajectory = {
+        "latents": torch.stack(states, dim=1),  # [N, S + 1, ...]
+        "shared_sigmas": sigmas,  # [S + 1]
+        "shared_noise_levels": noise_levels,  # [S]
+        "shared_sde_type": plan.sde_type,
+    }
+    return trajectory, torch.stack(log_probs, dim=1).cpu(), mask  # [N, S], [N, S]

@@ -1,0 +1,325 @@
+"""Sampling plans beyond a plain SDE/ODE schedule, for the flow-matching image adapters (`sd3`, `flux`).
+
+One entry point per policy method, each taking the adapter's model as small callables, so an adapter only wires
+them (see `pipelines/sd3.py`):
+
+- [`run_plan`] (``sample``): plain plans go to [`mmgrpo.pipelines._flow_common.sample_flow`] unchanged; merged SDE
+  steps and group branches from one shared ODE anchor (E-GRPO), per-sample trained units (Chunk-GRPO) and the
+  deterministic DPM-Solver++ rollout (DGPO) are handled here.
+- [`replay_plan`] (``log_prob``): replays only the transitions a sample trains; a step taken from a group's shared
+  anchor is forwarded once per group, not once per sample.
+- [`plan_likelihood`] (``likelihood``): minus the flow-matching loss of the final samples at the plan's noise levels,
+  with noise shared within a group (DGPO).
+
+Not a plugin: it defines no ``PLUGIN`` and its name starts with an underscore, so the registry skips it.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from mmgrpo.pipelines._flow_common import sample_flow
+from mmgrpo.samplers.flow_sde import entropy_merge_span, flow_sde_step
+from mmgrpo.types import SamplingPlan
+
+PLAN_FEATURES = frozenset({"merge", "branch", "unit_selection", "dpm", "likelihood"})
+
+# velocity(latents [r, ...], sigma [], rows [r] or None for all samples) -> velocity [r, ...] in float32; `rows` pick
+# the samples' conditioning (text embeddings...)
+Velocity = Callable[[torch.Tensor, torch.Tensor, "torch.Tensor | None"], torch.Tensor]
+# noise(count, generator) -> standard normal initial latents [count, ...] in the adapter's latent layout
+Noise = Callable[[int, "torch.Generator | None"], torch.Tensor]
+
+
+def mix_seed(*parts: int) -> int:
+    """A deterministic 63-bit seed from integers (the same on every process)."""
+    value = 0
+    for part in parts:
+        value = (value * 1_000_003 + int(part) + 7) % (2**63 - 1)
+    return value
+
+
+def group_noise(noise: Noise, group_ids: torch.Tensor, seed: int, salt: int) -> torch.Tensor:
+    """Standard normal latents `[N, ...]`, identical for samples of one group (on any process): group `g` draws from
+    a generator seeded with ``(seed, g, salt)``."""
+    unique, inverse = torch.unique(group_ids, return_inverse=True)
+    draws = torch.cat([noise(1, torch.Generator().manual_seed(mix_seed(seed, g, salt))) for g in unique.tolist()])
+    return draws[inverse.to(draws.device)]
+
+
+def relative_change(latents: torch.Tensor) -> torch.Tensor:
+    """Relative L1 change of each step, ``mean|x_{i+1} - x_i| / mean|x_i|``: latents `[N, S + 1, ...]` -> `[N, S]`."""
+    dims = tuple(range(2, latents.dim()))
+    change = (latents[:, 1:] - latents[:, :-1]).abs().mean(dim=dims)
+    return (change / (latents[:, :-1].abs().mean(dim=dims) + 1e-8)).float().cpu()
+
+
+def run_plan(
+    velocity: Velocity,
+    noise: Noise,
+    sigmas: torch.Tensor,
+    plan: SamplingPlan,
+    group_ids: torch.Tensor,
+    member_ids: torch.Tensor | None,
+    generator: torch.Generator | None,
+) -> tuple[dict, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Samples `N` latents following `plan`.
+
+    Args:
+        velocity (`Velocity`), noise (`Noise`): the adapter's model and initial-noise draw.
+        sigmas (`torch.FloatTensor` of shape `[S + 1]`): the adapter's noise levels (unused by the ``"dpm"`` solver).
+        plan ([`SamplingPlan`]): the algorithm's plan.
+        group_ids (`torch.LongTensor` of shape `[N]`), member_ids (`torch.LongTensor` of shape `[N]`, *optional*).
+        generator (`torch.Generator`, *optional*): this process's sampling generator.
+
+    Returns:
+        `tuple`: the replay state (``latents`` `[N, S + 1, ...]` and step parameters; keys starting with ``shared_``
+        are not per sample), log-probabilities `[N, S]` (CPU), the trained mask `[N, S]` and the rollout's group ids
+        `[N]` (re-keyed by branch for branching plans).
+    """
+    n = len(group_ids)
+    if plan.solver == "dpm":
+        trajectory, log_probs, mask = _sample_dpm(velocity, noise(n, generator), plan)
+    elif plan.branch or plan.merge or plan.merge_entropy is not None:
+        trajectory, log_probs, mask = _sample_paths(velocity, noise, sigmas, plan, group_ids, member_ids, generator)
+        if plan.branch:
+            group_ids = plan.branch_group_ids(group_ids, member_ids)
+    else:  # a plain plan: exactly the shared loop (same random draws, same numbers)
+        trajectory, log_probs, mask = sample_flow(
+            lambda x, i: velocity(x, sigmas[i], None), noise(n, generator), sigmas, plan, generator
+        )
+    if plan.units_per_sample:
+        change = relative_change(trajectory["latents"]) if plan.unit_weighting == "latent_change" else None
+        mask = plan.select_units(n, change, generator)
+    trajectory["shared_seed"] = plan.seed
+    return trajectory, log_probs, mask, group_ids
+
+
+def _path(plan: SamplingPlan, sde_steps: list[int], sigmas: torch.Tensor, start: int = 0) -> list[tuple]:
+    """The transitions ``(i, end, noise_level)`` of one path from step `start`: SDE steps span their merge."""
+    steps, i = [], start
+    while i < plan.num_steps:
+        if i in sde_steps:
+            span = plan.merge.get(i)
+            if span is None:
+                span = 1 if plan.merge_entropy is None else entropy_merge_span(
+                    sigmas, i, plan.merge_entropy, noise_level=plan.noise_level, sde_type=plan.sde_type,
+                    max_span=plan.max_merge,
+                )
+            steps.append((i, i + span, plan.noise_level))
+            i += span
+        else:
+            steps.append((i, i + 1, 0.0))
+            i += 1
+    return steps
+
+
+def _sample_paths(velocity, noise, sigmas, plan, group_ids, member_ids, generator):
+    """Merged SDE steps, optionally as group branches from one shared deterministic anchor per group."""
+    n, num = len(group_ids), plan.num_steps
+    if plan.branch:
+        unique, inverse = torch.unique(group_ids, return_inverse=True)
+        x = group_noise(noise, unique, plan.seed, salt=-1)  # [U, ...] one initial noise per group
+    else:
+        x = noise(n, generator)  # [N, ...]
+    latents = x.new_zeros((n, num + 1, *x.shape[1:]))  # [N, S + 1, ...]
+    log_probs = torch.zeros(n, num)  # [N, S]
+    ends = torch.arange(1, num + 1).repeat(n, 1)  # [N, S] index of the sigma each step lands on
+    levels = torch.zeros(n, num)  # [N, S]
+    mask = torch.zeros(n, num, dtype=torch.bool)
+    state = dict(latents=latents, log_probs=log_probs, ends=ends, levels=levels)
+    trained = set(plan.trained_steps)
+    if not plan.branch:
+        latents[:, 0] = x
+        path = _path(plan, plan.sde_steps, sigmas)
+        _walk(velocity, x, torch.arange(n), path, sigmas, plan, generator, state)
+        mask[:, [i for i, _, level in path if level > 0 and i in trained]] = True
+    else:
+        reps = torch.stack([torch.nonzero(group_ids == g)[0, 0] for g in unique])  # first sample of each group
+        anchor, anchor_v = _anchor(velocity, x, reps, sigmas, plan)
+        branch = plan.branch_index(member_ids)
+        for k, step in enumerate(plan.sde_steps):
+            rows = torch.nonzero(branch == k).flatten()
+            if rows.numel() == 0:
+                continue
+            g = inverse[rows]
+            latents[rows, : step + 1] = anchor[g, : step + 1]
+            path = _path(plan, [step], sigmas, start=step)
+            _walk(velocity, anchor[g, step], rows, path, sigmas, plan, generator, state, first_v=anchor_v[step][g])
+            mask[rows, step] = step in trained
+    trajectory = {
+        "latents": latents,  # [N, S + 1, ...]; a merged step's skipped entries repeat the state it lands on
+        "step_ends": ends,  # [N, S]
+        "noise_levels": levels,  # [N, S]
+        "shared_sigmas": sigmas,  # [S + 1]
+        "shared_sde_type": plan.sde_type,
+        "shared_anchor": plan.branch,  # the input of each sample's SDE step is its group's anchor state
+    }
+    return trajectory, log_probs, mask
+
+
+@torch.no_grad()
+def _anchor(velocity, x, reps, sigmas, plan):
+    """The deterministic anchor of each group up to the last branch step: states `[U, b + 1, ...]` and the velocity
+    at each branch step (`[U, ...]`), computed once per group."""
+    last = max(plan.sde_steps)
+    states, at_branch = [x], {}
+    for i in range(last + 1):
+        v = velocity(x, sigmas[i], reps)
+        if i in plan.sde_steps:
+            at_branch[i] = v
+        if i < last:
+            x = flow_sde_step(v, x, sigmas[i], sigmas[i + 1], noise_level=0.0, sde_type=plan.sde_type).prev_sample
+            states.append(x)
+    return torch.stack(states, dim=1), at_branch
+
+
+def _walk(velocity, x, rows, path, sigmas, plan, generator, state, first_v=None):
+    """Takes the transitions of `path` for samples `rows` from latents `x`, writing into `state`."""
+    for t, (i, end, level) in enumerate(path):
+        v = first_v if (t == 0 and first_v is not None) else velocity(x, sigmas[i], rows)
+        noise = torch.randn(x.shape, generator=generator).to(x.device) if level > 0 else None
+        step = flow_sde_step(
+            v, x, sigmas[i], sigmas[end], noise_level=level, sde_type=plan.sde_type, sigma_at_one=sigmas[1], noise=noise
+        )
+        x = step.prev_sample
+        state["latents"][rows, i + 1 : end + 1] = x[:, None].to(state["latents"].dtype)
+        state["log_probs"][rows, i] = step.log_prob.cpu()
+        state["ends"][rows, i] = end
+        state["levels"][rows, i] = level
+
+
+@torch.no_grad()
+def _sample_dpm(velocity, x, plan):
+    """Deterministic DPM-Solver++ (2nd order multistep) for flow matching, as DGPO samples."""
+    from diffusers import DPMSolverMultistepScheduler
+
+    scheduler = DPMSolverMultistepScheduler(
+        prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=plan.flow_shift, solver_order=2,
+        algorithm_type="dpmsolver++", final_sigmas_type="zero", lower_order_final=True,
+    )
+    scheduler.set_timesteps(plan.num_steps, device="cpu")
+    sigmas = scheduler.sigmas.float().clone()  # [S + 1]
+    states = [x]
+    for i, timestep in enumerate(scheduler.timesteps):
+        v = velocity(x, sigmas[i], None)
+        x = scheduler.step(v, timestep, x.float(), return_dict=False)[0]
+        states.append(x)
+    n = x.shape[0]
+    mask = torch.zeros(n, plan.num_steps, dtype=torch.bool)
+    mask[:, plan.trained_steps] = True
+    trajectory = {
+        "latents": torch.stack(states, dim=1),  # [N, S + 1, ...]
+        "shared_sigmas": sigmas,  # [S + 1]
+        "shared_noise_levels": torch.zeros(plan.num_steps),  # [S]
+        "shared_sde_type": "ode",
+    }
+    return trajectory, torch.zeros(n, plan.num_steps), mask
+
+
+def replay_plan(
+    velocity: Velocity,
+    trajectory: dict,
+    group_ids: torch.Tensor,
+    mask: torch.Tensor,
+    steps: list[int],
+    device: torch.device,
+) -> dict[str, torch.Tensor]:
+    """Re-scores stored transitions `steps` under the current `velocity`, for the samples that train them.
+
+    A step no sample in the batch trains is replayed for every sample (so the values are real and the graph reaches
+    the parameters). Steps taken from a shared anchor are forwarded once per group.
+
+    Returns:
+        `dict` with ``log_prob`` `[n, k]`, ``mean`` `[n, k, ...]`, ``std`` `[n, k, 1, ...]` and ``mask`` `[n, k]`
+        (bool): the entries that are replayed transitions; the others are placeholders (log-prob 0, std 0, no
+        gradient) that losses must ignore.
+    """
+    latents = trajectory["latents"].to(device)  # [n, S + 1, ...]
+    n, num = latents.shape[0], latents.shape[1] - 1
+    sigmas = trajectory["shared_sigmas"]
+    if "noise_levels" in trajectory:  # per-sample paths (merged steps, branches)
+        levels, ends = trajectory["noise_levels"], trajectory["step_ends"]  # [n, S], [n, S]
+    else:
+        levels = trajectory["shared_noise_levels"].expand(n, num)  # [n, S]
+        ends = torch.arange(1, num + 1).expand(n, num)  # [n, S]
+    outs, masks = [], []
+    for i in steps:
+        active = mask[:, i].cpu()
+        rows = torch.nonzero(active).flatten() if active.any() else torch.arange(n)
+        masks.append(active)
+        end, level = int(ends[rows[0], i]), float(levels[rows[0], i])
+        if bool((ends[rows, i] != end).any() or (levels[rows, i] != level).any()):
+            raise ValueError(f"Step {i} is taken with different spans or noise levels by the replayed samples.")
+        x = latents[rows, i]
+        if trajectory.get("shared_anchor", False) and active.any():
+            _, first, inverse = _first_of_group(group_ids[rows])
+            v = velocity(x[first], sigmas[i], rows[first])[inverse.to(x.device)]  # one forward per group
+        else:
+            v = velocity(x, sigmas[i], None if len(rows) == n else rows)
+        out = flow_sde_step(
+            v, x, sigmas[i], sigmas[end], noise_level=level, sde_type=trajectory["shared_sde_type"],
+            sigma_at_one=sigmas[1], prev_sample=latents[rows, end],
+        )
+        outs.append(out if len(rows) == n else _scatter(out, rows, n))
+    return {
+        "log_prob": torch.stack([o.log_prob for o in outs], dim=1),
+        "mean": torch.stack([o.mean for o in outs], dim=1),
+        "std": torch.stack([o.std for o in outs], dim=1),
+        "mask": torch.stack(masks, dim=1).to(device),
+    }
+
+
+def _first_of_group(ids: torch.Tensor):
+    """Unique ids, the position of each id's first occurrence and the inverse index."""
+    unique, inverse = torch.unique(ids, return_inverse=True)
+    first = torch.stack([torch.nonzero(inverse == u)[0, 0] for u in range(len(unique))])
+    return unique, first, inverse
+
+
+def _scatter(out, rows: torch.Tensor, n: int):
+    """The step output for `rows` placed in `n`-row tensors (zeros elsewhere), keeping gradients."""
+
+    def full(value):
+        placed = value.new_zeros((n, *value.shape[1:]))
+        return placed.index_put((rows.to(value.device),), value)
+
+    return type(out)(
+        prev_sample=full(out.prev_sample), log_prob=full(out.log_prob), mean=full(out.mean), std=full(out.std)
+    )
+
+
+def plan_likelihood(
+    velocity: Velocity,
+    noise: Noise,
+    trajectory: dict,
+    group_ids: torch.Tensor,
+    steps: list[int],
+    device: torch.device,
+) -> dict[str, torch.Tensor]:
+    """Minus the flow-matching loss of the final samples ``x0`` at noise levels ``sigmas[j]``, `j` in `steps`.
+
+    ``x_t = (1 - s) x0 + s eps``, target ``eps - x0``, ``eps`` shared within a group and fixed by the plan's seed, the
+    group and `j` (so the policy, its reference and an old copy see the same noise on every process).
+
+    Returns:
+        `dict` with ``log_prob`` `[n, k]` (``-mean((v - target)^2)`` per sample), ``velocity`` `[n, k, ...]` and
+        ``group_ids`` `[n]`.
+    """
+    x0 = trajectory["latents"][:, -1].to(device).float()  # [n, ...]
+    sigmas, seed = trajectory["shared_sigmas"], trajectory["shared_seed"]
+    dims = tuple(range(1, x0.dim()))
+    log_probs, velocities = [], []
+    for j in steps:
+        eps = group_noise(noise, group_ids, seed, salt=j).to(device).float()  # [n, ...]
+        s = sigmas[j].to(device)
+        v = velocity((1 - s) * x0 + s * eps, sigmas[j], None)
+        log_probs.append(-((v - (eps - x0)) ** 2).mean(dim=dims))
+        velocities.append(v)
+    return {
+        "log_prob": torch.stack(log_probs, dim=1),  # [n, k]
+        "velocity": torch.stack(velocities, dim=1),  # [n, k, ...]
+        "group_ids": group_ids,
+    }

@@ -1,0 +1,184 @@
+"""Box IoU of grounding answers: boxes parsed from the model's text, mapped to the original image, matched to the truth.
+
+Continuous IoU for one object as VLM-R1's REC reward, Hungarian matching for several objects as VisionReasoner; a
+threshold mode (1 per matched pair with IoU >= threshold) as Seg-Zero. VLM-R1: https://github.com/om-ai-lab/VLM-R1 .
+
+Conventions (one for all models):
+
+- **Boxes** are ``[x1, y1, x2, y2]`` in continuous coordinates; area ``(x2 - x1) * (y2 - y1)`` (no +1 pixel).
+- **Frames.** The ground truth is in pixels of the *original* image. The model's numbers are read in the frame set by
+  `coords`: ``"resized"`` (pixels of the model input, the processor's resized image: Qwen2.5-VL), ``"original"``
+  (pixels of the original image), ``"norm1000"`` (0-1000 relative: Qwen2-VL, Visual-RFT) or ``"norm1"`` (0-1
+  relative), and mapped to the original image before the IoU. A frame mismatch is the usual cause of an IoU stuck at 0.
+- **Parsing** (inside the last ``<answer>...</answer>`` when there is one, else the whole text): every ``<box>...</box>``
+  or ``<|box_start|>...<|box_end|>`` with 4 numbers (``(x1,y1),(x2,y2)``, ``[x1, y1, x2, y2]`` or ``x1 y1 x2 y2``);
+  without such tags, every bracketed list of exactly 4 numbers, which covers JSON (``[{"bbox_2d": [...], "label":
+  ...}]``, ``[[...], [...]]``) and a bare ``[x1, y1, x2, y2]``.
+- **Score**: the sum of matched IoUs (or hits, in threshold mode) divided by ``max(#predicted, #true)``, so extra and
+  missing boxes both cost; 1 for an empty truth (no target) and no predicted box, 0 for an empty truth and any box.
+
+Malformed answers score 0 and set ``malformed`` = 1: no box found when a target exists, or a box that is inverted
+(``x2 < x1`` or ``y2 < y1``, kept with IoU 0). Boxes are clipped to the image (``clipped`` = 1 when any was). Samples
+without ground truth (no `gt_key` in their metadata) are not applicable: NaN.
+
+Metadata keys (per sample): `gt_key` (default ``"boxes"``): one box or a list of boxes, original-image pixels;
+``"image_size"``: ``[width, height]`` of the original image (needed unless ``coords="original"``); ``"input_size"``:
+``[width, height]`` of the model input (needed with ``coords="resized"``; e.g. ``image_grid_thw`` w and h times the
+patch size for Qwen2.5-VL).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+
+from mmgrpo.rewards._common import last_tag_block, nans, texts
+from mmgrpo.rewards._matching import max_weight_matching
+from mmgrpo.types import PromptBatch, RewardResult
+
+_NUMBER = r"[-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?"
+_TAGS = (re.compile(r"<box>(.*?)</box>", re.DOTALL), re.compile(r"<\|box_start\|>(.*?)<\|box_end\|>", re.DOTALL))
+_LIST4 = re.compile(rf"[\[(]\s*({_NUMBER})\s*,\s*({_NUMBER})\s*,\s*({_NUMBER})\s*,\s*({_NUMBER})\s*[\])]")
+
+
+def parse_boxes(text: str, answer_tag: str | None = "answer", max_boxes: int = 100) -> list[list[float]]:
+    """The boxes written in `text` (model frame, not mapped), see the module docstring; at most `max_boxes`."""
+    if answer_tag:
+        text = last_tag_block(text, answer_tag) or text
+    tagged = [m for pattern in _TAGS for m in pattern.findall(text)]
+    if tagged:
+        found = [[float(x) for x in re.findall(_NUMBER, content)] for content in tagged]
+        boxes = [numbers for numbers in found if len(numbers) == 4]
+    else:
+        boxes = [[float(x) for x in match] for match in _LIST4.findall(text)]
+    return [box for box in boxes if all(math.isfinite(x) for x in box)][:max_boxes]
+
+
+def box_iou(boxes_a: torch.Tensor, boxes_b: torch.Tensor) -> torch.Tensor:
+    """Pairwise IoU of ``[x1, y1, x2, y2]`` boxes: `[P, 4]` x `[G, 4]` -> `[P, G]`. Inverted or empty boxes have
+    area 0; a pair with zero union has IoU 0."""
+    a, b = boxes_a.double()[:, None, :], boxes_b.double()[None, :, :]  # [P, 1, 4], [1, G, 4]
+    width = (torch.minimum(a[..., 2], b[..., 2]) - torch.maximum(a[..., 0], b[..., 0])).clamp_min(0)  # [P, G]
+    height = (torch.minimum(a[..., 3], b[..., 3]) - torch.maximum(a[..., 1], b[..., 1])).clamp_min(0)
+    inter = width * height
+    area_a = ((a[..., 2] - a[..., 0]).clamp_min(0) * (a[..., 3] - a[..., 1]).clamp_min(0))  # [P, 1]
+    area_b = ((b[..., 2] - b[..., 0]).clamp_min(0) * (b[..., 3] - b[..., 1]).clamp_min(0))  # [1, G]
+    union = area_a + area_b - inter
+    return torch.where(union > 0, inter / union.clamp_min(1e-12), torch.zeros_like(union))  # [P, G]
+
+
+class BoxIoU:
+    """Scores ``outputs["texts"]`` (list of `N` strings) against ground-truth boxes in ``batch.metadata``."""
+
+    @dataclass
+    class Config:
+        """Configuration of [`BoxIoU`] (see the module docstring for frames and parsing).
+
+        Args:
+            coords (`str`, defaults to `"resized"`): the frame of the model's numbers: ``"resized"``, ``"original"``,
+                ``"norm1000"`` or ``"norm1"``.
+            threshold (`float`, *optional*): if set, a matched pair counts 1 when its IoU reaches it, else 0.
+            answer_tag (`str`, *optional*, defaults to `"answer"`): read boxes inside the last ``<tag>...</tag>``
+                when present (None: the whole text).
+            gt_key (`str`, defaults to `"boxes"`): metadata key of the ground-truth box(es).
+            max_boxes (`int`, defaults to 100): boxes read from one answer at most.
+        """
+
+        coords: Literal["resized", "original", "norm1000", "norm1"] = "resized"
+        threshold: float | None = None
+        answer_tag: str | None = "answer"
+        gt_key: str = "boxes"
+        max_boxes: int = 100
+
+        def __post_init__(self):
+            if self.threshold is not None and not 0.0 < self.threshold <= 1.0:
+                raise ValueError(f"box_iou.threshold must be in (0, 1] or null, got {self.threshold}.")
+            if self.max_boxes < 1:
+                raise ValueError(f"box_iou.max_boxes must be >= 1, got {self.max_boxes}.")
+
+    modalities = frozenset({"text"})
+
+    def __init__(self, config: "BoxIoU.Config | None" = None):
+        self.config = config or self.Config()
+
+    def _size(self, metadata: dict, key: str, index: int) -> tuple[float, float]:
+        size = metadata.get(key)
+        if not (isinstance(size, (list, tuple)) and len(size) == 2 and all(float(s) > 0 for s in size)):
+            hint = " (the processor's resized frame)" if key == "input_size" else ""
+            raise ValueError(
+                f"box_iou: coords={self.config.coords!r} needs metadata[{key!r}] = [width, height]{hint} for sample "
+                f"{index}, got {size!r}. Add it to the prompt source, or set coords to the frame the model writes in."
+            )
+        return float(size[0]), float(size[1])
+
+    def to_original(self, boxes: torch.Tensor, metadata: dict, index: int = 0) -> torch.Tensor:
+        """Maps predicted boxes `[P, 4]` from the configured frame to original-image pixels."""
+        coords = self.config.coords
+        if coords == "original":
+            return boxes
+        width, height = self._size(metadata, "image_size", index)
+        if coords == "resized":
+            in_w, in_h = self._size(metadata, "input_size", index)
+            scale = torch.tensor([width / in_w, height / in_h, width / in_w, height / in_h], dtype=boxes.dtype)
+        else:
+            unit = 1000.0 if coords == "norm1000" else 1.0
+            scale = torch.tensor([width, height, width, height], dtype=boxes.dtype) / unit
+        return boxes * scale
+
+    def score_one(self, text: str | None, truth: Any, metadata: dict, index: int = 0) -> dict[str, float]:
+        """Score and components of one answer against its ground truth (original-image pixels)."""
+        try:
+            gt = torch.tensor(truth, dtype=torch.float64).reshape(-1, 4)  # [G, 4]
+        except (TypeError, ValueError, RuntimeError) as err:
+            raise ValueError(
+                f"box_iou: metadata[{self.config.gt_key!r}] of sample {index} must be [x1, y1, x2, y2] or a list of "
+                f"such boxes (original-image pixels), got {truth!r}."
+            ) from err
+        boxes = parse_boxes(text, self.config.answer_tag, self.config.max_boxes) if text is not None else []
+        result = {"iou": float("nan"), "malformed": 0.0, "clipped": 0.0, "num_boxes": float(len(boxes))}
+        if not boxes:
+            result["malformed"] = float(len(gt) > 0 or text is None)
+            result["score"] = float(len(gt) == 0 and text is not None)
+            return result
+        if len(gt) == 0:
+            result["score"] = 0.0
+            return result
+        pred = self.to_original(torch.tensor(boxes, dtype=torch.float64), metadata, index)  # [P, 4]
+        inverted = (pred[:, 2] < pred[:, 0]) | (pred[:, 3] < pred[:, 1])
+        result["malformed"] = float(inverted.any())
+        if self.config.coords != "original" or "image_size" in metadata:
+            width, height = self._size(metadata, "image_size", index)
+            limits = torch.tensor([width, height, width, height], dtype=pred.dtype)
+            clipped = torch.minimum(pred.clamp_min(0), limits)
+            result["clipped"] = float((clipped != pred).any())
+            pred = clipped
+        iou = box_iou(pred, gt)  # [P, G]
+        iou[inverted] = 0.0
+        pairs = max_weight_matching(iou)
+        matched = torch.tensor([float(iou[i, j]) for i, j in pairs], dtype=torch.float64)
+        result["iou"] = float(matched.sum() / max(len(pred), len(gt)))
+        if self.config.threshold is not None:
+            matched = (matched >= self.config.threshold).double()
+        result["score"] = float(matched.sum() / max(len(pred), len(gt)))
+        return result
+
+    def __call__(self, outputs: dict[str, Any], batch: PromptBatch) -> RewardResult:
+        """Returns `scores` `[N]` and `components` ``iou`` (continuous, NaN without a box pair), ``malformed``,
+        ``clipped`` and ``num_boxes``, each `[N]`."""
+        n = len(batch)
+        answers = texts(outputs, n, "box_iou")
+        columns = {name: nans(n) for name in ("score", "iou", "malformed", "clipped", "num_boxes")}
+        for i, (text, metadata) in enumerate(zip(answers, batch.metadata)):
+            if self.config.gt_key not in metadata:
+                continue
+            for name, value in self.score_one(text, metadata[self.config.gt_key], metadata, i).items():
+                columns[name][i] = value
+        scores = columns.pop("score")
+        return RewardResult(scores=scores, components=columns)
+
+
+PLUGIN = BoxIoU

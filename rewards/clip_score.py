@@ -1,0 +1,80 @@
+"""CLIP score: image-prompt cosine similarity of an open_clip model, scaled as CLIPScore (w * max(cos, 0)).
+
+CLIPScore: https://arxiv.org/abs/2104.08718 (w = 2.5; torchmetrics' `CLIPScore` uses w = 100). Images are resized
+(shorter side, bicubic), centre-cropped and normalised as open_clip's eval transform does, on tensors. A video scores the
+mean over its frames.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from mmgrpo.rewards import _clip
+from mmgrpo.rewards._common import frames, non_finite_samples
+from mmgrpo.types import PromptBatch, RewardResult
+
+
+class ClipScore:
+    """Scores ``outputs["images"]`` `[N, 3, H, W]` (or ``outputs["videos"]`` `[N, F, 3, H, W]`) against the prompts."""
+
+    @dataclass
+    class Config:
+        """Configuration of [`ClipScore`].
+
+        Args:
+            model_name (`str`, defaults to `"ViT-L-14"`): an open_clip model name, ``"local-dir:<folder>"`` (a folder
+                holding ``open_clip_config.json`` and the weights) or ``"hf-hub:org/repo"``.
+            pretrained (`str`, *optional*, defaults to `"openai"`): an open_clip pretrained tag (downloaded through the
+                hub) or the path of a local checkpoint file of `model_name`; ignored with a ``local-dir:`` name. None
+                builds random weights (tests only).
+            scale (`float`, defaults to 2.5): the score is ``scale * cos`` (CLIPScore's w).
+            clamp_negative (`bool`, defaults to `True`): ``max(cos, 0)`` as CLIPScore does.
+            modality (`str`, defaults to `"image"`): ``"image"`` or ``"video"`` (mean over frames).
+            batch_size (`int`, defaults to 32): images per CLIP forward.
+            device (`str`, defaults to `"auto"`): where the CLIP model runs (``"auto"``: CUDA when available).
+        """
+
+        model_name: str = "ViT-L-14"
+        pretrained: str | None = "openai"
+        scale: float = 2.5
+        clamp_negative: bool = True
+        modality: Literal["image", "video"] = "image"
+        batch_size: int = 32
+        device: str = "auto"
+
+        def __post_init__(self):
+            if self.scale <= 0:
+                raise ValueError(f"clip_score.scale must be > 0, got {self.scale}.")
+            if self.batch_size < 1:
+                raise ValueError(f"clip_score.batch_size must be >= 1, got {self.batch_size}.")
+            _clip.check_source("clip_score", self.model_name, self.pretrained)
+
+    modalities = frozenset({"image"})  # the default; an instance holds its configured modality
+
+    def __init__(self, config: "ClipScore.Config | None" = None):
+        self.config = config or self.Config()
+        self.modalities = frozenset({self.config.modality})
+        self.model, self.tokenizer = _clip.load_open_clip(
+            "clip_score", self.config.model_name, self.config.pretrained, self.config.device
+        )
+
+    def __call__(self, outputs: dict[str, Any], batch: PromptBatch) -> RewardResult:
+        """Returns `scores` `[N]` and `components` ``cosine`` (raw cosine similarity, frame mean) and ``malformed``
+        (1 where the pixels held NaN or infinity; those are scored as if they were 0)."""
+        cfg = self.config
+        pixels, per_sample = frames(outputs, cfg.modality, "clip_score")  # [N * F, 3, H, W]
+        n = pixels.shape[0] // max(per_sample, 1)
+        prompts = [p for p in batch.prompts for _ in range(per_sample)]
+        image = _clip.image_embeddings(pixels, self.model, cfg.batch_size)  # [N * F, D]
+        text = _clip.text_embeddings(prompts, self.model, self.tokenizer, cfg.batch_size)  # [N * F, D]
+        cosine = (image * text).sum(dim=-1).view(n, per_sample)  # [N, F]
+        scores = (cfg.scale * (cosine.clamp_min(0) if cfg.clamp_negative else cosine)).mean(dim=1)  # [N]
+        cosine = cosine.mean(dim=1)  # [N]
+        return RewardResult(
+            scores=scores.float(),
+            components={"cosine": cosine.float(), "malformed": non_finite_samples(outputs, cfg.modality)},
+        )
+
+
+PLUGIN = ClipScore

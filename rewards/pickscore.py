@@ -1,0 +1,104 @@
+"""PickScore: a CLIP-H fine-tuned on human preferences (Pick-a-Pic), loaded with transformers' `CLIPModel`.
+
+PickScore: https://arxiv.org/abs/2305.01569 (weights ``yuvalkirstain/PickScore_v1``, processor
+``laion/CLIP-ViT-H-14-laion2B-s32B-b79K``). The score is ``logit_scale.exp() * cos(image, prompt)`` (about 17-24 for
+real images), divided by `divisor` (Flow-GRPO divides by 26). Images go through the processor's resize (shorter side),
+centre crop and normalisation, applied on tensors. A video scores the mean over its frames.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+
+from mmgrpo.hub import resolve_pretrained
+from mmgrpo.rewards._clip import resize_crop_normalize
+from mmgrpo.rewards._common import frames, non_finite_samples
+from mmgrpo.types import PromptBatch, RewardResult
+
+
+class PickScore:
+    """Scores ``outputs["images"]`` `[N, 3, H, W]` (or ``outputs["videos"]`` `[N, F, 3, H, W]`) against the prompts."""
+
+    @dataclass
+    class Config:
+        """Configuration of [`PickScore`].
+
+        Args:
+            model (`str`, defaults to `"yuvalkirstain/PickScore_v1"`): a local folder (``config.json`` and weights,
+                as `save_pretrained` writes) or a hub id of the `CLIPModel`.
+            processor (`str`, *optional*, defaults to `"laion/CLIP-ViT-H-14-laion2B-s32B-b79K"`): folder or hub id of
+                the `CLIPProcessor` (tokenizer and image processor); None: the `model` folder.
+            divisor (`float`, defaults to 1.0): the score is divided by it (Flow-GRPO: 26).
+            modality (`str`, defaults to `"image"`): ``"image"`` or ``"video"`` (mean over frames).
+            batch_size (`int`, defaults to 32): images per forward.
+            device (`str`, defaults to `"auto"`): where the model runs (``"auto"``: CUDA when available).
+        """
+
+        model: str = "yuvalkirstain/PickScore_v1"
+        processor: str | None = "laion/CLIP-ViT-H-14-laion2B-s32B-b79K"
+        divisor: float = 1.0
+        modality: Literal["image", "video"] = "image"
+        batch_size: int = 32
+        device: str = "auto"
+
+        def __post_init__(self):
+            if self.divisor <= 0 or self.batch_size < 1:
+                raise ValueError(f"pickscore.divisor must be > 0 and batch_size >= 1, got {self.divisor}, {self.batch_size}.")
+            resolve_pretrained(self.model, "pickscore.model")
+            if self.processor is not None:
+                resolve_pretrained(self.processor, "pickscore.processor")
+
+    modalities = frozenset({"image"})  # the default; an instance holds its configured modality
+
+    def __init__(self, config: "PickScore.Config | None" = None):
+        from transformers import CLIPModel, CLIPProcessor
+
+        self.config = config or self.Config()
+        self.modalities = frozenset({self.config.modality})
+        device = self.config.device
+        self.device = ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device
+        sources = {"pickscore.model": self.config.model, "pickscore.processor": self.config.processor or self.config.model}
+        try:
+            self.processor = CLIPProcessor.from_pretrained(resolve_pretrained(sources["pickscore.processor"]))
+            self.model = CLIPModel.from_pretrained(resolve_pretrained(sources["pickscore.model"])).to(self.device)
+        except OSError as err:
+            raise RuntimeError(
+                f"pickscore: could not load the model or processor from {sources} ({err}). Without network access, "
+                f"download yuvalkirstain/PickScore_v1 (config.json, model.safetensors) and the processor files of "
+                f"laion/CLIP-ViT-H-14-laion2B-s32B-b79K, and set pickscore.model / pickscore.processor to those "
+                f"folders."
+            ) from err
+        self.model.eval().requires_grad_(False)
+
+    @torch.no_grad()
+    def _cosines(self, pixels: torch.Tensor, prompts: list[str]) -> torch.Tensor:
+        """Cosine similarity `[M]` of images `[M, 3, H, W]` in [0, 1] and their prompts."""
+        image_processor = self.processor.image_processor
+        crop = image_processor.crop_size
+        pixel_values = resize_crop_normalize(
+            pixels, (crop["height"], crop["width"]), image_processor.image_mean, image_processor.image_std, self.device
+        )
+        text = self.processor.tokenizer(prompts, padding=True, truncation=True, max_length=77, return_tensors="pt")
+        out = self.model(pixel_values=pixel_values, **{k: v.to(self.device) for k, v in text.items()})
+        return (out.image_embeds * out.text_embeds).sum(dim=-1).float().cpu()  # embeddings are L2-normalised
+
+    def __call__(self, outputs: dict[str, Any], batch: PromptBatch) -> RewardResult:
+        """Returns `scores` `[N]` and `components` ``cosine`` and ``malformed`` (non-finite pixels, scored as 0)."""
+        cfg = self.config
+        pixels, per_sample = frames(outputs, cfg.modality, "pickscore")  # [N * F, 3, H, W]
+        prompts = [p for p in batch.prompts for _ in range(per_sample)]
+        cosine = torch.cat([
+            self._cosines(pixels[i : i + cfg.batch_size], prompts[i : i + cfg.batch_size])
+            for i in range(0, len(prompts), cfg.batch_size)
+        ]).view(-1, per_sample)  # [N, F]
+        scores = (self.model.logit_scale.exp().float().cpu() * cosine / cfg.divisor).mean(dim=1)  # [N]
+        return RewardResult(
+            scores=scores.float(),
+            components={"cosine": cosine.mean(dim=1).float(), "malformed": non_finite_samples(outputs, cfg.modality)},
+        )
+
+
+PLUGIN = PickScore

@@ -1,0 +1,78 @@
+"""Fixtures of the reward tests: a tiny open_clip model folder, an aesthetic head file and a running reward server.
+
+Test modules import the fixtures they use (``from reward_fixtures import tiny_clip_dir``); pytest finds fixtures in a
+module's namespace.
+"""
+
+import json
+
+import pytest
+import torch
+
+TINY_CLIP = {  # an open_clip model config small enough for CPU tests (1.6M parameters, most in the token table)
+    "embed_dim": 32,
+    "vision_cfg": {"image_size": 32, "layers": 1, "width": 32, "head_width": 16, "patch_size": 8},
+    "text_cfg": {"context_length": 77, "vocab_size": 49408, "width": 32, "heads": 2, "layers": 1},
+}
+
+
+def write_tiny_clip(folder, seed: int = 0) -> str:
+    """Writes a random tiny open_clip model as a ``local-dir:`` folder (config + safetensors); returns the folder."""
+    import open_clip
+    from safetensors.torch import save_file
+
+    (folder / "open_clip_config.json").write_text(json.dumps({"model_cfg": TINY_CLIP, "preprocess_cfg": {}}))
+    torch.manual_seed(seed)
+    model = open_clip.create_model(f"local-dir:{folder}")  # no weights in the folder yet: random initialisation
+    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(folder / "open_clip_model.safetensors"))
+    return str(folder)
+
+
+@pytest.fixture(scope="session")
+def tiny_clip_dir(tmp_path_factory):
+    return write_tiny_clip(tmp_path_factory.mktemp("tiny_clip"))
+
+
+@pytest.fixture(scope="session")
+def tiny_aesthetic_head(tmp_path_factory):
+    """A LAION-architecture head for the tiny CLIP's 32-d embeddings, saved like the original (``layers.*`` keys)."""
+    from mmgrpo.rewards.aesthetic import laion_head
+
+    torch.manual_seed(0)
+    head = laion_head(TINY_CLIP["embed_dim"])
+    path = tmp_path_factory.mktemp("aesthetic") / "head.pth"
+    torch.save({f"layers.{k}": v for k, v in head.state_dict().items()}, path)
+    return str(path)
+
+
+@pytest.fixture(scope="session")
+def jpeg_server():
+    """A reward server scoring `jpeg` on a free loopback port, in a background thread."""
+    from mmgrpo.reward_server import RewardServer
+    from mmgrpo.rewards.jpeg import JpegReward
+
+    server = RewardServer(JpegReward(), "jpeg").start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="session")
+def tiny_pickscore_dir(tmp_path_factory):
+    """A tiny random transformers `CLIPModel` with its `CLIPProcessor` (offline CLIP tokenizer), saved to a folder."""
+    from transformers import CLIPConfig, CLIPImageProcessor, CLIPModel, CLIPProcessor
+
+    from mmgrpo.data.tiny_components import clip_tokenizer
+
+    tokenizer = clip_tokenizer(model_max_length=77)
+    text = {"vocab_size": len(tokenizer), "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
+            "num_attention_heads": 2, "max_position_embeddings": 77, "bos_token_id": tokenizer.bos_token_id,
+            "eos_token_id": tokenizer.eos_token_id, "pad_token_id": tokenizer.pad_token_id}
+    vision = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 2,
+              "image_size": 32, "patch_size": 8}
+    torch.manual_seed(0)
+    model = CLIPModel(CLIPConfig(text_config=text, vision_config=vision, projection_dim=16)).eval()
+    image_processor = CLIPImageProcessor(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32})
+    path = tmp_path_factory.mktemp("tiny_pickscore")
+    model.save_pretrained(path)
+    CLIPProcessor(image_processor=image_processor, tokenizer=tokenizer).save_pretrained(path)
+    return str(path)

@@ -1,0 +1,84 @@
+"""bench/flow_algorithms.py's report on synthetic runs (no model runs): time to reach Flow-GRPO's final reward, the
+speed-ups, the verdict on DGPO's claim, and the files it writes."""
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module")
+def bench():
+    spec = importlib.util.spec_from_file_location("flow_algorithms", ROOT / "bench" / "flow_algorithms.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def write_run(folder: Path, evals: dict[int, float], step_s: float, with_train_s: bool = True) -> Path:
+    """A run folder as the trainer leaves it: `evals` maps step -> held-out strict; 128 images and `step_s` s a step."""
+    folder.mkdir(parents=True)
+    config = {"seed": 0, "train": {"max_seconds": 30.0}, "pipeline": {"pretrained": "mmgrpo:t2i_shapes"},
+              "eval": {"metric": "strict", "num_prompts": 16, "every_seconds": 10.0}}
+    (folder / "config.json").write_text(json.dumps(config))
+    lines = [{"step": 0, "eval/strict": evals[0]}]
+    for step in range(1, max(evals) + 1):
+        line = {"step": step, "reward/mean": 0.5, "samples_seen": 128 * step, "time/step_s": step_s}
+        if with_train_s:
+            line["time/train_s"] = step_s * step
+        if step in evals:
+            line["eval/strict"] = evals[step]
+        lines.append(line)
+    (folder / "metrics.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+    return folder
+
+
+def test_report_times_every_run_to_flow_grpo_final_reward(bench, tmp_path):
+    write_run(tmp_path / "flow_grpo", {0: 0.5, 1: 0.6, 2: 0.7, 3: 0.8}, step_s=10.0)
+    write_run(tmp_path / "dgpo", {0: 0.5, 1: 0.85, 6: 0.9}, step_s=5.0, with_train_s=False)  # reaches 0.8 at 5 s
+    write_run(tmp_path / "e_grpo", {0: 0.5, 3: 0.79}, step_s=10.0)  # never reaches it
+    bench.main(["--report-only", "--output", str(tmp_path), "--algorithms", "flow_grpo", "dgpo", "e_grpo"])
+
+    results = json.loads((tmp_path / "results.json").read_text())
+    rows = results["comparison"]["rows"]
+    assert results["comparison"]["target"] == 0.8
+    assert rows["flow_grpo"]["reached"] == {"step": 3, "train_s": 30.0, "samples_seen": 384, "speedup_s": 1.0,
+                                            "speedup_images": 1.0}
+    assert rows["dgpo"]["reached"]["train_s"] == 5.0 and rows["dgpo"]["reached"]["speedup_s"] == 6.0
+    assert rows["dgpo"]["reached"]["speedup_images"] == 3.0 and rows["dgpo"]["train_s"] == 30.0  # summed time/step_s
+    assert rows["e_grpo"]["reached"] is None and rows["e_grpo"]["best"] == 0.79
+    assert results["comparison"]["claim"]["held"] is True
+    assert [p["train_s"] for p in results["runs"]["dgpo"]["curve"]] == [0.0, 5.0, 30.0]
+
+    table = (tmp_path / "table.md").read_text()
+    assert "| DGPO | 0.500 | 0.900 | 0.900 | 6 | 768 | 30.0 | 5.0 | 128 | 6.00x | 3.00x |" in table
+    assert "| E-GRPO | 0.500 | 0.790 | 0.790 | 3 | 384 | 30.0 | n/a | n/a | n/a | n/a |" in table
+    assert "**DGPO claim (>= 5x sooner):** Yes:" in table
+    assert (tmp_path / "curves.png").stat().st_size > 1000
+
+
+def test_claim_verdict_says_no_and_cannot_judge(bench, tmp_path):
+    flow = bench.read_run(write_run(tmp_path / "f", {0: 0.5, 1: 0.6, 2: 0.7}, step_s=10.0))
+    slow = bench.read_run(write_run(tmp_path / "d", {0: 0.5, 1: 0.7}, step_s=10.0))  # reaches it 2x sooner
+    never = bench.read_run(write_run(tmp_path / "n", {0: 0.5, 2: 0.6}, step_s=10.0))
+    flat = bench.read_run(write_run(tmp_path / "z", {0: 0.5, 2: 0.5}, step_s=10.0))
+
+    assert bench.compare({"flow_grpo": flow, "dgpo": slow})["claim"]["held"] is False
+    verdict = bench.compare({"flow_grpo": flow, "dgpo": never})["claim"]
+    assert verdict["held"] is False and verdict["text"].startswith("No: DGPO never reached")
+    verdict = bench.compare({"flow_grpo": flat, "dgpo": slow})["claim"]  # Flow-GRPO did not improve: nothing to reach
+    assert verdict["held"] is None and verdict["text"].startswith("Cannot be judged")
+    assert bench.compare({"flow_grpo": flow})["claim"]["held"] is None
+
+
+def test_commands_share_budget_seed_and_evaluation(bench):
+    args = bench.parse_args(["--budget-s", "90", "--eval-prompts", "16", "--seed", "3"])
+    commands = [bench.train_command(name, args) for name in args.algorithms]
+    assert [c[4] for c in commands] == list(bench.CONFIGS.values())
+    for command in commands:
+        assert {"seed=3", "train.max_seconds=90.0", "eval.every=0", "eval.every_seconds=10.0", "eval.num_prompts=16"} <= set(command)
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--algorithms", "dgpo"])  # nothing to time it against

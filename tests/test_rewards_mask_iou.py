@@ -1,0 +1,62 @@
+"""mask_iou: known IoU and S-measure values, frame mapping, empty masks and malformed predictions."""
+
+import math
+
+import pytest
+import torch
+
+from mmgrpo.rewards.mask_iou import MaskIoU, s_measure
+from mmgrpo.types import PromptBatch
+
+
+def square(size, top, left, side):
+    mask = torch.zeros(size, size, dtype=torch.bool)
+    mask[top : top + side, left : left + side] = True
+    return mask
+
+
+def run(predictions, truths, **options):
+    reward = MaskIoU(MaskIoU.Config(**options))
+    metadata = [{} if truth is None else {"mask": truth} for truth in truths]
+    return reward({"masks": predictions}, PromptBatch(["p"] * len(truths), metadata=metadata))
+
+
+def test_known_iou_values():
+    gt = square(16, 2, 2, 8)  # 64 pixels
+    shifted = square(16, 6, 2, 8)  # overlaps 4 rows x 8 = 32; union 96
+    result = run(torch.stack([gt, square(16, 12, 12, 4), shifted]), [gt, gt, gt])
+    assert result.scores.tolist() == pytest.approx([1.0, 0.0, 1 / 3])
+    assert result.components["s_measure"][0] == pytest.approx(1.0)  # identical masks are structurally identical
+    assert result.components["malformed"].tolist() == [0.0, 0.0, 0.0]
+
+
+def test_s_measure_known_values_and_weighting():
+    empty = torch.zeros(8, 8)
+    assert s_measure(empty, empty.bool()) == 1.0  # no object, nothing predicted
+    assert s_measure(torch.ones(8, 8), empty.bool()) == 0.0  # no object, everything predicted
+    assert s_measure(torch.ones(8, 8), torch.ones(8, 8).bool()) == 1.0
+    gt = square(16, 2, 2, 8)
+    pred = square(16, 6, 2, 8)
+    result = run(pred[None].float(), [gt], s_measure_weight=0.3)
+    iou, structure = result.components["iou"][0], result.components["s_measure"][0]
+    assert 0 < structure < 1 and result.scores[0] == pytest.approx(0.7 * iou + 0.3 * structure)
+
+
+def test_prediction_in_a_resized_frame_and_soft_masks():
+    gt = square(16, 4, 4, 8)
+    small = square(8, 2, 2, 4)  # the same square at half resolution
+    assert run([small], [gt]).scores[0] == 1.0
+    soft = gt.float() * 0.9 + 0.05  # probabilities, thresholded at 0.5
+    assert run(soft[None], [gt]).scores[0] == 1.0
+    assert run(soft[None], [gt], threshold=0.95).scores[0] == 0.0
+
+
+def test_empty_truth_malformed_predictions_and_not_applicable():
+    empty = torch.zeros(8, 8, dtype=torch.bool)
+    assert run(empty[None], [empty]).scores[0] == 1.0  # no target, nothing predicted
+    gt = square(8, 0, 0, 4)
+    nan_mask = torch.full((8, 8), float("nan"))
+    result = run([None, nan_mask, torch.ones(2, 8, 8), gt], [gt, gt, gt, None])
+    assert result.scores[:3].tolist() == [0.0, 0.0, 0.0]
+    assert result.components["malformed"][:3].tolist() == [1.0, 1.0, 1.0]
+    assert math.isnan(result.scores[3])  # no ground truth: not applicable
