@@ -16,6 +16,7 @@ import copy
 import hashlib
 import itertools
 from dataclasses import dataclass, field
+from typing import Literal
 
 import numpy as np
 from PIL import Image, ImageDraw
@@ -202,8 +203,12 @@ def render(metadata: dict, rng: np.random.Generator, size: int = 32) -> Image.Im
 class ShapesPrompts:
     """Prompt source of the shapes task, with disjoint train and held-out (eval) prompt strings.
 
-    Every distinct prompt of the enabled kinds goes to eval when ``stable_fraction(prompt) < eval_fraction``, else
-    to train. Items are drawn kind by kind in turn (so kinds are balanced), without repeating a prompt until its
+    Every distinct prompt has a fixed ``stable_fraction(prompt)`` in [0, 1). With ``held_out="unseen"`` the prompts
+    below `eval_fraction` are held out (the shipped base model was trained on the others, so these are combinations
+    neither base training nor RL ever saw: zero-shot composition), and RL trains on the rest. With
+    ``held_out="rl_only"`` the held-out prompts are those in ``[eval_fraction, 2 * eval_fraction)``: the base model
+    saw them, RL never does (RL trains on ``>= 2 * eval_fraction``), which is GenEval's situation for a pretrained
+    model (its test prompts are new to RL, not to pretraining). Items are drawn kind by kind in turn (so kinds are balanced), without repeating a prompt until its
     kind's pool is used up. Everything is fixed by `seed`.
     """
 
@@ -219,6 +224,8 @@ class ShapesPrompts:
                 ``two_objects``, ``position``.
             counts (`tuple[int, ...]`, defaults to `(1, 2, 3)`): object counts of ``counting`` prompts (1 to 4).
             eval_fraction (`float`, defaults to 0.2): share of the distinct prompts held out for eval.
+            held_out (`str`, defaults to `"unseen"`): ``"unseen"`` (held-out prompts new to base training and RL) or
+                ``"rl_only"`` (held-out prompts the base model was trained on but RL never sees); see the class doc.
             image_size (`int`, defaults to 32): side of the rendered images, in pixels.
         """
 
@@ -228,6 +235,7 @@ class ShapesPrompts:
         kinds: tuple[str, ...] = KINDS
         counts: tuple[int, ...] = (1, 2, 3)
         eval_fraction: float = 0.2
+        held_out: Literal["unseen", "rl_only"] = "unseen"
         image_size: int = 32
 
         def __post_init__(self):
@@ -239,9 +247,12 @@ class ShapesPrompts:
             bad = [n for n in self.counts if n not in NUMBERS]
             if not self.counts or bad:
                 raise ValueError(f"ShapesPrompts.Config.counts {self.counts} must be non-empty values in 1..4.")
-            if not 0.0 < self.eval_fraction < 1.0:
+            if self.held_out not in ("unseen", "rl_only"):
+                raise ValueError(f"ShapesPrompts.Config.held_out must be 'unseen' or 'rl_only', got {self.held_out!r}.")
+            if not 0.0 < self.eval_fraction < (0.5 if self.held_out == "rl_only" else 1.0):
                 raise ValueError(
-                    f"ShapesPrompts.Config.eval_fraction must be in (0, 1), got {self.eval_fraction}; 0.2 is usual."
+                    f"ShapesPrompts.Config.eval_fraction must be in (0, 1) (below 0.5 with held_out=rl_only), got "
+                    f"{self.eval_fraction}; 0.2 is usual."
                 )
             if self.n_train < 0 or self.n_eval < 0:
                 raise ValueError(f"n_train ({self.n_train}) and n_eval ({self.n_eval}) must be >= 0.")
@@ -254,9 +265,11 @@ class ShapesPrompts:
         self.eval_pools: dict[str, list[dict]] = {}
         for kind in self.config.kinds:
             pool = all_metadata((kind,), self.config.counts)
-            held_out = [stable_fraction(prompt_from_metadata(m)) < self.config.eval_fraction for m in pool]
-            self.train_pools[kind] = [m for m, h in zip(pool, held_out) if not h]
-            self.eval_pools[kind] = [m for m, h in zip(pool, held_out) if h]
+            fractions = [stable_fraction(prompt_from_metadata(m)) for m in pool]
+            f = self.config.eval_fraction
+            lo, hi = (0.0, f) if self.config.held_out == "unseen" else (f, 2 * f)
+            self.train_pools[kind] = [m for m, x in zip(pool, fractions) if x >= hi]
+            self.eval_pools[kind] = [m for m, x in zip(pool, fractions) if lo <= x < hi]
             if not self.train_pools[kind] or not self.eval_pools[kind]:
                 raise ValueError(f"Kind {kind!r} has an empty train or eval split; change eval_fraction.")
 

@@ -85,6 +85,48 @@ def clip_tokenizer(n_merges: int = 486, model_max_length: int = 16, extra_words:
     )
 
 
+
+def _tiny_clip_config(tokenizer, hidden_size: int, layers: int, max_length: int, projection_dim: int | None = None):
+    """A small `CLIPTextConfig` for `tokenizer` (with a projection when `projection_dim` is given)."""
+    from transformers import CLIPTextConfig
+
+    extra = {} if projection_dim is None else {"projection_dim": projection_dim}
+    return CLIPTextConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=hidden_size,
+        intermediate_size=2 * hidden_size,
+        num_attention_heads=max(1, hidden_size // 16),
+        num_hidden_layers=layers,
+        max_position_embeddings=max_length,
+        hidden_act="gelu",
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        **extra,
+    )
+
+
+def _tiny_vae(channels: tuple[int, ...], latent_channels: int, sample_size: int, shift_factor: float, scaling_factor: float):
+    """A small `AutoencoderKL`: one block per entry of `channels`, ``len(channels) - 1`` halvings of the size."""
+    from diffusers import AutoencoderKL
+
+    return AutoencoderKL(
+        in_channels=3,
+        out_channels=3,
+        down_block_types=("DownEncoderBlock2D",) * len(channels),
+        up_block_types=("UpDecoderBlock2D",) * len(channels),
+        block_out_channels=channels,
+        layers_per_block=1,
+        latent_channels=latent_channels,
+        norm_num_groups=min(4, min(channels)),
+        sample_size=sample_size,
+        use_quant_conv=False,
+        use_post_quant_conv=False,
+        mid_block_add_attention=False,
+        shift_factor=shift_factor,
+        scaling_factor=scaling_factor,
+    )
+
 def tiny_sd3_pipeline(
     *,
     num_layers: int = 2,
@@ -133,12 +175,11 @@ def tiny_sd3_pipeline(
         `diffusers.StableDiffusion3Pipeline`: call it with ``max_sequence_length=TEXT_PAD_LENGTH``.
     """
     from diffusers import (
-        AutoencoderKL,
         FlowMatchEulerDiscreteScheduler,
         SD3Transformer2DModel,
         StableDiffusion3Pipeline,
     )
-    from transformers import CLIPTextConfig, CLIPTextModelWithProjection
+    from transformers import CLIPTextModelWithProjection
 
     n_blocks = vae_downsample.bit_length()
     if vae_downsample < 1 or 2 ** (n_blocks - 1) != vae_downsample:
@@ -152,19 +193,7 @@ def tiny_sd3_pipeline(
     latent_size = sample_size // vae_downsample
 
     tokenizer = clip_tokenizer(n_merges=n_merges, model_max_length=text_max_length, extra_words=vocab_words)
-    clip_config = CLIPTextConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=text_hidden_size,
-        intermediate_size=2 * text_hidden_size,
-        num_attention_heads=max(1, text_hidden_size // 16),
-        num_hidden_layers=text_layers,
-        projection_dim=text_projection_dim,
-        max_position_embeddings=text_max_length,
-        hidden_act="gelu",
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-    )
+    clip_config = _tiny_clip_config(tokenizer, text_hidden_size, text_layers, text_max_length, text_projection_dim)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         text_encoder = CLIPTextModelWithProjection(clip_config)
@@ -183,22 +212,7 @@ def tiny_sd3_pipeline(
             pooled_projection_dim=2 * text_projection_dim,
             pos_embed_max_size=latent_size // patch_size,
         )
-        vae = AutoencoderKL(
-            in_channels=3,
-            out_channels=3,
-            down_block_types=("DownEncoderBlock2D",) * n_blocks,
-            up_block_types=("UpDecoderBlock2D",) * n_blocks,
-            block_out_channels=channels,
-            layers_per_block=1,
-            latent_channels=latent_channels,
-            norm_num_groups=min(4, min(channels)),
-            sample_size=sample_size,
-            use_quant_conv=False,
-            use_post_quant_conv=False,
-            mid_block_add_attention=False,
-            shift_factor=0.0,
-            scaling_factor=1.0,
-        )
+        vae = _tiny_vae(channels, latent_channels, sample_size, shift_factor=0.0, scaling_factor=1.0)
     for module in (text_encoder, text_encoder_2, transformer, vae):
         module.eval()
     return StableDiffusion3Pipeline(
@@ -306,25 +320,14 @@ def tiny_flux_pipeline(
     Returns:
         `diffusers.FluxPipeline`
     """
-    from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
-    from transformers import CLIPTextConfig, CLIPTextModel, T5Config, T5EncoderModel
+    from diffusers import FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
+    from transformers import CLIPTextModel, T5Config, T5EncoderModel
 
     if sum(axes_dims_rope) != attention_head_dim:
         raise ValueError(f"sum(axes_dims_rope) {sum(axes_dims_rope)} must equal attention_head_dim {attention_head_dim}.")
     tokenizer = clip_tokenizer(model_max_length=text_max_length)
     tokenizer_2 = t5_tokenizer()
-    clip_config = CLIPTextConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=text_hidden_size,
-        intermediate_size=2 * text_hidden_size,
-        num_attention_heads=max(1, text_hidden_size // 16),
-        num_hidden_layers=text_layers,
-        max_position_embeddings=text_max_length,
-        hidden_act="gelu",
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-    )
+    clip_config = _tiny_clip_config(tokenizer, text_hidden_size, text_layers, text_max_length)
     t5_config = T5Config(
         vocab_size=len(tokenizer_2),
         d_model=text_hidden_size,
@@ -353,22 +356,7 @@ def tiny_flux_pipeline(
             guidance_embeds=guidance_embeds,
             axes_dims_rope=tuple(axes_dims_rope),
         )
-        vae = AutoencoderKL(
-            in_channels=3,
-            out_channels=3,
-            down_block_types=("DownEncoderBlock2D",) * len(vae_channels),
-            up_block_types=("UpDecoderBlock2D",) * len(vae_channels),
-            block_out_channels=tuple(vae_channels),
-            layers_per_block=1,
-            latent_channels=latent_channels,
-            norm_num_groups=min(4, min(vae_channels)),
-            sample_size=sample_size,
-            use_quant_conv=False,
-            use_post_quant_conv=False,
-            mid_block_add_attention=False,
-            shift_factor=0.1,
-            scaling_factor=1.5,
-        )
+        vae = _tiny_vae(tuple(vae_channels), latent_channels, sample_size, shift_factor=0.1, scaling_factor=1.5)
     for module in (text_encoder, text_encoder_2, transformer, vae):
         module.eval()
     scheduler = FlowMatchEulerDiscreteScheduler(  # FLUX.1-dev's scheduler config

@@ -299,7 +299,7 @@ class Trainer:
         mine = items[self.rank * per_rank : (self.rank + 1) * per_rank]
         plan = SamplingPlan.deterministic(self.policy.eval_num_steps)
         generator = torch.Generator().manual_seed(_seed(cfg.seed, self.rank))
-        scores, components, images, captions = [], {}, [], []
+        scores, components, images, captions, texts = [], {}, [], [], []
         for start in range(0, len(mine), batch_size):
             batch = items_to_batch(mine[start : start + batch_size])
             batch.group_ids = torch.arange(len(batch))
@@ -311,9 +311,16 @@ class Trainer:
             if "images" in rollout.outputs and len(images) < cfg.grid_size:
                 images.extend(rollout.outputs["images"][: cfg.grid_size - len(images)])
                 captions.extend(f"{p}\nr={s:.2f}" for p, s in zip(batch.prompts, result.scores.tolist()))
+            if "texts" in rollout.outputs and len(texts) < cfg.grid_size:  # text outputs: the first few, as JSON lines
+                texts.extend({"prompt": p, "text": t, "reward": s} for p, t, s in
+                             zip(batch.prompts, rollout.outputs["texts"], result.scores.tolist()))
         out = {"eval/score": _finite_mean(acc.gather(torch.cat(scores).to(acc.device)).cpu())}
         for name, values in components.items():
             out[f"eval/{name}"] = _finite_mean(acc.gather(torch.cat(values).to(acc.device)).cpu())
+        if acc.is_main_process and texts:
+            (self.output_dir / "samples").mkdir(parents=True, exist_ok=True)
+            lines = [json.dumps(t) for t in texts[: cfg.grid_size]]
+            (self.output_dir / "samples" / f"step_{step:05d}.jsonl").write_text("\n".join(lines) + "\n", encoding="utf-8")
         if acc.is_main_process and images:
             save_image_grid(torch.stack(images), captions[: len(images)], self.output_dir / "samples" / f"step_{step:05d}.png")
         return out

@@ -168,6 +168,8 @@ class SamplingPlan:
         flow_shift (`float`): the ``flow_shift`` of the ``"dpm"`` solver's noise levels.
         scoring (`str`): ``"trajectory"`` or, feature ``"likelihood"``, ``"likelihood"`` (the policy's
             ``likelihood`` scores the final samples at the noise levels of `train_units`).
+        token_scores (`bool`): feature ``"token_scores"``: the loss needs per-token scores of each step
+            (``token_log_prob``, ``token_mask``, ``old_token_log_prob``), as masked-diffusion LMs return them.
     """
 
     num_steps: int
@@ -185,6 +187,7 @@ class SamplingPlan:
     solver: str = "flow"
     flow_shift: float = 3.0
     scoring: str = "trajectory"
+    token_scores: bool = False
 
     def __post_init__(self):
         trained = [s for unit in self.train_units for s in unit]
@@ -225,13 +228,14 @@ class SamplingPlan:
 
     def features(self) -> set[str]:
         """The opt-in features this plan uses (a subset of ``{"merge", "branch", "unit_selection", "dpm",
-        "likelihood"}``); a policy must list them all in its ``plan_features``."""
+        "likelihood", "token_scores"}``); a policy must list them all in its ``plan_features``."""
         used = {
             "merge": bool(self.merge) or self.merge_entropy is not None,
             "branch": self.branch,
             "unit_selection": self.units_per_sample > 0,
             "dpm": self.solver == "dpm",
             "likelihood": self.scoring == "likelihood",
+            "token_scores": self.token_scores,
         }
         return {name for name, on in used.items() if on}
 

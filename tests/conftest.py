@@ -41,3 +41,27 @@ def tiny_flux_dir(tmp_path_factory):
     path = tmp_path_factory.mktemp("tiny_flux")
     tiny_flux_pipeline(seed=0).save_pretrained(path)
     return str(path)
+
+
+@pytest.fixture(scope="session")
+def tiny_mdlm_dir(tmp_path_factory):
+    """A tiny random bidirectional Llama (masked-diffusion LM) and its character tokenizer, `save_pretrained`."""
+    from mmgrpo.data.tiny_mdlm import save_tiny_mdlm
+
+    return save_tiny_mdlm(tmp_path_factory.mktemp("tiny_mdlm"))
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2_vl_dir(tmp_path_factory):
+    """A tiny random Qwen2-VL (real transformers classes, offline tokenizer) and its processor, `save_pretrained`."""
+    from mmgrpo.data.tiny_vlm import save_tiny_qwen_vl
+
+    return save_tiny_qwen_vl(tmp_path_factory.mktemp("tiny_qwen2_vl"), "qwen2_vl")
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2_5_vl_dir(tmp_path_factory):
+    """A tiny random Qwen2.5-VL and its processor, `save_pretrained`."""
+    from mmgrpo.data.tiny_vlm import save_tiny_qwen_vl
+
+    return save_tiny_qwen_vl(tmp_path_factory.mktemp("tiny_qwen2_5_vl"), "qwen2_5_vl")

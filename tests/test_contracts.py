@@ -4,13 +4,14 @@ Each registered pipeline must have a tiny builder in `PIPELINE_BUILDERS`; the te
 pipeline until one is added."""
 
 import dataclasses
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 from mmgrpo import registry
 from mmgrpo.protocols import Algorithm, RewardFn, StochasticPolicy
-from mmgrpo.trainer import score_unit
+from mmgrpo.trainer import check_plan, score_unit
 from mmgrpo.types import PromptBatch
 from reward_fixtures import jpeg_server, tiny_aesthetic_head, tiny_clip_dir, tiny_pickscore_dir  # noqa: F401
 
@@ -29,8 +30,22 @@ def _flux(request):
     return FluxPolicy(FluxConfig(pretrained=path, resolution=32, num_steps=3, lora_rank=4, lora_alpha=8, max_sequence_length=16))
 
 
+def _mdlm(request):
+    from mmgrpo.pipelines.mdlm import MDLMConfig, MDLMPolicy
+
+    path = request.getfixturevalue("tiny_mdlm_dir")
+    return MDLMPolicy(MDLMConfig(pretrained=path, gen_length=8, block_length=4, steps_per_block=2, eoser=True, lora_rank=4, lora_alpha=8))
+
+
+def _qwen_vl(request):
+    from mmgrpo.pipelines.qwen_vl import QwenVLConfig, QwenVLPolicy
+
+    path = request.getfixturevalue("tiny_qwen2_vl_dir")
+    return QwenVLPolicy(QwenVLConfig(pretrained=path, max_new_tokens=6, lora_rank=4, lora_alpha=8))
+
+
 # pipeline name -> builder of a tiny policy; a builder takes pytest's `request` and asks it for the fixtures it needs
-PIPELINE_BUILDERS = {"sd3": _sd3, "flux": _flux}
+PIPELINE_BUILDERS = {"sd3": _sd3, "flux": _flux, "mdlm": _mdlm, "qwen_vl": _qwen_vl}
 TEXTS = [
     "<think>look</think><answer>[4, 4, 20, 20]</answer>",
     "<answer>42</answer>",
@@ -92,8 +107,11 @@ def test_pipeline_contract(name, algorithm_name, request):
     algorithm = cls(cls.Config(**ALGORITHM_OPTIONS.get(algorithm_name, {})))
     plan = algorithm.schedule(policy.num_steps, torch.Generator().manual_seed(0))
     missing = plan.features() - set(getattr(policy, "plan_features", ()))
-    if missing:
-        pytest.skip(f"{name} does not implement the plan features {sorted(missing)} that {algorithm_name} needs")
+    if missing:  # an unsupported pair must be refused before any step, naming what is missing
+        names = SimpleNamespace(algorithm=SimpleNamespace(name=algorithm_name), pipeline=SimpleNamespace(name=name))
+        with pytest.raises(ValueError, match=f"algorithm '{algorithm_name}' needs .*{sorted(missing)[0]}"):
+            check_plan(policy, algorithm, names)
+        return
     batch = PromptBatch(["a red circle", "a blue square"]).repeat(2)
     rollout = policy.sample(batch, plan, generator=torch.Generator().manual_seed(1))
     assert rollout.old_log_probs.shape[0] == 4 and rollout.mask.shape == rollout.old_log_probs.shape

@@ -131,3 +131,21 @@ def test_render_is_deterministic():
     assert np.array_equal(a, b)
     assert not np.array_equal(a, np.asarray(render(metadata, np.random.default_rng(10))))
     assert render(metadata, np.random.default_rng(0), size=64).size == (64, 64)
+
+
+def test_rl_only_held_out_prompts_were_in_base_training_but_not_in_rl():
+    unseen = ShapesPrompts(ShapesPrompts.Config())  # the split the shipped base model was trained with
+    rl_only = ShapesPrompts(ShapesPrompts.Config(held_out="rl_only"))
+    for kind in unseen.train_pools:
+        base_train = {prompt_from_metadata(m) for m in unseen.train_pools[kind]}
+        base_unseen = {prompt_from_metadata(m) for m in unseen.eval_pools[kind]}
+        rl_train = {prompt_from_metadata(m) for m in rl_only.train_pools[kind]}
+        rl_eval = {prompt_from_metadata(m) for m in rl_only.eval_pools[kind]}
+        assert rl_eval and rl_train
+        assert rl_eval <= base_train and rl_train <= base_train  # the base model saw both
+        assert not rl_eval & rl_train  # RL never trains on a held-out prompt
+        assert not (rl_eval | rl_train) & base_unseen  # the zero-shot prompts stay out of both
+    with pytest.raises(ValueError, match="held_out"):
+        ShapesPrompts.Config(held_out="seen")
+    with pytest.raises(ValueError, match="below 0.5"):
+        ShapesPrompts.Config(held_out="rl_only", eval_fraction=0.6)

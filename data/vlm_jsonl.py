@@ -1,0 +1,117 @@
+"""Vision-language prompts from JSONL (one row per question, with image paths), the format VLM-R1 / R1-V users keep.
+
+A row is ``{"image": "a.png" | ["a.png", "b.png"], "problem": "How many ...?", "answer": "3", ...}``; optional
+``"video"`` (a path, or a list of frame paths), and for grounding ``"boxes"`` (``[x1, y1, x2, y2]`` or a list of them,
+pixels of the original image). Relative paths are read from `image_root` (default: the JSONL file's folder). Each row
+becomes a prompt item: the question formatted by `prompt_template`, the images / video as conditions, and every other
+key in the metadata, plus ``image_size`` (``[width, height]`` of the first image, read from its header) for rows with
+boxes, so `box_iou` can map boxes between the original image and the model's resized frame.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+R1_TEMPLATE = (
+    "{question} Output the thinking process in <think> </think> and final answer in <answer> </answer> tags."
+)
+
+
+@dataclass
+class VLMJsonlConfig:
+    """Options of [`VLMJsonl`].
+
+    Args:
+        train_file (`str`): the training JSONL.
+        eval_file (`str`, *optional*): held-out rows in the same format.
+        image_root (`str`, *optional*): folder of relative image / video paths (default: each file's folder).
+        question_key (`str`): the question's key (``"problem"`` as R1-V / EasyR1; ``"question"`` also common).
+        prompt_template (`str`): ``{question}`` is replaced by the row's question (default: R1-V's instruction).
+        box_key (`str`): the ground-truth box key; rows with it get ``image_size`` in their metadata.
+    """
+
+    train_file: str
+    eval_file: str | None = None
+    image_root: str | None = None
+    question_key: str = "problem"
+    prompt_template: str = R1_TEMPLATE
+    box_key: str = "boxes"
+
+    def __post_init__(self):
+        if "{question}" not in self.prompt_template:
+            raise ValueError(f"data.prompt_template must contain '{{question}}', got {self.prompt_template!r}.")
+        for key in ("train_file", "eval_file"):
+            value = getattr(self, key)
+            if value is not None and not Path(value).expanduser().is_file():
+                raise ValueError(f"data.{key}: {value!r} does not exist; give a JSONL file (see data/vlm_jsonl.py).")
+
+
+class VLMJsonl:
+    """Prompt items with images (or video) and ground truth from JSONL files."""
+
+    Config = VLMJsonlConfig
+
+    def __init__(self, config: VLMJsonlConfig):
+        self.config = config
+
+    def train_items(self) -> list[dict]:
+        return self.read(self.config.train_file)
+
+    def eval_items(self) -> list[dict]:
+        return self.read(self.config.eval_file) if self.config.eval_file else []
+
+    def read(self, file: str) -> list[dict]:
+        """The prompt items of one JSONL file; errors name the file and line."""
+        path = Path(file).expanduser()
+        root = Path(self.config.image_root).expanduser() if self.config.image_root else path.parent
+        items = []
+        for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+            if line.strip():
+                try:
+                    items.append(self.item(json.loads(line), root))
+                except (ValueError, KeyError, OSError) as err:
+                    raise ValueError(f"{path}:{number}: {err}") from err
+        if not items:
+            raise ValueError(f"{path} holds no rows.")
+        return items
+
+    def item(self, row: dict, root: Path) -> dict:
+        c = self.config
+        question = row.get(c.question_key, row.get("question"))
+        if question is None:
+            raise KeyError(f"the row has no {c.question_key!r} (or 'question') key")
+        images = [_resolve(p, root) for p in _as_list(row.get("image", row.get("images")))]
+        metadata = {k: v for k, v in row.items() if k not in (c.question_key, "question", "image", "images", "video")}
+        if c.box_key in row and images and "image_size" not in metadata:
+            from PIL import Image
+
+            with Image.open(images[0]) as opened:
+                metadata["image_size"] = list(opened.size)
+        video = row.get("video")
+        if video is not None:
+            video = [_resolve(p, root) for p in video] if isinstance(video, list) else _resolve(video, root)
+        # every item has both condition keys (a batch takes its condition keys from its first item)
+        return {"prompt": c.prompt_template.format(question=question), "metadata": metadata, "images": images,
+                "video": video}
+
+
+def _as_list(value) -> list:
+    if value is None:
+        return []
+    return list(value) if isinstance(value, (list, tuple)) else [value]
+
+
+def _resolve(location: str, root: Path) -> str:
+    """A path relative to `root` made absolute (URIs and absolute paths unchanged); it must exist."""
+    if "://" in location or location.startswith("data:"):
+        return location
+    path = Path(location).expanduser()
+    path = path if path.is_absolute() else root / path
+    if not path.exists():
+        raise ValueError(f"image or video {location!r} not found (looked at {path}); set data.image_root.")
+    return str(path)
+
+
+PLUGIN = VLMJsonl

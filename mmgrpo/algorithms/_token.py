@@ -1,0 +1,102 @@
+"""Pieces shared by the token-level algorithms (`grpo`, `dr_grpo`, `dapo`, `gspo`, `sapo`): the sampling plan of a
+token policy, loss aggregation over masked tokens, the k3 KL estimator and the metrics every one of them logs.
+
+They assume nothing about the modality: a "token" is any scored decision of a pipeline whose ``log_prob`` returns
+``log_prob`` and ``mask`` `[n, T]` (an autoregressive VLM's completion tokens, a masked-diffusion LM's tokens).
+Not a plugin: the name starts with an underscore and it defines no ``PLUGIN``.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+
+from ..types import SamplingPlan
+
+Aggregation = Literal["sequence_mean", "token_mean", "fixed_length"]
+
+
+def token_plan(num_steps: int) -> SamplingPlan:
+    """Every decision is stochastic and the whole completion is one trained unit, ``[[0, ..., T - 1]]``: the
+    trainer scores all tokens of a minibatch in one forward (the ratio of a token needs the tokens before it).
+
+    Token pipelines ignore the noise level; on a flow-matching pipeline this plan is an SDE on every step at the
+    default noise level, all steps trained as one unit (the token losses then apply per denoising step)."""
+    steps = list(range(num_steps))
+    return SamplingPlan(num_steps=num_steps, sde_steps=steps, train_units=[steps])
+
+
+def token_mask(new: dict[str, torch.Tensor], like: torch.Tensor) -> torch.Tensor:
+    """The scored-token mask `[n, T]` (float) from the policy's output; all ones when the policy gives none."""
+    mask = new.get("mask")
+    return torch.ones_like(like) if mask is None else mask.to(like.dtype)
+
+
+def aggregate(per_token: torch.Tensor, mask: torch.Tensor, mode: Aggregation) -> torch.Tensor:
+    """Reduces a per-token loss `[n, T]` to a scalar over the tokens where `mask` `[n, T]` is 1.
+
+    - ``"sequence_mean"`` (GRPO): mean over each sequence's tokens, then mean over the `n` sequences.
+    - ``"token_mean"`` (DAPO): sum over all tokens / number of tokens (every token weighs the same).
+    - ``"fixed_length"`` (Dr. GRPO): sum over all tokens / (n * T), `T` the fixed maximum completion length, so the
+      weight of a token does not depend on its sequence's length.
+
+    An all-zero mask gives 0 with a zero gradient (connected to the graph).
+    """
+    masked = per_token * mask
+    if mode == "sequence_mean":
+        lengths = mask.sum(dim=1)  # [n]
+        per_sequence = masked.sum(dim=1) / lengths.clamp_min(1.0)  # [n]
+        return per_sequence.mean()
+    if mode == "token_mean":
+        return masked.sum() / mask.sum().clamp_min(1.0)
+    if mode == "fixed_length":
+        return masked.sum() / max(1, per_token.numel())
+    raise ValueError(f"Unknown aggregation {mode!r}; choose 'sequence_mean', 'token_mean' or 'fixed_length'.")
+
+
+def k3_kl(log_prob: torch.Tensor, ref_log_prob: torch.Tensor) -> torch.Tensor:
+    """Per-token k3 estimator of KL(pi || ref), ``exp(ref - new) - (ref - new) - 1`` (>= 0), `[n, T]`
+    (Schulman, http://joschu.net/blog/kl-approx.html; the GRPO paper's KL term)."""
+    delta = ref_log_prob.detach() - log_prob
+    return torch.exp(delta) - delta - 1
+
+
+def add_kl(loss: torch.Tensor, metrics: dict, new: dict, ref: dict | None, mask: torch.Tensor, beta: float,
+           mode: Aggregation) -> torch.Tensor:
+    """``loss + beta * aggregate(k3 KL)`` when `beta` > 0 and a reference score is given; logs ``kl``."""
+    if beta <= 0 or ref is None:
+        return loss
+    kl = aggregate(k3_kl(new["log_prob"], ref["log_prob"]), mask, mode)
+    metrics["kl"] = kl.item()
+    return loss + beta * kl
+
+
+def ratio_metrics(log_ratio: torch.Tensor, mask: torch.Tensor, clipped: torch.Tensor, policy_loss: torch.Tensor) -> dict:
+    """``policy_loss``, ``ratio_mean``, ``clip_frac`` and ``approx_kl`` (``0.5 * log_ratio^2``) over the masked
+    tokens; the on-policy values when no token is scored."""
+    with torch.no_grad():
+        count = mask.sum()
+        if count == 0:
+            return {"policy_loss": 0.0, "ratio_mean": 1.0, "clip_frac": 0.0, "approx_kl": 0.0}
+        return {
+            "policy_loss": policy_loss.item(),
+            "ratio_mean": ((torch.exp(log_ratio) * mask).sum() / count).item(),
+            "clip_frac": ((clipped.float() * mask).sum() / count).item(),
+            "approx_kl": ((0.5 * log_ratio**2 * mask).sum() / count).item(),
+        }
+
+
+def clipped_token_loss(log_ratio: torch.Tensor, advantages: torch.Tensor, clip_low: float, clip_high: float):
+    """PPO's per-token clipped objective ``max(-A r, -A clip(r, 1 - clip_low, 1 + clip_high))`` `[n, T]` and which
+    tokens the clip binds (their gradient is 0) `[n, T]`."""
+    ratio = torch.exp(log_ratio)  # [n, T]
+    adv = advantages[:, None].to(ratio.dtype)  # [n, 1]
+    unclipped = -adv * ratio
+    clipped = -adv * torch.clamp(ratio, 1 - clip_low, 1 + clip_high)
+    return torch.maximum(unclipped, clipped), clipped > unclipped
+
+
+def check_clip(low: float, high: float) -> None:
+    if not (0 < low < 1 and high > 0):
+        raise ValueError(f"clip ranges must satisfy 0 < clip_low < 1 and clip_high > 0, got {low} and {high}.")

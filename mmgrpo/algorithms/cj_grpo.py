@@ -1,0 +1,115 @@
+"""CJ-GRPO: clipped policy gradient on every masked-diffusion decoding step, replayed on the exact rollout states.
+
+Paper: https://arxiv.org/abs/2509.23924 (code: yjyddq/EOSER-ASS-RL). The pipeline records the step at which each
+completion token was committed; every decoding step is a train unit, so the trainer rebuilds that step's state,
+scores the tokens committed there and back-propagates one step at a time (memory does not grow with the number of
+steps). Decoding (blocks, EOSER, ASS) is configured on the pipeline. The step loss is the clipped surrogate with either
+the per-token ratio averaged over the step's tokens (``ratio_level="token"``, the authors' code) or the ratio of the
+whole transition, the product of its tokens' probabilities (``"step"``, the paper's ``p(x_s | x_{s-1})``), plus
+``kl_beta`` times the k3 KL to the reference (adapter disabled) on the step's tokens. Advantages are ``r - mean`` of the
+group (the authors' code), or z-scores with ``scale_rewards=True`` (their Algorithm 1).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+from ..advantages import group_normalize
+from ..losses import clipped_surrogate, masked_mean
+from ..types import LossOutput, SamplingPlan
+
+
+@dataclass
+class CJGRPOConfig:
+    """Options of [`CJGRPO`].
+
+    Args:
+        clip_range (`float`): the ratio is clipped to ``[1 - clip_range, 1 + clip_range_high]`` (authors: 0.5).
+        clip_range_high (`float`, *optional*): default `clip_range`.
+        kl_beta (`float`): weight of the k3 KL to the reference policy (authors: 0.04; 0 skips the reference).
+        ratio_level (`str`): ``"token"`` or ``"step"`` (see the module docstring).
+        scale_rewards (`bool`): divide the centred rewards by the group's standard deviation.
+        adv_clip_max (`float`, *optional*): clamp advantages to ``[-adv_clip_max, adv_clip_max]``.
+    """
+
+    clip_range: float = 0.5
+    clip_range_high: float | None = None
+    kl_beta: float = 0.04
+    ratio_level: Literal["token", "step"] = "token"
+    scale_rewards: bool = False
+    adv_clip_max: float | None = None
+
+    def __post_init__(self):
+        if self.clip_range <= 0 or (self.clip_range_high is not None and self.clip_range_high <= 0):
+            raise ValueError(f"clip_range and clip_range_high must be > 0, got {self.clip_range}, {self.clip_range_high}.")
+        if self.kl_beta < 0:
+            raise ValueError(f"kl_beta must be >= 0, got {self.kl_beta}.")
+
+
+def k3_kl(log_prob: torch.Tensor, ref_log_prob: torch.Tensor) -> torch.Tensor:
+    """Schulman's k3 estimate of KL(pi || ref) per entry, ``exp(d) - d - 1`` with ``d = ref - log_prob``."""
+    d = ref_log_prob.detach() - log_prob
+    return torch.exp(d) - d - 1
+
+
+def token_step_loss(new: dict, old_log_prob: torch.Tensor, advantages: torch.Tensor, ref: dict | None, *, clip_low: float,
+                    clip_high: float, kl_beta: float, ratio_level: str) -> LossOutput:
+    """The clipped surrogate (+ k3 KL) of one unit of scored steps or draws, from a masked-diffusion scoring
+    dictionary (``log_prob`` `[n, k]`, ``token_log_prob``, ``token_mask``, ``old_token_log_prob`` `[n, k, L]`,
+    ``mask`` `[n, k]`); shared by `cj_grpo` and `diffu_grpo`."""
+    if "token_mask" not in new:
+        raise ValueError("This algorithm needs per-token scores (token_log_prob, token_mask): use the mdlm pipeline.")
+    step_mask = new.get("mask", torch.ones_like(old_log_prob, dtype=torch.bool))  # [n, k]
+    tokens = new["token_mask"] & step_mask[..., None]  # [n, k, L]
+    if ratio_level == "token":
+        n, k, length = tokens.shape
+        log_ratio = (new["token_log_prob"] - new["old_token_log_prob"]).reshape(n, k * length)  # [n, k L]
+        loss, metrics = clipped_surrogate(log_ratio, advantages, clip_low, clip_high, tokens.reshape(n, k * length))
+    else:
+        loss, metrics = clipped_surrogate(new["log_prob"] - old_log_prob, advantages, clip_low, clip_high, step_mask)
+    if kl_beta > 0 and ref is not None:
+        kl = masked_mean(k3_kl(new["token_log_prob"], ref["token_log_prob"]), tokens)
+        loss = loss + kl_beta * kl
+        metrics["kl"] = kl.item()
+    return LossOutput(loss=loss, metrics=metrics)
+
+
+class CJGRPO:
+    """CJ-GRPO: every decoding step is a train unit, replayed exactly and clipped per step."""
+
+    Config = CJGRPOConfig
+    scoring = "trajectory"
+
+    def __init__(self, config: CJGRPOConfig):
+        self.config = config
+        self.needs_reference = config.kl_beta > 0
+
+    def schedule(self, num_steps: int, generator: torch.Generator | None = None) -> SamplingPlan:
+        """Every decoding step samples and is trained, one step per unit."""
+        steps = list(range(num_steps))
+        return SamplingPlan(num_steps=num_steps, sde_steps=steps, train_units=[[s] for s in steps], noise_level=1.0,
+                            token_scores=True)
+
+    def advantages(self, scores: torch.Tensor, group_ids: torch.Tensor) -> torch.Tensor:
+        c = self.config
+        return group_normalize(scores, group_ids, scale=c.scale_rewards, clip=c.adv_clip_max)
+
+    def loss(self, new, old_log_prob, advantages, ref=None) -> LossOutput:
+        """Clipped surrogate of one decoding step (see [`token_step_loss`]).
+
+        Args:
+            new (`dict`): the policy's replay of the step (``log_prob`` `[n, k]`, ``token_log_prob`` `[n, k, L]`...).
+            old_log_prob (`torch.FloatTensor` of shape `[n, k]`): the step's log-prob recorded at sampling.
+            advantages (`torch.FloatTensor` of shape `[n]`).
+            ref (`dict`, *optional*): the reference policy's replay (``token_log_prob``) for the KL term.
+        """
+        c = self.config
+        high = c.clip_range if c.clip_range_high is None else c.clip_range_high
+        return token_step_loss(new, old_log_prob, advantages, ref, clip_low=c.clip_range, clip_high=high,
+                               kl_beta=c.kl_beta, ratio_level=c.ratio_level)
+
+
+PLUGIN = CJGRPO

@@ -1,0 +1,79 @@
+"""DAPO: asymmetric clip-higher, token-level loss aggregation and filtering of groups whose rewards are all equal.
+
+Paper: https://arxiv.org/abs/2503.14476. The loss of a minibatch is ``sum_{i,t} max(-A_i r_it, -A_i clip(r_it, 1 -
+eps_low, 1 + eps_high)) / #tokens`` (every token weighs the same, long answers are not down-weighted).
+
+Group filtering (``filter_groups``, the paper's dynamic sampling without the re-sampling): a group whose rewards are
+all equal has advantage exactly 0 for every member, so its samples carry no policy gradient; with filtering their
+tokens are also left out of the token count (and of the KL term), so they do not dilute the other groups' gradient.
+Every sample with advantage exactly 0 is left out this way. Over-long reward shaping belongs to the reward.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..advantages import group_normalize
+from ..types import LossOutput, SamplingPlan
+from ._token import add_kl, aggregate, check_clip, clipped_token_loss, ratio_metrics, token_mask, token_plan
+
+
+@dataclass
+class DAPOConfig:
+    """Options of [`DAPO`].
+
+    Args:
+        clip_low (`float`), clip_high (`float`): the token ratio is clipped to ``[1 - clip_low, 1 + clip_high]``;
+            the paper's clip-higher is 0.2 / 0.28.
+        filter_groups (`bool`): leave samples with zero advantage (all-equal groups) out of the token count.
+        kl_beta (`float`): weight of the k3 KL to the reference (the paper removes it: 0).
+        adv_eps (`float`): added to the group std.
+    """
+
+    clip_low: float = 0.2
+    clip_high: float = 0.28
+    filter_groups: bool = True
+    kl_beta: float = 0.0
+    adv_eps: float = 1e-4
+
+    def __post_init__(self):
+        check_clip(self.clip_low, self.clip_high)
+        if self.kl_beta < 0:
+            raise ValueError(f"kl_beta must be >= 0, got {self.kl_beta}.")
+
+
+class DAPO:
+    """Clip-higher, token-mean aggregation, zero-advantage groups filtered out of the token count."""
+
+    Config = DAPOConfig
+    scoring = "trajectory"
+
+    def __init__(self, config: DAPOConfig):
+        self.config = config
+        self.needs_reference = config.kl_beta > 0
+
+    def schedule(self, num_steps: int, generator: torch.Generator | None = None) -> SamplingPlan:
+        return token_plan(num_steps)
+
+    def advantages(self, scores: torch.Tensor, group_ids: torch.Tensor) -> torch.Tensor:
+        return group_normalize(scores, group_ids, eps=self.config.adv_eps)
+
+    def loss(self, new, old_log_prob, advantages, ref=None) -> LossOutput:
+        """Clipped token surrogate averaged over the kept tokens; arguments as
+        [`~mmgrpo.algorithms.grpo.GRPO.loss`]."""
+        c = self.config
+        mask = token_mask(new, new["log_prob"])  # [n, T]
+        if c.filter_groups:
+            mask = mask * (advantages != 0).to(mask.dtype)[:, None]
+        log_ratio = new["log_prob"] - old_log_prob  # [n, T]
+        per_token, clipped = clipped_token_loss(log_ratio, advantages, c.clip_low, c.clip_high)
+        policy_loss = aggregate(per_token, mask, "token_mean")
+        metrics = ratio_metrics(log_ratio, mask, clipped, policy_loss)
+        metrics["kept_fraction"] = float((advantages != 0).float().mean()) if c.filter_groups else 1.0
+        loss = add_kl(policy_loss, metrics, new, ref, mask, c.kl_beta, "token_mean")
+        return LossOutput(loss=loss, metrics=metrics)
+
+
+PLUGIN = DAPO

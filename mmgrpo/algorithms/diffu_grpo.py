@@ -1,0 +1,77 @@
+"""diffu-GRPO (d1): GRPO on masked-diffusion LMs with the one-step log-prob estimate and random prompt masking.
+
+Paper: https://arxiv.org/abs/2504.12216 (code: dllm-reasoning/d1). The completion is scored in one forward from its
+fully masked state, the prompt's tokens masked at random (``pipeline.prompt_mask_prob``, 0.15 in d1) with a fresh mask
+per draw; the sampling policy's estimate under the same masks is recorded at rollout time (d1's "old" log-probs). The
+policy's ``likelihood`` does the scoring. Loss: per-token clipped ratio over the completion up to its first EOS, plus
+``kl_beta`` times the k3 KL to the reference; advantages ``r - mean`` of the group (d1 does not divide by the std).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..advantages import group_normalize
+from ..types import LossOutput, SamplingPlan
+from .cj_grpo import token_step_loss
+
+
+@dataclass
+class DiffuGRPOConfig:
+    """Options of [`DiffuGRPO`].
+
+    Args:
+        draws (`int`): prompt-mask draws per rollout batch, each a train unit (d1 draws one per inner iteration).
+        random_masking (`bool`): a new mask seed every step (d1's default); False reuses one seed.
+        clip_range (`float`): the per-token ratio is clipped to ``[1 - clip_range, 1 + clip_range]`` (d1: 0.5).
+        kl_beta (`float`): weight of the k3 KL to the reference policy (d1: 0.04).
+        scale_rewards (`bool`): divide the centred rewards by the group's standard deviation.
+    """
+
+    draws: int = 1
+    random_masking: bool = True
+    clip_range: float = 0.5
+    kl_beta: float = 0.04
+    scale_rewards: bool = False
+
+    def __post_init__(self):
+        if self.draws < 1:
+            raise ValueError(f"draws must be >= 1, got {self.draws}.")
+        if self.clip_range <= 0 or self.kl_beta < 0:
+            raise ValueError(f"need clip_range > 0 and kl_beta >= 0, got {self.clip_range}, {self.kl_beta}.")
+
+
+class DiffuGRPO:
+    """diffu-GRPO: one-step likelihood estimate, per-token clipped ratio."""
+
+    Config = DiffuGRPOConfig
+    scoring = "likelihood"
+
+    def __init__(self, config: DiffuGRPOConfig):
+        self.config = config
+        self.needs_reference = config.kl_beta > 0
+
+    def schedule(self, num_steps: int, generator: torch.Generator | None = None) -> SamplingPlan:
+        """Every decoding step samples; the units are the likelihood draws ``[[0], [1], ...]``."""
+        if self.config.draws > num_steps:
+            raise ValueError(f"draws {self.config.draws} must not exceed the {num_steps} decoding steps.")
+        seed = int(torch.randint(0, 4096, (1,), generator=generator)) if self.config.random_masking else 42
+        return SamplingPlan(
+            num_steps=num_steps, sde_steps=list(range(num_steps)), train_units=[[j] for j in range(self.config.draws)],
+            noise_level=1.0, scoring="likelihood", seed=seed, token_scores=True,
+        )
+
+    def advantages(self, scores: torch.Tensor, group_ids: torch.Tensor) -> torch.Tensor:
+        return group_normalize(scores, group_ids, scale=self.config.scale_rewards)
+
+    def loss(self, new, old_log_prob, advantages, ref=None) -> LossOutput:
+        """Per-token clipped surrogate (+ k3 KL) over the completion, for one draw (see
+        [`~mmgrpo.algorithms.cj_grpo.token_step_loss`])."""
+        c = self.config
+        return token_step_loss(new, old_log_prob, advantages, ref, clip_low=c.clip_range, clip_high=c.clip_range,
+                               kl_beta=c.kl_beta, ratio_level="token")
+
+
+PLUGIN = DiffuGRPO

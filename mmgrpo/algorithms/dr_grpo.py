@@ -1,0 +1,67 @@
+"""Dr. GRPO: GRPO without the std scaling of advantages and without per-response length normalisation.
+
+Paper: "Understanding R1-Zero-Like Training: A Critical Perspective", https://arxiv.org/abs/2503.20783. Advantages
+are ``r - mean_group(r)``; the loss of a minibatch is ``sum_{i,t} max(-A_i r_it, -A_i clip(r_it)) / (n * T)`` with
+`T` the fixed maximum completion length (the policy's ``num_steps``), as TRL's ``loss_type="dr_grpo"``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..advantages import group_normalize
+from ..types import LossOutput, SamplingPlan
+from ._token import add_kl, aggregate, check_clip, clipped_token_loss, ratio_metrics, token_mask, token_plan
+
+
+@dataclass
+class DrGRPOConfig:
+    """Options of [`DrGRPO`].
+
+    Args:
+        clip_low (`float`), clip_high (`float`): the token ratio is clipped to ``[1 - clip_low, 1 + clip_high]``.
+        kl_beta (`float`): weight of the k3 KL to the reference (the paper uses none: 0).
+    """
+
+    clip_low: float = 0.2
+    clip_high: float = 0.2
+    kl_beta: float = 0.0
+
+    def __post_init__(self):
+        check_clip(self.clip_low, self.clip_high)
+        if self.kl_beta < 0:
+            raise ValueError(f"kl_beta must be >= 0, got {self.kl_beta}.")
+
+
+class DrGRPO:
+    """Mean-centred advantages and a length-unbiased token sum over the fixed completion budget."""
+
+    Config = DrGRPOConfig
+    scoring = "trajectory"
+
+    def __init__(self, config: DrGRPOConfig):
+        self.config = config
+        self.needs_reference = config.kl_beta > 0
+
+    def schedule(self, num_steps: int, generator: torch.Generator | None = None) -> SamplingPlan:
+        return token_plan(num_steps)
+
+    def advantages(self, scores: torch.Tensor, group_ids: torch.Tensor) -> torch.Tensor:
+        return group_normalize(scores, group_ids, scale=False)
+
+    def loss(self, new, old_log_prob, advantages, ref=None) -> LossOutput:
+        """Clipped token surrogate summed over tokens / (n * T), `T` = ``new["log_prob"].shape[1]`` (the policy
+        scores the full ``num_steps`` budget); arguments as [`~mmgrpo.algorithms.grpo.GRPO.loss`]."""
+        c = self.config
+        mask = token_mask(new, new["log_prob"])  # [n, T]
+        log_ratio = new["log_prob"] - old_log_prob  # [n, T]
+        per_token, clipped = clipped_token_loss(log_ratio, advantages, c.clip_low, c.clip_high)
+        policy_loss = aggregate(per_token, mask, "fixed_length")
+        metrics = ratio_metrics(log_ratio, mask, clipped, policy_loss)
+        loss = add_kl(policy_loss, metrics, new, ref, mask, c.kl_beta, "fixed_length")
+        return LossOutput(loss=loss, metrics=metrics)
+
+
+PLUGIN = DrGRPO

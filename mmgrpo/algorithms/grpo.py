@@ -1,0 +1,83 @@
+"""GRPO: group mean/std advantages, clipped per-token ratio, k3 KL to the reference (token-level policies).
+
+Paper: DeepSeekMath, https://arxiv.org/abs/2402.03300 (Group Relative Policy Optimization). The loss of a minibatch
+is ``mean_i 1/|o_i| sum_t [max(-A_i r_it, -A_i clip(r_it, 1 - eps_low, 1 + eps_high)) + beta * KL3_it]`` with
+``r_it = pi(o_it) / pi_old(o_it)`` and ``KL3 = exp(ref - new) - (ref - new) - 1`` (per-sequence mean of the
+tokens, then mean over sequences, as the paper and TRL's ``loss_type="grpo"``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+from ..advantages import group_normalize
+from ..types import LossOutput, SamplingPlan
+from ._token import add_kl, check_clip, clipped_token_loss, aggregate, ratio_metrics, token_mask, token_plan
+
+
+@dataclass
+class GRPOConfig:
+    """Options of [`GRPO`].
+
+    Args:
+        clip_low (`float`), clip_high (`float`): the token ratio is clipped to ``[1 - clip_low, 1 + clip_high]``.
+        kl_beta (`float`): weight of the k3 KL to the reference (0 skips the reference forward). The paper's 0.04.
+        scale_rewards (`str`): ``"group"`` divides by the group's std, ``"batch"`` by the batch's, ``"none"`` not.
+        adv_eps (`float`): added to the std.
+    """
+
+    clip_low: float = 0.2
+    clip_high: float = 0.2
+    kl_beta: float = 0.04
+    scale_rewards: Literal["group", "batch", "none"] = "group"
+    adv_eps: float = 1e-4
+
+    def __post_init__(self):
+        check_clip(self.clip_low, self.clip_high)
+        if self.kl_beta < 0:
+            raise ValueError(f"kl_beta must be >= 0, got {self.kl_beta}.")
+        if self.scale_rewards not in ("group", "batch", "none"):
+            raise ValueError(f"scale_rewards must be 'group', 'batch' or 'none', got {self.scale_rewards!r}.")
+
+
+class GRPO:
+    """GRPO on per-token log-probs; the whole completion is one trained unit (see `_token.token_plan`)."""
+
+    Config = GRPOConfig
+    scoring = "trajectory"
+
+    def __init__(self, config: GRPOConfig):
+        self.config = config
+        self.needs_reference = config.kl_beta > 0
+
+    def schedule(self, num_steps: int, generator: torch.Generator | None = None) -> SamplingPlan:
+        return token_plan(num_steps)
+
+    def advantages(self, scores: torch.Tensor, group_ids: torch.Tensor) -> torch.Tensor:
+        c = self.config
+        return group_normalize(scores, group_ids, scale=c.scale_rewards != "none", global_std=c.scale_rewards == "batch",
+                               eps=c.adv_eps)
+
+    def loss(self, new, old_log_prob, advantages, ref=None) -> LossOutput:
+        """Clipped token surrogate plus ``kl_beta`` times the k3 KL.
+
+        Args:
+            new (`dict`): ``log_prob`` `[n, T]` with gradients and ``mask`` `[n, T]` (scored tokens).
+            old_log_prob (`torch.FloatTensor` of shape `[n, T]`): log-probs recorded at sampling.
+            advantages (`torch.FloatTensor` of shape `[n]`).
+            ref (`dict`, *optional*): the reference policy's ``log_prob`` `[n, T]`.
+        """
+        c = self.config
+        mask = token_mask(new, new["log_prob"])  # [n, T]
+        log_ratio = new["log_prob"] - old_log_prob  # [n, T]
+        per_token, clipped = clipped_token_loss(log_ratio, advantages, c.clip_low, c.clip_high)
+        policy_loss = aggregate(per_token, mask, "sequence_mean")
+        metrics = ratio_metrics(log_ratio, mask, clipped, policy_loss)
+        loss = add_kl(policy_loss, metrics, new, ref, mask, c.kl_beta, "sequence_mean")
+        return LossOutput(loss=loss, metrics=metrics)
+
+
+PLUGIN = GRPO

@@ -1,0 +1,74 @@
+"""GSPO: a sequence-level importance ratio (geometric mean of the token ratios), clipped per sequence.
+
+Paper: Group Sequence Policy Optimization, https://arxiv.org/abs/2507.18071. With ``s_i = exp(mean_t log(pi(o_it) /
+pi_old(o_it)))`` over the sequence's tokens, the loss of a minibatch is ``mean_i max(-A_i s_i, -A_i clip(s_i, 1 -
+eps_low, 1 + eps_high))``; the paper's clip range is 3e-4 / 4e-4 (the ratio is length-normalised, so it stays near 1).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..advantages import group_normalize
+from ..types import LossOutput, SamplingPlan
+from ._token import add_kl, aggregate, check_clip, ratio_metrics, token_mask, token_plan
+
+
+@dataclass
+class GSPOConfig:
+    """Options of [`GSPO`].
+
+    Args:
+        clip_low (`float`), clip_high (`float`): the sequence ratio is clipped to ``[1 - clip_low, 1 + clip_high]``.
+        kl_beta (`float`): weight of the k3 KL to the reference (token mean per sequence; the paper uses none: 0).
+        adv_eps (`float`): added to the group std.
+    """
+
+    clip_low: float = 3e-4
+    clip_high: float = 4e-4
+    kl_beta: float = 0.0
+    adv_eps: float = 1e-4
+
+    def __post_init__(self):
+        check_clip(self.clip_low, self.clip_high)
+        if self.kl_beta < 0:
+            raise ValueError(f"kl_beta must be >= 0, got {self.kl_beta}.")
+
+
+class GSPO:
+    """Sequence-level clipped ratio on group-normalised advantages."""
+
+    Config = GSPOConfig
+    scoring = "trajectory"
+
+    def __init__(self, config: GSPOConfig):
+        self.config = config
+        self.needs_reference = config.kl_beta > 0
+
+    def schedule(self, num_steps: int, generator: torch.Generator | None = None) -> SamplingPlan:
+        return token_plan(num_steps)
+
+    def advantages(self, scores: torch.Tensor, group_ids: torch.Tensor) -> torch.Tensor:
+        return group_normalize(scores, group_ids, eps=self.config.adv_eps)
+
+    def loss(self, new, old_log_prob, advantages, ref=None) -> LossOutput:
+        """Clipped sequence surrogate; arguments as [`~mmgrpo.algorithms.grpo.GRPO.loss`]. Metrics are per
+        sequence (``ratio_mean`` is the mean sequence ratio)."""
+        c = self.config
+        mask = token_mask(new, new["log_prob"])  # [n, T]
+        lengths = mask.sum(dim=1)  # [n]
+        seq_log_ratio = ((new["log_prob"] - old_log_prob) * mask).sum(dim=1) / lengths.clamp_min(1.0)  # [n]
+        ratio = torch.exp(seq_log_ratio)  # [n]
+        adv = advantages.to(ratio.dtype)
+        unclipped, clipped = -adv * ratio, -adv * torch.clamp(ratio, 1 - c.clip_low, 1 + c.clip_high)
+        per_sequence = torch.maximum(unclipped, clipped)  # [n]
+        has_tokens = (lengths > 0).to(ratio.dtype)  # [n]
+        policy_loss = (per_sequence * has_tokens).sum() / has_tokens.sum().clamp_min(1.0)
+        metrics = ratio_metrics(seq_log_ratio[:, None], has_tokens[:, None], (clipped > unclipped)[:, None], policy_loss)
+        loss = add_kl(policy_loss, metrics, new, ref, mask, c.kl_beta, "sequence_mean")
+        return LossOutput(loss=loss, metrics=metrics)
+
+
+PLUGIN = GSPO

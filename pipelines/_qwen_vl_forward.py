@@ -1,0 +1,194 @@
+"""Prompt encoding, collation and the prefix-shared group forward of the Qwen2-VL / Qwen2.5-VL adapter (`qwen_vl`).
+
+The `G` completions of one prompt share its text and vision tokens. [`GroupForward`] runs the vision tower and the
+prompt once per *unique* prompt (``U`` rows), expands the prompt's KV cache to the `N` samples with an index (a
+differentiable ``index_select``), and runs only the completion tokens per sample. Multimodal rotary positions
+(M-RoPE): the prompt's 3-D positions come from the model's own ``get_rope_index``; completion token ``j`` of a sample
+sits at text position ``max(prompt positions) + 1 + j`` on all three axes, which is what the model computes for the
+whole sequence (tested against the naive forward, [`GroupForward.naive`]).
+
+Not a plugin: the name starts with an underscore and it defines no ``PLUGIN``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+VISION_KEYS = ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw", "second_per_grid_ts")
+
+
+def collate_prompts(prompts: list[dict[str, torch.Tensor]], pad_id: int, device) -> dict[str, Any]:
+    """Left-pads `U` encoded prompts into one batch.
+
+    Args:
+        prompts (`list[dict]`): each with ``input_ids`` `[L_u]`, ``mm_token_type_ids`` `[L_u]` and the processor's
+            vision tensors (``pixel_values`` `[patches_u, D]`, ``image_grid_thw`` `[images_u, 3]`, video
+            counterparts, ``second_per_grid_ts`` `[videos_u]`), as written by the adapter's prompt encoder.
+
+    Returns:
+        `dict`: ``input_ids`` `[U, P]`, ``attention_mask`` `[U, P]`, ``mm_token_type_ids`` `[U, P]` and the vision
+        tensors concatenated in prompt order (absent when no prompt has them).
+    """
+    length = max(int(p["input_ids"].shape[0]) for p in prompts)
+    ids = torch.full((len(prompts), length), pad_id, dtype=torch.long)
+    mask = torch.zeros(len(prompts), length, dtype=torch.long)
+    types = torch.zeros(len(prompts), length, dtype=torch.long)
+    for row, p in enumerate(prompts):
+        size = p["input_ids"].shape[0]
+        ids[row, length - size:] = p["input_ids"]
+        mask[row, length - size:] = 1
+        types[row, length - size:] = p["mm_token_type_ids"]
+    out = {"input_ids": ids.to(device), "attention_mask": mask.to(device), "mm_token_type_ids": types.to(device)}
+    for key in VISION_KEYS:
+        parts = [p[key] for p in prompts if key in p]
+        if parts:
+            out[key] = torch.cat(parts).to(device)
+    return out
+
+
+def expand_prefix(prefix: dict[str, torch.Tensor], inverse: torch.Tensor) -> dict[str, torch.Tensor]:
+    """A collated prefix of `U` prompts repeated to `N` rows (`inverse` `[N]`), vision tensors included (each row
+    carries its own copy of its prompt's patches, as a naive implementation does)."""
+    out = {k: prefix[k][inverse.to(prefix[k].device)] for k in ("input_ids", "attention_mask", "mm_token_type_ids")}
+    for kind, count_key in (("pixel_values", "image_grid_thw"), ("pixel_values_videos", "video_grid_thw")):
+        if kind not in prefix:
+            continue
+        grids = prefix[count_key]  # [items, 3]
+        per_item = grids.prod(dim=1).tolist()
+        items_per_row = _items_per_row(prefix, count_key)
+        patches = list(prefix[kind].split(per_item))
+        grid_rows = list(grids.split(1))
+        ts_rows = list(prefix["second_per_grid_ts"].split(1)) if kind == "pixel_values_videos" and "second_per_grid_ts" in prefix else None
+        starts = [sum(items_per_row[:u]) for u in range(len(items_per_row))]
+        chosen = [i for u in inverse.tolist() for i in range(starts[u], starts[u] + items_per_row[u])]
+        out[kind] = torch.cat([patches[i] for i in chosen])
+        out[count_key] = torch.cat([grid_rows[i] for i in chosen])
+        if ts_rows is not None:
+            out["second_per_grid_ts"] = torch.cat([ts_rows[i] for i in chosen])
+    return out
+
+
+def _items_per_row(prefix: dict[str, torch.Tensor], count_key: str) -> list[int]:
+    """How many images (or videos) each prompt row holds: its runs of image (or video) tokens."""
+    kind = 1 if count_key == "image_grid_thw" else 2
+    types = prefix["mm_token_type_ids"] == kind  # [U, P]
+    starts = types & ~torch.nn.functional.pad(types, (1, 0))[:, :-1]  # first token of each run
+    return starts.sum(dim=1).tolist()
+
+
+def unique_rows(items: list[Any]) -> tuple[list[Any], torch.Tensor]:
+    """Distinct objects of `items` (by identity, in first-seen order) and ``inverse`` `[N]` mapping items to them."""
+    seen: dict[int, int] = {}
+    unique, inverse = [], []
+    for item in items:
+        key = id(item)
+        if key not in seen:
+            seen[key] = len(unique)
+            unique.append(item)
+        inverse.append(seen[key])
+    return unique, torch.tensor(inverse, dtype=torch.long)
+
+
+def rope_positions(model, prefix: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """M-RoPE positions of the prompts, `[3, U, P]`, and the text position of each prompt's first completion token,
+    `[U]` (``max`` over the prompt's positions + 1), from the model's own ``get_rope_index``."""
+    kwargs = {k: prefix[k] for k in ("image_grid_thw", "video_grid_thw", "second_per_grid_ts") if k in prefix}
+    if "second_per_grid_ts" in kwargs and "second_per_grid_ts" not in _rope_arguments(model):
+        kwargs.pop("second_per_grid_ts")
+    positions, _ = model.model.get_rope_index(
+        prefix["input_ids"], mm_token_type_ids=prefix["mm_token_type_ids"], attention_mask=prefix["attention_mask"],
+        **kwargs,
+    )
+    positions = positions.masked_fill(prefix["attention_mask"][None] == 0, 0)  # [3, U, P]
+    return positions, positions.amax(dim=(0, 2)) + 1  # [3, U, P], [U]
+
+
+def _rope_arguments(model) -> set[str]:
+    import inspect
+
+    return set(inspect.signature(model.model.get_rope_index).parameters)
+
+
+class GroupForward(torch.nn.Module):
+    """Per-token log-probabilities of completions, with the prompt (and its vision tokens) forwarded once per group.
+
+    One module, so that a DDP / FSDP wrapper sees one forward per backward. Vision special tokens are excluded from
+    the policy's support (their logits are set to -inf), in sampling and in scoring alike.
+
+    Args:
+        model: a ``Qwen2VLForConditionalGeneration`` or ``Qwen2_5_VLForConditionalGeneration``.
+        suppress_ids (`list[int]`): token ids the policy never emits.
+    """
+
+    def __init__(self, model, suppress_ids: list[int]):
+        super().__init__()
+        self.model = model
+        self.register_buffer("suppress", torch.tensor(sorted(set(suppress_ids)), dtype=torch.long), persistent=False)
+
+    def token_log_probs(self, logits: torch.Tensor, tokens: torch.Tensor, temperature: float) -> torch.Tensor:
+        """``log softmax(logits / temperature)`` at `tokens`: logits `[N, T, V]`, tokens `[N, T]` -> `[N, T]`
+        (float32), vision special tokens excluded from the support."""
+        return self.log_softmax(logits, temperature).gather(-1, tokens[..., None]).squeeze(-1)
+
+    def log_softmax(self, logits: torch.Tensor, temperature: float) -> torch.Tensor:
+        logits = logits.float() / temperature
+        if self.suppress.numel():
+            logits = logits.index_fill(-1, self.suppress.to(logits.device), float("-inf"))
+        return logits.log_softmax(-1)
+
+    def prefix(self, prefix: dict[str, torch.Tensor], inverse: torch.Tensor):
+        """Forwards the `U` prompts once; returns the last prompt token's logits `[N, V]`, the KV cache expanded to
+        the `N` samples, the prompt attention mask `[N, P]` and the first completion position `[N]`."""
+        positions, start = rope_positions(self.model, prefix)
+        vision = {k: prefix[k] for k in VISION_KEYS if k in prefix and k != "second_per_grid_ts"}
+        if "second_per_grid_ts" in prefix and "second_per_grid_ts" in _rope_arguments(self.model):
+            vision["second_per_grid_ts"] = prefix["second_per_grid_ts"]
+        out = self.model(
+            input_ids=prefix["input_ids"], attention_mask=prefix["attention_mask"], position_ids=positions,
+            mm_token_type_ids=prefix["mm_token_type_ids"], use_cache=True, logits_to_keep=1, **vision,
+        )
+        cache = out.cache
+        inverse = inverse.to(out.logits.device)
+        cache.reorder_cache(inverse)  # [U, ...] -> [N, ...] per layer (index_select: gradients flow to the prompt)
+        return out.logits[:, -1][inverse], cache, prefix["attention_mask"][inverse], start[inverse]
+
+    def step(self, tokens: torch.Tensor, cache, attention_mask: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Forwards new tokens `[N, t]` after the cache; `positions` `[N, t]` text positions (same on the three
+        M-RoPE axes); `attention_mask` `[N, P + past + t]`. Returns logits `[N, t, V]`."""
+        out = self.model(
+            input_ids=tokens, attention_mask=attention_mask, position_ids=positions[None].expand(3, -1, -1),
+            cache=cache, use_cache=True,
+        )
+        return out.logits
+
+    def forward(self, prefix: dict[str, torch.Tensor], inverse: torch.Tensor, completion: torch.Tensor,
+                temperature: float, shared: bool = True) -> torch.Tensor:
+        """Log-probs `[N, T]` of `completion` `[N, T]` after prompts `prefix` (`U` rows), `inverse` `[N]` -> row.
+        ``shared=False`` runs [`~GroupForward.naive`] on the prompts expanded to `N` rows instead."""
+        if not shared:
+            return self.naive(expand_prefix(prefix, inverse), completion, temperature)
+        first, cache, prompt_mask, start = self.prefix(prefix, inverse)
+        n, length = completion.shape
+        logits = first[:, None]  # [N, 1, V]
+        if length > 1:
+            positions = start[:, None] + torch.arange(length - 1, device=start.device)  # [N, T - 1]
+            mask = torch.cat([prompt_mask, prompt_mask.new_ones(n, length - 1)], dim=1)  # [N, P + T - 1]
+            rest = self.step(completion[:, :-1], cache, mask, positions)  # [N, T - 1, V]
+            logits = torch.cat([logits, rest], dim=1)  # [N, T, V]
+        return self.token_log_probs(logits, completion, temperature)
+
+    def naive(self, prefix: dict[str, torch.Tensor], completion: torch.Tensor, temperature: float) -> torch.Tensor:
+        """The reference forward: every sample carries its own prompt and images (`prefix` has `N` rows) and the
+        model computes its own M-RoPE positions over the whole sequence. Log-probs `[N, T]`."""
+        n, length = completion.shape
+        prompt_len = prefix["input_ids"].shape[1]
+        ids = torch.cat([prefix["input_ids"], completion], dim=1)  # [N, P + T]
+        mask = torch.cat([prefix["attention_mask"], prefix["attention_mask"].new_ones(n, length)], dim=1)
+        types = torch.cat([prefix["mm_token_type_ids"], prefix["mm_token_type_ids"].new_zeros(n, length)], dim=1)
+        vision = {k: prefix[k] for k in VISION_KEYS if k in prefix}
+        if "second_per_grid_ts" in vision and "second_per_grid_ts" not in _rope_arguments(self.model):
+            vision.pop("second_per_grid_ts")
+        logits = self.model(input_ids=ids, attention_mask=mask, mm_token_type_ids=types, **vision).logits
+        return self.token_log_probs(logits[:, prompt_len - 1 : -1], completion, temperature)

@@ -1,0 +1,429 @@
+"""Qwen2-VL / Qwen2.5-VL as a token-level stochastic policy (reasoning, counting, grounding), with LoRA and a
+prefix-shared group forward.
+
+Wraps transformers' `Qwen2VLForConditionalGeneration` / `Qwen2_5_VLForConditionalGeneration` and their processor;
+vision inputs go through `qwen_vl_utils.process_vision_info`. Papers: Qwen2-VL https://arxiv.org/abs/2409.12191,
+Qwen2.5-VL https://arxiv.org/abs/2502.13923.
+
+**Token-level contract.** A decision is a completion token: ``num_steps`` is ``max_new_tokens``, and a rollout's
+``old_log_probs`` and ``mask`` are `[N, max_new_tokens]` (``mask`` false after the end-of-turn token, and on the
+padding). The token algorithms (`grpo`, `dr_grpo`, `dapo`, `gspo`, `sapo`) train the whole completion as one unit,
+``train_units = [[0, ..., T - 1]]``; `log_prob(rollout, steps)` returns ``log_prob`` and ``mask`` `[n, len(steps)]`.
+A plan without stochastic steps (``SamplingPlan.deterministic``, evaluation) decodes greedily.
+
+**The policy.** ``pi(token) = softmax(logits / temperature)`` with Qwen's vision special tokens (image / video pads,
+vision start / end / pad) removed from the support: they are never sampled and never scored. ``top_p`` / ``top_k``
+only truncate the sampling distribution; the recorded and replayed log-probs are those of the untruncated tempered
+policy (as TRL and verl do), so the importance ratio is exactly 1 on-policy.
+
+**Inputs** (per prompt, from the prompt source's items): ``prompt`` (text), ``images`` (one image or a list: PIL
+images, local paths, ``file://`` URIs, base64), ``video`` (one video: a path or a list of frames) or ``videos`` (a
+list of them). Each prompt's messages are rendered with the processor's chat template (optional system prompt).
+When a prompt has images and its metadata has ``image_size`` but no ``input_size``, `sample` writes ``input_size`` =
+the first image's resized ``[width, height]`` (the frame Qwen2.5-VL answers boxes in; see `rewards/box_iou.py`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import torch
+
+from mmgrpo.hub import resolve_pretrained
+from mmgrpo.pipelines._qwen_vl_forward import GroupForward, collate_prompts, unique_rows
+from mmgrpo.types import PromptBatch, Rollout, SamplingPlan
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+MODEL_CLASSES = {"qwen2_vl": "Qwen2VLForConditionalGeneration", "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration"}
+VISION_TOKENS = ("<|image_pad|>", "<|video_pad|>", "<|vision_start|>", "<|vision_end|>", "<|vision_pad|>")
+LANGUAGE_LORA = r".*language_model.*\.({names})$"
+LORA_FILE = "adapter_model.safetensors"
+VISION_LORA = r".*visual\.blocks.*\.(qkv|proj|fc1|fc2|gate_proj|up_proj|down_proj)$"
+
+
+@dataclass
+class QwenVLConfig:
+    """Options of [`QwenVLPolicy`].
+
+    Args:
+        pretrained (`str`): a transformers folder (model + processor, as ``save_pretrained`` writes them), a hub id
+            (``Qwen/Qwen2.5-VL-3B-Instruct``) or ``mmgrpo:<name>`` for a shipped toy model.
+        max_new_tokens (`int`): completion tokens per training rollout (the policy's ``num_steps``).
+        eval_max_new_tokens (`int`, *optional*): completion tokens at evaluation (default: `max_new_tokens`).
+        temperature (`float`): sampling temperature; also the temperature of the scored policy.
+        top_p (`float`), top_k (`int`): nucleus / top-k truncation of sampling only (1.0 / 0 disable them).
+        system_prompt (`str`, *optional*): a system message put before every prompt.
+        min_pixels (`int`, *optional*), max_pixels (`int`, *optional*): per-image pixel budget (``qwen_vl_utils``).
+        video_fps (`float`): frames per second of video inputs given as frame lists (temporal M-RoPE spacing).
+        video_min_pixels (`int`, *optional*), video_max_pixels (`int`, *optional*): per-frame pixel budget.
+        lora_rank (`int`): LoRA rank on the language model; 0 trains the whole language model (and the vision
+            tower unless `freeze_vision`), with a frozen copy as the reference.
+        lora_alpha (`int`), lora_dropout (`float`): LoRA scaling numerator and dropout.
+        lora_targets (`list[str]`): names of the language-model linear layers that get LoRA.
+        freeze_vision (`bool`): keep the vision tower (and its merger) frozen; with LoRA, ``False`` also puts LoRA
+            on the vision blocks.
+        prefix_sharing (`bool`): in the training forward, run each group's prompt and images once and expand its KV
+            cache to the group; ``False`` forwards every sample whole (the naive reference: same values, G times the
+            prompt and vision cost). Sampling always shares the prompt's cache (it is the same for every member).
+        weights_dtype (`str`): dtype of the frozen base under LoRA; trainable parameters are always float32, and a
+            fully fine-tuned model runs in float32.
+        attn_implementation (`str`): transformers attention backend (``"sdpa"``, ``"eager"``, ``"flash_attention_2"``).
+    """
+
+    pretrained: str
+    max_new_tokens: int = 256
+    eval_max_new_tokens: int | None = None
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    system_prompt: str | None = None
+    min_pixels: int | None = None
+    max_pixels: int | None = None
+    video_fps: float = 2.0
+    video_min_pixels: int | None = None
+    video_max_pixels: int | None = None
+    lora_rank: int = 64
+    lora_alpha: int = 128
+    lora_dropout: float = 0.0
+    lora_targets: list[str] = field(
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    )
+    freeze_vision: bool = True
+    prefix_sharing: bool = True
+    weights_dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    attn_implementation: str = "sdpa"
+
+    @property
+    def num_steps(self) -> int:
+        """Decisions per training rollout: completion tokens (what `Algorithm.schedule` receives)."""
+        return self.max_new_tokens
+
+    def __post_init__(self):
+        self.pretrained = resolve_pretrained(self.pretrained, "pipeline.pretrained")
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}.")
+        if self.temperature <= 0:
+            raise ValueError(f"temperature must be > 0 (greedy decoding is what evaluation does), got {self.temperature}.")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}.")
+        if self.top_k < 0 or self.lora_rank < 0:
+            raise ValueError(f"top_k and lora_rank must be >= 0, got {self.top_k} and {self.lora_rank}.")
+
+
+class QwenVLPolicy:
+    """A Qwen-VL model as a policy over completion tokens: `sample` decodes with a KV cache and records per-token
+    log-probs; `log_prob` replays them with gradients (prefix-shared across each group)."""
+
+    Config = QwenVLConfig
+    modalities = frozenset({"text"})
+    plan_features = frozenset()
+
+    def __init__(self, config: QwenVLConfig):
+        import transformers
+        from transformers import AutoConfig, AutoProcessor
+
+        self.config = config
+        model_type = AutoConfig.from_pretrained(config.pretrained).model_type
+        if model_type not in MODEL_CLASSES:
+            raise ValueError(
+                f"pipeline.pretrained {config.pretrained!r} is a {model_type!r} model; the qwen_vl pipeline takes "
+                f"{sorted(MODEL_CLASSES)} (Qwen2-VL or Qwen2.5-VL)."
+            )
+        model_cls = getattr(transformers, MODEL_CLASSES[model_type])
+        self.model = model_cls.from_pretrained(
+            config.pretrained, dtype=DTYPES[config.weights_dtype], attn_implementation=config.attn_implementation
+        ).eval()
+        self.processor = AutoProcessor.from_pretrained(config.pretrained)
+        tok = self.processor.tokenizer
+        self.pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+        vocab = tok.get_vocab()
+        self.stop_ids = sorted({tok.eos_token_id, *[vocab[t] for t in ("<|im_end|>", "<|endoftext|>") if t in vocab]})
+        suppress = [vocab[t] for t in VISION_TOKENS if t in vocab]
+        self.model.requires_grad_(False)
+        self.frozen = None
+        if config.lora_rank > 0:
+            self._add_lora()
+        else:  # full fine-tuning runs in float32 (weights_dtype then only sets the loading dtype)
+            self.model.float()
+            for name, param in self.model.named_parameters():
+                param.requires_grad_(not (config.freeze_vision and ".visual." in f".{name}"))
+            self.frozen = GroupForward(copy.deepcopy(self.model).requires_grad_(False).eval(), suppress)
+        self.group_forward = GroupForward(self.model, suppress)
+        self.forward = self.group_forward  # what training forwards run through (its DDP/FSDP wrapper after prepare)
+        self._active = None  # the reference's GroupForward inside `reference()`
+        self.device = torch.device("cpu")
+
+    def _add_lora(self) -> None:
+        """Injects a peft LoRA adapter into the model's language-model linear layers (and vision blocks when
+        `freeze_vision` is off), in place: the model keeps its transformers class."""
+        from peft import LoraConfig, inject_adapter_in_model
+
+        c = self.config
+        pattern = LANGUAGE_LORA.format(names="|".join(c.lora_targets))
+        if not c.freeze_vision:
+            pattern = f"({pattern})|({VISION_LORA})"
+        self.lora_config = LoraConfig(
+            r=c.lora_rank, lora_alpha=c.lora_alpha, lora_dropout=c.lora_dropout, target_modules=pattern,
+            init_lora_weights="gaussian",
+        )
+        inject_adapter_in_model(self.lora_config, self.model)
+        for name, param in self.model.named_parameters():
+            if "lora_" in name:
+                param.data = param.data.float()  # trainable parameters are always float32
+                param.requires_grad_(True)
+        if not self.trainable_parameters():
+            raise ValueError(f"lora_targets {c.lora_targets} matched no language-model layer of {c.pretrained!r}.")
+
+    def _set_adapters(self, enabled: bool) -> None:
+        from peft.tuners.tuners_utils import BaseTunerLayer
+
+        for module in self.model.modules():
+            if isinstance(module, BaseTunerLayer):
+                module.enable_adapters(enabled)
+                if enabled:  # enable_adapters(True) marks the adapter trainable again; keep only LoRA weights trained
+                    for name, param in module.named_parameters():
+                        param.requires_grad_("lora_" in name)
+
+    # ------------------------------------------------------------------------------------------------------ set-up
+    @property
+    def num_steps(self) -> int:
+        return self.config.max_new_tokens
+
+    @property
+    def eval_num_steps(self) -> int:
+        return self.config.eval_max_new_tokens or self.config.max_new_tokens
+
+    def trainable_parameters(self) -> list[torch.nn.Parameter]:
+        return [p for p in self.model.parameters() if p.requires_grad]
+
+    def trainable_modules(self) -> dict[str, torch.nn.Module]:
+        return {"model": self.model}
+
+    def prepare(self, accelerator) -> list[torch.nn.Module]:
+        """Moves the model (and a frozen reference) to the accelerator's device; wraps the group forward."""
+        self.device = accelerator.device
+        self.model.to(self.device)
+        if self.frozen is not None:
+            self.frozen.to(self.device)
+        self.forward = accelerator.prepare_model(self.group_forward)
+        return [self.forward]
+
+    @contextlib.contextmanager
+    def reference(self):
+        """The reference policy: LoRA adapter disabled, or the frozen initial model when fully fine-tuned."""
+        if self.frozen is not None:
+            self._active = self.frozen
+            try:
+                yield
+            finally:
+                self._active = None
+        else:
+            self._set_adapters(False)
+            try:
+                yield
+            finally:
+                self._set_adapters(True)
+
+    # -------------------------------------------------------------------------------------------------- prompts
+    def messages(self, prompt: str, images: list, videos: list) -> list[dict]:
+        """The chat messages of one prompt: optional system prompt, then the vision blocks and the text."""
+        c = self.config
+        image_opts = {k: v for k, v in (("min_pixels", c.min_pixels), ("max_pixels", c.max_pixels)) if v is not None}
+        video_opts = {k: v for k, v in (("min_pixels", c.video_min_pixels), ("max_pixels", c.video_max_pixels)) if v}
+        content = [{"type": "image", "image": image, **image_opts} for image in images]
+        content += [{"type": "video", "video": video, "fps": c.video_fps, **video_opts} for video in videos]
+        content.append({"type": "text", "text": prompt})
+        system = [{"role": "system", "content": c.system_prompt}] if c.system_prompt else []
+        return system + [{"role": "user", "content": content}]
+
+    def encode_prompt(self, prompt: str, images: list, videos: list) -> dict[str, torch.Tensor]:
+        """One prompt through the chat template, ``process_vision_info`` and the processor: ``input_ids`` `[L]`,
+        ``mm_token_type_ids`` `[L]` and the vision tensors (``pixel_values`` `[patches, D]`, ``image_grid_thw``
+        `[images, 3]`, video counterparts, ``second_per_grid_ts`` `[videos]`), on the CPU."""
+        from qwen_vl_utils import process_vision_info
+
+        messages = self.messages(prompt, images, videos)
+        text = self.processor.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        image_inputs, video_inputs, video_kwargs = process_vision_info(messages, return_video_kwargs=True)
+        kwargs = dict(video_kwargs or {}) if video_inputs else {}
+        if kwargs.get("fps"):  # qwen-vl-utils gives one fps per video; the processor takes one number
+            kwargs["fps"] = kwargs["fps"][0]
+        if video_inputs:  # qwen-vl-utils already applied the per-frame pixel budget: same behaviour, no warning
+            kwargs["cap_pixels_per_frame"] = True
+        inputs = self.processor(text=[text], images=image_inputs, videos=video_inputs, return_tensors="pt", **kwargs)
+        out = {"input_ids": inputs["input_ids"][0], "mm_token_type_ids": inputs["mm_token_type_ids"][0]}
+        for key in ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw", "second_per_grid_ts"):
+            if key in inputs:
+                out[key] = torch.as_tensor(inputs[key])
+        if "pixel_values" in out:
+            out["pixel_values"] = out["pixel_values"].to(self.model.dtype)
+        if "pixel_values_videos" in out:
+            out["pixel_values_videos"] = out["pixel_values_videos"].to(self.model.dtype)
+        return out
+
+    def _encode_batch(self, batch: PromptBatch) -> list[dict]:
+        """Encoded prompts, one entry per sample; the samples of one group share one entry (the same object)."""
+        group_ids = batch.group_ids.tolist() if batch.group_ids is not None else list(range(len(batch)))
+        encoded: dict[int, dict] = {}
+        out = []
+        for i, gid in enumerate(group_ids):
+            if gid not in encoded:
+                images, videos = _vision_inputs(batch.conditions, i)
+                encoded[gid] = self.encode_prompt(batch.prompts[i], images, videos)
+                self._record_input_size(batch.metadata[i], encoded[gid])
+            elif batch.prompts[i] != batch.prompts[group_ids.index(gid)]:
+                raise ValueError(f"Samples of group {gid} have different prompts; a group must share its prompt.")
+            out.append(encoded[gid])
+        return out
+
+    def _record_input_size(self, metadata: dict, encoded: dict) -> None:
+        if "image_grid_thw" in encoded and "image_size" in metadata and "input_size" not in metadata:
+            patch = self.processor.image_processor.patch_size
+            _, h, w = encoded["image_grid_thw"][0].tolist()
+            metadata["input_size"] = [w * patch, h * patch]
+
+    # ------------------------------------------------------------------------------------------------- sampling
+    @torch.no_grad()
+    def sample(self, batch: PromptBatch, plan: SamplingPlan, *, generator: torch.Generator | None = None) -> Rollout:
+        """Decodes up to ``plan.num_steps`` tokens per sample with a KV cache: sampled (temperature, top-p, top-k)
+        when the plan has stochastic steps, greedy otherwise. The prompt and images of a group are forwarded once.
+
+        Returns:
+            [`Rollout`]: ``outputs["texts"]`` (`N` strings), ``old_log_probs`` `[N, S]`, ``mask`` `[N, S]` (completion
+            tokens up to and including the end-of-turn token) and, in the trajectory, the completion ids `[N, S]`
+            and the encoded prompts (one shared object per group).
+        """
+        n, steps = len(batch), plan.num_steps
+        prompts = self._encode_batch(batch)
+        unique, inverse = unique_rows(prompts)
+        module = self.group_forward
+        prefix = collate_prompts(unique, self.pad_id, self.device)
+        logits, cache, prompt_mask, start = module.prefix(prefix, inverse)  # [N, V], cache of N rows
+        tokens = torch.full((n, steps), self.pad_id, dtype=torch.long)
+        log_probs = torch.zeros(n, steps)
+        mask = torch.zeros(n, steps, dtype=torch.bool)
+        alive = torch.ones(n, dtype=torch.bool)
+        stop = torch.tensor(self.stop_ids)
+        attention = prompt_mask
+        for t in range(steps):
+            logp = module.log_softmax(logits, self.config.temperature).cpu()  # [N, V]
+            chosen = self._choose(logp, greedy=not plan.sde_steps, generator=generator)  # [N]
+            chosen = torch.where(alive, chosen, torch.full_like(chosen, self.pad_id))
+            tokens[:, t] = chosen
+            log_probs[:, t] = torch.where(alive, logp.gather(1, chosen[:, None]).squeeze(1), torch.zeros(n))
+            mask[:, t] = alive
+            alive = alive & ~torch.isin(chosen, stop)
+            if not alive.any() or t == steps - 1:
+                break
+            attention = torch.cat([attention, attention.new_ones(n, 1)], dim=1)  # [N, P + t + 1]
+            positions = (start + t)[:, None]  # [N, 1]
+            logits = module.step(chosen[:, None].to(self.device), cache, attention, positions)[:, -1]
+        texts = self.processor.tokenizer.batch_decode(
+            [row[m].tolist() for row, m in zip(tokens, mask)], skip_special_tokens=True
+        )
+        group_ids = batch.group_ids if batch.group_ids is not None else torch.arange(n)
+        return Rollout(
+            group_ids=group_ids,
+            outputs={"texts": texts, "num_tokens": mask.sum(dim=1)},
+            old_log_probs=log_probs,  # [N, S]
+            mask=mask,  # [N, S]
+            trajectory={"completion_ids": tokens, "prompt_inputs": prompts},  # [N, S], N dicts (shared per group)
+        )
+
+    def _choose(self, logp: torch.Tensor, greedy: bool, generator: torch.Generator | None) -> torch.Tensor:
+        """Next tokens `[N]` from log-probs `[N, V]`: argmax, or a draw after top-k / top-p truncation."""
+        if greedy:
+            return logp.argmax(dim=-1)
+        probs = logp.exp()
+        if self.config.top_k > 0:
+            kth = probs.topk(min(self.config.top_k, probs.shape[-1]), dim=-1).values[:, -1:]
+            probs = torch.where(probs >= kth, probs, torch.zeros_like(probs))
+        if self.config.top_p < 1.0:
+            sorted_probs, order = probs.sort(dim=-1, descending=True)
+            cumulative = sorted_probs.cumsum(dim=-1)
+            drop = cumulative - sorted_probs > self.config.top_p * cumulative[:, -1:]  # keeps at least the top token
+            probs = probs.scatter(-1, order, sorted_probs.masked_fill(drop, 0.0))
+        return torch.multinomial(probs, 1, generator=generator).squeeze(1)
+
+    # ---------------------------------------------------------------------------------------------------- replay
+    def log_prob(self, rollout: Rollout, steps: list[int]) -> dict[str, torch.Tensor]:
+        """Per-token log-probs of the sampled completions at token positions `steps`, under the current parameters,
+        with gradients. Only the tokens up to the longest completion of the minibatch are forwarded.
+
+        Returns:
+            `dict` with ``log_prob`` `[n, len(steps)]` (0 where not a completion token) and ``mask``
+            `[n, len(steps)]` (the completion tokens).
+        """
+        length = int(rollout.mask.any(dim=0).nonzero().max()) + 1 if rollout.mask.any() else 1
+        unique, inverse = unique_rows(rollout.trajectory["prompt_inputs"])
+        prefix = collate_prompts(unique, self.pad_id, self.device)
+        completion = rollout.trajectory["completion_ids"][:, :length].to(self.device)  # [n, T']
+        module = self._active if self._active is not None else self.forward
+        scored = module(prefix, inverse.to(self.device), completion, self.config.temperature,
+                        shared=self.config.prefix_sharing)  # [n, T']
+        n, full = rollout.mask.shape
+        log_prob = torch.cat([scored, scored.new_zeros(n, full - length)], dim=1) if full > length else scored
+        index = torch.as_tensor(steps, dtype=torch.long)
+        mask = rollout.mask[:, index].to(self.device)
+        return {"log_prob": log_prob[:, index.to(self.device)] * mask, "mask": mask}
+
+    # ----------------------------------------------------------------------------------------------- checkpoints
+    def save_pretrained(self, path: str) -> None:
+        """Writes the LoRA adapter in peft's format (``adapter_config.json`` + ``adapter_model.safetensors``, which
+        ``PeftModel.from_pretrained(base_model, path)`` reads) or, when fully fine-tuned, the whole model; the
+        processor is saved beside it."""
+        from pathlib import Path
+
+        Path(path).mkdir(parents=True, exist_ok=True)
+        if self.frozen is None:
+            from peft.utils import get_peft_model_state_dict
+            from safetensors.torch import save_file
+
+            self.lora_config.save_pretrained(path)
+            state = get_peft_model_state_dict(self.model)
+            save_file({k: v.detach().contiguous().cpu() for k, v in state.items()}, str(Path(path) / LORA_FILE))
+        else:
+            self.model.save_pretrained(path)
+        self.processor.save_pretrained(path)
+
+    def load_trainable(self, path: str) -> None:
+        """Loads weights written by [`~QwenVLPolicy.save_pretrained`] into this policy."""
+        from pathlib import Path
+
+        if self.frozen is None:
+            from peft.utils import set_peft_model_state_dict
+            from safetensors.torch import load_file
+
+            result = set_peft_model_state_dict(self.model, load_file(str(Path(path) / LORA_FILE)))
+            if getattr(result, "unexpected_keys", None):
+                raise ValueError(f"{path}: adapter weights {result.unexpected_keys[:3]}... do not fit this model.")
+        else:
+            import transformers
+
+            loaded = getattr(transformers, type(self.model).__name__).from_pretrained(path, dtype=torch.float32)
+            self.model.load_state_dict(loaded.state_dict())
+
+
+def _as_list(value: Any) -> list:
+    if value is None:
+        return []
+    return list(value) if isinstance(value, (list, tuple)) else [value]
+
+
+def _vision_inputs(conditions: dict[str, list], i: int) -> tuple[list, list]:
+    """Images and videos of prompt `i`: ``images`` (one or a list), ``video`` (one: a path or a frame list) and
+    ``videos`` (a list of videos)."""
+    images = _as_list(conditions.get("images", [None] * (i + 1))[i])
+    videos = _as_list(conditions.get("videos", [None] * (i + 1))[i])
+    if "video" in conditions and conditions["video"][i] is not None:
+        videos.append(conditions["video"][i])
+    unknown = set(conditions) - {"images", "video", "videos"}
+    if unknown:
+        raise ValueError(f"qwen_vl: unknown prompt conditions {sorted(unknown)}; use 'images', 'video' or 'videos'.")
+    return images, videos
+
+
+PLUGIN = QwenVLPolicy
