@@ -24,7 +24,7 @@ from .metrics_log import MetricsLog
 from .optim import build_optimizer
 from .prompt_stream import PromptStream, items_to_batch
 from .types import PromptBatch, SamplingPlan
-from .visualize import plot_reward_curve, save_image_grid
+from .visualize import plot_reward_curve, save_image_grid, save_sample_table
 
 
 def _seed(*parts: int) -> int:
@@ -101,6 +101,10 @@ def make_accelerator(config: ExperimentConfig):
         mixed_precision=config.train.mixed_precision,
         step_scheduler_with_optimizer=False,
     )
+
+
+def _as_list(value) -> list:
+    return [] if value is None else list(value) if isinstance(value, (list, tuple)) else [value]
 
 
 def _finite_mean(values: torch.Tensor) -> float:
@@ -312,15 +316,17 @@ class Trainer:
                 images.extend(rollout.outputs["images"][: cfg.grid_size - len(images)])
                 captions.extend(f"{p}\nr={s:.2f}" for p, s in zip(batch.prompts, result.scores.tolist()))
             if "texts" in rollout.outputs and len(texts) < cfg.grid_size:  # text outputs: the first few, as JSON lines
-                texts.extend({"prompt": p, "text": t, "reward": s} for p, t, s in
-                             zip(batch.prompts, rollout.outputs["texts"], result.scores.tolist()))
+                pictures = batch.conditions.get("images", [None] * len(batch))  # the inputs of a VLM, if any
+                texts.extend({"prompt": p, "text": t, "reward": s, "images": _as_list(im)} for p, t, s, im in
+                             zip(batch.prompts, rollout.outputs["texts"], result.scores.tolist(), pictures))
         out = {"eval/score": _finite_mean(acc.gather(torch.cat(scores).to(acc.device)).cpu())}
         for name, values in components.items():
             out[f"eval/{name}"] = _finite_mean(acc.gather(torch.cat(values).to(acc.device)).cpu())
         if acc.is_main_process and texts:
             (self.output_dir / "samples").mkdir(parents=True, exist_ok=True)
-            lines = [json.dumps(t) for t in texts[: cfg.grid_size]]
+            lines = [json.dumps({k: v for k, v in t.items() if k != "images"}) for t in texts[: cfg.grid_size]]
             (self.output_dir / "samples" / f"step_{step:05d}.jsonl").write_text("\n".join(lines) + "\n", encoding="utf-8")
+            save_sample_table(texts[: cfg.grid_size], self.output_dir / "samples" / f"step_{step:05d}.html", f"step {step}")
         if acc.is_main_process and images:
             save_image_grid(torch.stack(images), captions[: len(images)], self.output_dir / "samples" / f"step_{step:05d}.png")
         return out

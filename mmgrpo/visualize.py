@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import base64
+import html
+import io
 import json
 from pathlib import Path
 
@@ -45,3 +48,56 @@ def plot_reward_curve(metrics_file: str | Path, path: str | Path, eval_metric: s
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def _thumbnail_src(image, size: int = 128) -> str | None:
+    """A data-URI PNG of `image` (a PIL image, a file path, or an array / tensor `[H, W, 3]` or `[3, H, W]`)."""
+    import numpy as np
+    from PIL import Image
+
+    if isinstance(image, (str, Path)):
+        if not Path(image).is_file():
+            return None
+        image = Image.open(image)
+    elif isinstance(image, torch.Tensor):
+        array = image.detach().float().cpu()
+        array = array.permute(1, 2, 0) if array.shape[0] in (1, 3) and array.dim() == 3 else array
+        image = Image.fromarray((array.clamp(0, 1).numpy() * 255).round().astype(np.uint8).squeeze())
+    elif isinstance(image, np.ndarray):
+        image = Image.fromarray(image if image.dtype == np.uint8 else (np.clip(image, 0, 1) * 255).astype(np.uint8))
+    if not isinstance(image, Image.Image):
+        return None
+    image = image.convert("RGB")
+    scale = size / max(image.size)
+    image = image.resize((max(1, round(image.width * scale)), max(1, round(image.height * scale))), Image.NEAREST)
+    buffer = io.BytesIO()
+    image.save(buffer, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode("ascii")
+
+
+def save_sample_table(rows: list[dict], path: str | Path, title: str = "") -> None:
+    """Writes a self-contained HTML table of text samples: input images (if any), prompt, completion and reward.
+
+    Args:
+        rows (`list[dict]`): ``{"prompt": str, "text": str, "reward": float, "images": list (optional)}``.
+        path (`str` or `Path`): the ``.html`` file to write.
+        title (`str`, *optional*): a heading.
+    """
+    cells = []
+    for row in rows:
+        pictures = "".join(
+            f'<img src="{src}" alt="input image">' for src in map(_thumbnail_src, row.get("images") or []) if src
+        )
+        cells.append(
+            f"<tr><td>{pictures}</td><td><pre>{html.escape(row['prompt'])}</pre></td>"
+            f"<td><pre>{html.escape(row['text'])}</pre></td><td>{row['reward']:.3f}</td></tr>"
+        )
+    page = (
+        "<!doctype html><meta charset='utf-8'><style>body{font-family:sans-serif}td{vertical-align:top;"
+        "border-bottom:1px solid #ddd;padding:4px}pre{white-space:pre-wrap;margin:0;max-width:40em}"
+        "img{image-rendering:pixelated;margin-right:4px}</style>"
+        f"<h3>{html.escape(title)}</h3><table><tr><th>input</th><th>prompt</th><th>completion</th><th>reward</th></tr>"
+        + "".join(cells) + "</table>\n"
+    )
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(page, encoding="utf-8")

@@ -1,6 +1,7 @@
 """The one trainer loop, unchanged, on a tiny Qwen2-VL with image prompts from JSONL: counting (format + accuracy)
 and grounding (box IoU through the resized frame), every token algorithm, group size 2."""
 
+import html
 import json
 from pathlib import Path
 
@@ -41,6 +42,11 @@ def test_trainer_runs_token_algorithms_on_qwen_vl(tmp_path, tiny_qwen2_vl_dir, a
         if "train/ratio_mean" in r:  # one update per rollout: on-policy
             assert r["train/ratio_mean"] == pytest.approx(1.0, abs=1e-4)
     assert (tmp_path / "run" / "checkpoints").is_dir()
+    if algorithm == "grpo":  # the sample table: input image, prompt, completion and reward per held-out question
+        page = (tmp_path / "run" / "samples" / "step_00002.html").read_text()
+        first = json.loads((tmp_path / "run" / "samples" / "step_00002.jsonl").read_text().splitlines()[0])
+        assert page.count("<img src=\"data:image/png;base64,") >= 2 and page.count("<tr>") >= 3
+        assert html.escape(first["text"]) in page
 
 
 def test_grounding_rewards_malformed_boxes_without_crashing(tmp_path, tiny_qwen2_5_vl_dir):
