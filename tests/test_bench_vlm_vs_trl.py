@@ -1,0 +1,59 @@
+"""bench/vlm_vs_trl.py without running a model: the step clock, the report it writes from measurements (table,
+ratios, errors, figure) and its message when TRL is not installed."""
+
+import importlib.metadata
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module")
+def bench():
+    spec = importlib.util.spec_from_file_location("vlm_vs_trl", ROOT / "bench" / "vlm_vs_trl.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_step_stats_take_the_median_after_the_warmup(bench):
+    stats = bench.step_stats([3.0, 4.0, 6.0, 7.0], start=0.0, warmup=1)  # steps of 3, 1, 2, 1 s
+    assert stats["step_times_s"] == [3.0, 1.0, 2.0, 1.0] and stats["step_s"] == 1.0
+
+
+def test_report_ratios_errors_and_files(bench, tmp_path):
+    args = bench.argparse.Namespace(model="mmgrpo:vlm_shapes", config="configs/tiny/vlm_count.yaml", prompts=16,
+                                    max_new_tokens=20, steps=4, warmup=1, learning_rate=2e-4, group_sizes=[2, 8],
+                                    main_g=8)
+    results = {
+        "mmgrpo": {"2": {"step_s": 0.5, "peak_rss_mib": 700.0, "rss_before_steps_mib": 600.0},
+                   "8": {"step_s": 1.0, "peak_rss_mib": 800.0, "rss_before_steps_mib": 600.0}},
+        "trl": {"2": {"error": "RuntimeError: boom"},
+                "8": {"step_s": 4.0, "peak_rss_mib": 1000.0, "rss_before_steps_mib": 600.0}},
+    }
+    bench.write_outputs(args, results, tmp_path)
+    rows = {r["G"]: r for r in json.loads((tmp_path / "results.json").read_text())["rows"]}
+    assert rows[8]["speedup"] == 4.0 and rows[8]["time_ratio"] == 0.25
+    assert rows[8]["peak_rss_ratio"] == 0.8 and rows[8]["increment_ratio"] == 0.5
+    assert rows[2]["speedup"] is None
+    table = (tmp_path / "table.md").read_text()
+    assert "| **8** | 1.000 | 4.000 | 0.25 | 4.0x | 800 | 1000 | 0.8 | 200 | 400 | 0.5 |" in table
+    assert "| 2 | 0.500 | error |" in table and "- trl G=2: `RuntimeError: boom`" in table
+    assert (tmp_path / "step_time_vs_g.png").stat().st_size > 1000
+
+
+def test_missing_trl_names_the_pip_command(bench, monkeypatch, tmp_path):
+    real = importlib.metadata.version
+
+    def version(name):
+        if name == "trl":
+            raise importlib.metadata.PackageNotFoundError(name)
+        return real(name)
+
+    monkeypatch.setattr(importlib.metadata, "version", version)
+    with pytest.raises(SystemExit) as exit_info:
+        bench.main(["--output", str(tmp_path)])
+    assert "pip install --no-deps trl==1.16.0" in str(exit_info.value.code)
