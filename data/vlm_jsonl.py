@@ -14,6 +14,8 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from mmgrpo.types import as_list
+
 R1_TEMPLATE = (
     "{question} Output the thinking process in <think> </think> and final answer in <answer> </answer> tags."
 )
@@ -82,7 +84,7 @@ class VLMJsonl:
         question = row.get(c.question_key, row.get("question"))
         if question is None:
             raise KeyError(f"the row has no {c.question_key!r} (or 'question') key")
-        images = [_resolve(p, root) for p in _as_list(row.get("image", row.get("images")))]
+        images = [_resolve(p, root) for p in as_list(row.get("image", row.get("images")))]
         metadata = {k: v for k, v in row.items() if k not in (c.question_key, "question", "image", "images", "video")}
         if c.box_key in row and images and "image_size" not in metadata:
             from PIL import Image
@@ -95,12 +97,6 @@ class VLMJsonl:
         # every item has both condition keys (a batch takes its condition keys from its first item)
         return {"prompt": c.prompt_template.format(question=question), "metadata": metadata, "images": images,
                 "video": video}
-
-
-def _as_list(value) -> list:
-    if value is None:
-        return []
-    return list(value) if isinstance(value, (list, tuple)) else [value]
 
 
 def _resolve(location: str, root: Path) -> str:

@@ -17,6 +17,30 @@ def masked_mean(values: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor
     return (values * mask).sum() / mask.sum().clamp_min(1.0)
 
 
+def clipped_objective(
+    log_ratio: torch.Tensor, advantages: torch.Tensor, clip_low: float, clip_high: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """PPO's clipped objective per entry, ``max(-A r, -A clip(r, 1 - clip_low, 1 + clip_high))`` `[n, k]`, and where
+    the clip binds (the entry's gradient is 0) `[n, k]`.
+
+    Args:
+        log_ratio (`torch.FloatTensor` of shape `[n, k]`): ``log pi_new - log pi_old``.
+        advantages (`torch.FloatTensor` of shape `[n]`).
+    """
+    ratio = torch.exp(log_ratio)  # [n, k]
+    adv = advantages[:, None].to(ratio.dtype)  # [n, 1]
+    unclipped = -adv * ratio
+    clipped = -adv * torch.clamp(ratio, 1 - clip_low, 1 + clip_high)
+    return torch.maximum(unclipped, clipped), clipped > unclipped
+
+
+def k3_kl(log_prob: torch.Tensor, ref_log_prob: torch.Tensor) -> torch.Tensor:
+    """Schulman's k3 estimate of KL(pi || ref) per entry, ``exp(d) - d - 1`` (>= 0) with ``d = ref - log_prob``
+    (http://joschu.net/blog/kl-approx.html; the GRPO paper's KL term). The reference gets no gradient."""
+    delta = ref_log_prob.detach() - log_prob
+    return torch.exp(delta) - delta - 1
+
+
 def clipped_surrogate(
     log_ratio: torch.Tensor,
     advantages: torch.Tensor,
@@ -36,13 +60,12 @@ def clipped_surrogate(
         `tuple`: the loss `[]` and metrics (``policy_loss``, ``ratio_mean``, ``clip_frac``, ``approx_kl``), all over
         the masked entries.
     """
-    ratio = torch.exp(log_ratio)  # [n, k]
-    adv = advantages[:, None].to(ratio.dtype)  # [n, 1]
-    per_entry = torch.maximum(-adv * ratio, -adv * torch.clamp(ratio, 1 - clip_low, 1 + clip_high))  # [n, k]
+    per_entry, _ = clipped_objective(log_ratio, advantages, clip_low, clip_high)  # [n, k]
     loss = masked_mean(per_entry, mask)
     if mask is not None and not bool(mask.any()):  # nothing trained here: log the on-policy values, not zeros
         return loss, {"policy_loss": 0.0, "ratio_mean": 1.0, "clip_frac": 0.0, "approx_kl": 0.0}
     with torch.no_grad():
+        ratio = torch.exp(log_ratio)  # [n, k]
         clipped = ((ratio < 1 - clip_low) | (ratio > 1 + clip_high)).float()
         metrics = {
             "policy_loss": loss.item(),

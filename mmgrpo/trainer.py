@@ -23,7 +23,7 @@ from .config import ExperimentConfig
 from .metrics_log import MetricsLog
 from .optim import build_optimizer
 from .prompt_stream import PromptStream, items_to_batch
-from .types import PromptBatch, SamplingPlan
+from .types import SamplingPlan, as_list
 from .visualize import plot_reward_curve, save_image_grid, save_sample_table
 
 
@@ -101,10 +101,6 @@ def make_accelerator(config: ExperimentConfig):
         mixed_precision=config.train.mixed_precision,
         step_scheduler_with_optimizer=False,
     )
-
-
-def _as_list(value) -> list:
-    return [] if value is None else list(value) if isinstance(value, (list, tuple)) else [value]
 
 
 def _finite_mean(values: torch.Tensor) -> float:
@@ -197,7 +193,7 @@ class Trainer:
         return bool(cfg.every_seconds) and self.train_seconds // cfg.every_seconds > self._eval_mark // cfg.every_seconds
 
     def train_step(self) -> dict[str, float]:
-        cfg, acc = self.config, self.accelerator
+        cfg = self.config
         batch = self.stream.next_batch(cfg.train.prompts_per_step).repeat(
             cfg.train.group_size, first_group_id=(self.step - 1) * cfg.train.prompts_per_step
         )
@@ -317,7 +313,7 @@ class Trainer:
                 captions.extend(f"{p}\nr={s:.2f}" for p, s in zip(batch.prompts, result.scores.tolist()))
             if "texts" in rollout.outputs and len(texts) < cfg.grid_size:  # text outputs: the first few, as JSON lines
                 pictures = batch.conditions.get("images", [None] * len(batch))  # the inputs of a VLM, if any
-                texts.extend({"prompt": p, "text": t, "reward": s, "images": _as_list(im)} for p, t, s, im in
+                texts.extend({"prompt": p, "text": t, "reward": s, "images": as_list(im)} for p, t, s, im in
                              zip(batch.prompts, rollout.outputs["texts"], result.scores.tolist(), pictures))
         out = {"eval/score": _finite_mean(acc.gather(torch.cat(scores).to(acc.device)).cpu())}
         for name, values in components.items():

@@ -12,6 +12,14 @@ from typing import Any
 import torch
 
 
+def as_list(value) -> list:
+    """One item's condition as a list: ``None`` -> ``[]``, a list or tuple -> a list, anything else -> ``[value]``
+    (a prompt may carry one image or several)."""
+    if value is None:
+        return []
+    return list(value) if isinstance(value, (list, tuple)) else [value]
+
+
 @dataclass
 class PromptBatch:
     """A batch of prompts, with what the reward needs to score the outputs.

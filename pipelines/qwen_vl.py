@@ -28,13 +28,13 @@ from __future__ import annotations
 import contextlib
 import copy
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Literal
 
 import torch
 
 from mmgrpo.hub import resolve_pretrained
 from mmgrpo.pipelines._qwen_vl_forward import GroupForward, collate_prompts, unique_rows
-from mmgrpo.types import PromptBatch, Rollout, SamplingPlan
+from mmgrpo.types import PromptBatch, Rollout, SamplingPlan, as_list
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 MODEL_CLASSES = {"qwen2_vl": "Qwen2VLForConditionalGeneration", "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration"}
@@ -407,17 +407,11 @@ class QwenVLPolicy:
             self.model.load_state_dict(loaded.state_dict())
 
 
-def _as_list(value: Any) -> list:
-    if value is None:
-        return []
-    return list(value) if isinstance(value, (list, tuple)) else [value]
-
-
 def _vision_inputs(conditions: dict[str, list], i: int) -> tuple[list, list]:
     """Images and videos of prompt `i`: ``images`` (one or a list), ``video`` (one: a path or a frame list) and
     ``videos`` (a list of videos)."""
-    images = _as_list(conditions.get("images", [None] * (i + 1))[i])
-    videos = _as_list(conditions.get("videos", [None] * (i + 1))[i])
+    images = as_list(conditions.get("images", [None] * (i + 1))[i])
+    videos = as_list(conditions.get("videos", [None] * (i + 1))[i])
     if "video" in conditions and conditions["video"][i] is not None:
         videos.append(conditions["video"][i])
     unknown = set(conditions) - {"images", "video", "videos"}

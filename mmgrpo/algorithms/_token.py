@@ -1,5 +1,6 @@
 """Pieces shared by the token-level algorithms (`grpo`, `dr_grpo`, `dapo`, `gspo`, `sapo`): the sampling plan of a
-token policy, loss aggregation over masked tokens, the k3 KL estimator and the metrics every one of them logs.
+token policy, loss aggregation over masked tokens, the KL term (k3, from `mmgrpo.losses`), the checks of their
+options and the metrics every one of them logs.
 
 They assume nothing about the modality: a "token" is any scored decision of a pipeline whose ``log_prob`` returns
 ``log_prob`` and ``mask`` `[n, T]` (an autoregressive VLM's completion tokens, a masked-diffusion LM's tokens).
@@ -12,6 +13,7 @@ from typing import Literal
 
 import torch
 
+from ..losses import k3_kl
 from ..types import SamplingPlan
 
 Aggregation = Literal["sequence_mean", "token_mean", "fixed_length"]
@@ -55,13 +57,6 @@ def aggregate(per_token: torch.Tensor, mask: torch.Tensor, mode: Aggregation) ->
     raise ValueError(f"Unknown aggregation {mode!r}; choose 'sequence_mean', 'token_mean' or 'fixed_length'.")
 
 
-def k3_kl(log_prob: torch.Tensor, ref_log_prob: torch.Tensor) -> torch.Tensor:
-    """Per-token k3 estimator of KL(pi || ref), ``exp(ref - new) - (ref - new) - 1`` (>= 0), `[n, T]`
-    (Schulman, http://joschu.net/blog/kl-approx.html; the GRPO paper's KL term)."""
-    delta = ref_log_prob.detach() - log_prob
-    return torch.exp(delta) - delta - 1
-
-
 def add_kl(loss: torch.Tensor, metrics: dict, new: dict, ref: dict | None, mask: torch.Tensor, beta: float,
            mode: Aggregation) -> torch.Tensor:
     """``loss + beta * aggregate(k3 KL)`` when `beta` > 0 and a reference score is given; logs ``kl``."""
@@ -87,16 +82,11 @@ def ratio_metrics(log_ratio: torch.Tensor, mask: torch.Tensor, clipped: torch.Te
         }
 
 
-def clipped_token_loss(log_ratio: torch.Tensor, advantages: torch.Tensor, clip_low: float, clip_high: float):
-    """PPO's per-token clipped objective ``max(-A r, -A clip(r, 1 - clip_low, 1 + clip_high))`` `[n, T]` and which
-    tokens the clip binds (their gradient is 0) `[n, T]`."""
-    ratio = torch.exp(log_ratio)  # [n, T]
-    adv = advantages[:, None].to(ratio.dtype)  # [n, 1]
-    unclipped = -adv * ratio
-    clipped = -adv * torch.clamp(ratio, 1 - clip_low, 1 + clip_high)
-    return torch.maximum(unclipped, clipped), clipped > unclipped
-
-
-def check_clip(low: float, high: float) -> None:
-    if not (0 < low < 1 and high > 0):
-        raise ValueError(f"clip ranges must satisfy 0 < clip_low < 1 and clip_high > 0, got {low} and {high}.")
+def check_options(clip_low: float, clip_high: float, kl_beta: float) -> None:
+    """The checks every token algorithm's Config shares: clip ranges and the KL weight."""
+    if not (0 < clip_low < 1 and clip_high > 0):
+        raise ValueError(
+            f"clip ranges must satisfy 0 < clip_low < 1 and clip_high > 0, got {clip_low} and {clip_high}."
+        )
+    if kl_beta < 0:
+        raise ValueError(f"kl_beta must be >= 0, got {kl_beta}.")

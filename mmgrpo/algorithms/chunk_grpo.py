@@ -17,7 +17,7 @@ from typing import Literal
 import torch
 
 from ..advantages import group_normalize
-from ..losses import clipped_surrogate, masked_mean
+from ..losses import clipped_surrogate, k3_kl, masked_mean
 from ..types import LossOutput, SamplingPlan
 
 
@@ -133,8 +133,8 @@ class ChunkGRPO:
         high = c.clip_range if c.clip_range_high is None else c.clip_range_high
         loss, metrics = clipped_surrogate(chunk_log_ratio[:, None], advantages, c.clip_range, high, trains[:, None])
         if c.kl_coeff > 0:
-            d = -chunk_log_ratio  # log pi_old - log pi_new
-            kl = masked_mean(torch.exp(d) - 1 - d, trains)
+            # k3 to the old policy: in log-ratio terms the old policy sits at 0
+            kl = masked_mean(k3_kl(chunk_log_ratio, torch.zeros_like(chunk_log_ratio)), trains)
             loss = loss + c.kl_coeff * kl
             metrics["kl"] = kl.item()
         return LossOutput(loss=loss, metrics=metrics)

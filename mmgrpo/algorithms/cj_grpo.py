@@ -18,7 +18,7 @@ from typing import Literal
 import torch
 
 from ..advantages import group_normalize
-from ..losses import clipped_surrogate, masked_mean
+from ..losses import clipped_surrogate, k3_kl, masked_mean
 from ..types import LossOutput, SamplingPlan
 
 
@@ -47,12 +47,6 @@ class CJGRPOConfig:
             raise ValueError(f"clip_range and clip_range_high must be > 0, got {self.clip_range}, {self.clip_range_high}.")
         if self.kl_beta < 0:
             raise ValueError(f"kl_beta must be >= 0, got {self.kl_beta}.")
-
-
-def k3_kl(log_prob: torch.Tensor, ref_log_prob: torch.Tensor) -> torch.Tensor:
-    """Schulman's k3 estimate of KL(pi || ref) per entry, ``exp(d) - d - 1`` with ``d = ref - log_prob``."""
-    d = ref_log_prob.detach() - log_prob
-    return torch.exp(d) - d - 1
 
 
 def token_step_loss(new: dict, old_log_prob: torch.Tensor, advantages: torch.Tensor, ref: dict | None, *, clip_low: float,

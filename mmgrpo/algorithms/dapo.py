@@ -16,8 +16,9 @@ from dataclasses import dataclass
 import torch
 
 from ..advantages import group_normalize
+from ..losses import clipped_objective
 from ..types import LossOutput, SamplingPlan
-from ._token import add_kl, aggregate, check_clip, clipped_token_loss, ratio_metrics, token_mask, token_plan
+from ._token import add_kl, aggregate, check_options, ratio_metrics, token_mask, token_plan
 
 
 @dataclass
@@ -39,9 +40,7 @@ class DAPOConfig:
     adv_eps: float = 1e-4
 
     def __post_init__(self):
-        check_clip(self.clip_low, self.clip_high)
-        if self.kl_beta < 0:
-            raise ValueError(f"kl_beta must be >= 0, got {self.kl_beta}.")
+        check_options(self.clip_low, self.clip_high, self.kl_beta)
 
 
 class DAPO:
@@ -68,7 +67,7 @@ class DAPO:
         if c.filter_groups:
             mask = mask * (advantages != 0).to(mask.dtype)[:, None]
         log_ratio = new["log_prob"] - old_log_prob  # [n, T]
-        per_token, clipped = clipped_token_loss(log_ratio, advantages, c.clip_low, c.clip_high)
+        per_token, clipped = clipped_objective(log_ratio, advantages, c.clip_low, c.clip_high)
         policy_loss = aggregate(per_token, mask, "token_mean")
         metrics = ratio_metrics(log_ratio, mask, clipped, policy_loss)
         metrics["kept_fraction"] = float((advantages != 0).float().mean()) if c.filter_groups else 1.0

@@ -12,8 +12,9 @@ from dataclasses import dataclass
 import torch
 
 from ..advantages import group_normalize
+from ..losses import clipped_objective
 from ..types import LossOutput, SamplingPlan
-from ._token import add_kl, aggregate, check_clip, clipped_token_loss, ratio_metrics, token_mask, token_plan
+from ._token import add_kl, aggregate, check_options, ratio_metrics, token_mask, token_plan
 
 
 @dataclass
@@ -30,9 +31,7 @@ class DrGRPOConfig:
     kl_beta: float = 0.0
 
     def __post_init__(self):
-        check_clip(self.clip_low, self.clip_high)
-        if self.kl_beta < 0:
-            raise ValueError(f"kl_beta must be >= 0, got {self.kl_beta}.")
+        check_options(self.clip_low, self.clip_high, self.kl_beta)
 
 
 class DrGRPO:
@@ -57,7 +56,7 @@ class DrGRPO:
         c = self.config
         mask = token_mask(new, new["log_prob"])  # [n, T]
         log_ratio = new["log_prob"] - old_log_prob  # [n, T]
-        per_token, clipped = clipped_token_loss(log_ratio, advantages, c.clip_low, c.clip_high)
+        per_token, clipped = clipped_objective(log_ratio, advantages, c.clip_low, c.clip_high)
         policy_loss = aggregate(per_token, mask, "fixed_length")
         metrics = ratio_metrics(log_ratio, mask, clipped, policy_loss)
         loss = add_kl(policy_loss, metrics, new, ref, mask, c.kl_beta, "fixed_length")

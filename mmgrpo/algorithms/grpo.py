@@ -14,8 +14,9 @@ from typing import Literal
 import torch
 
 from ..advantages import group_normalize
+from ..losses import clipped_objective
 from ..types import LossOutput, SamplingPlan
-from ._token import add_kl, check_clip, clipped_token_loss, aggregate, ratio_metrics, token_mask, token_plan
+from ._token import add_kl, check_options, aggregate, ratio_metrics, token_mask, token_plan
 
 
 @dataclass
@@ -36,9 +37,7 @@ class GRPOConfig:
     adv_eps: float = 1e-4
 
     def __post_init__(self):
-        check_clip(self.clip_low, self.clip_high)
-        if self.kl_beta < 0:
-            raise ValueError(f"kl_beta must be >= 0, got {self.kl_beta}.")
+        check_options(self.clip_low, self.clip_high, self.kl_beta)
         if self.scale_rewards not in ("group", "batch", "none"):
             raise ValueError(f"scale_rewards must be 'group', 'batch' or 'none', got {self.scale_rewards!r}.")
 
@@ -73,7 +72,7 @@ class GRPO:
         c = self.config
         mask = token_mask(new, new["log_prob"])  # [n, T]
         log_ratio = new["log_prob"] - old_log_prob  # [n, T]
-        per_token, clipped = clipped_token_loss(log_ratio, advantages, c.clip_low, c.clip_high)
+        per_token, clipped = clipped_objective(log_ratio, advantages, c.clip_low, c.clip_high)
         policy_loss = aggregate(per_token, mask, "sequence_mean")
         metrics = ratio_metrics(log_ratio, mask, clipped, policy_loss)
         loss = add_kl(policy_loss, metrics, new, ref, mask, c.kl_beta, "sequence_mean")

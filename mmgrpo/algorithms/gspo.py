@@ -12,8 +12,9 @@ from dataclasses import dataclass
 import torch
 
 from ..advantages import group_normalize
+from ..losses import clipped_objective
 from ..types import LossOutput, SamplingPlan
-from ._token import add_kl, aggregate, check_clip, ratio_metrics, token_mask, token_plan
+from ._token import add_kl, check_options, ratio_metrics, token_mask, token_plan
 
 
 @dataclass
@@ -32,9 +33,7 @@ class GSPOConfig:
     adv_eps: float = 1e-4
 
     def __post_init__(self):
-        check_clip(self.clip_low, self.clip_high)
-        if self.kl_beta < 0:
-            raise ValueError(f"kl_beta must be >= 0, got {self.kl_beta}.")
+        check_options(self.clip_low, self.clip_high, self.kl_beta)
 
 
 class GSPO:
@@ -60,13 +59,10 @@ class GSPO:
         mask = token_mask(new, new["log_prob"])  # [n, T]
         lengths = mask.sum(dim=1)  # [n]
         seq_log_ratio = ((new["log_prob"] - old_log_prob) * mask).sum(dim=1) / lengths.clamp_min(1.0)  # [n]
-        ratio = torch.exp(seq_log_ratio)  # [n]
-        adv = advantages.to(ratio.dtype)
-        unclipped, clipped = -adv * ratio, -adv * torch.clamp(ratio, 1 - c.clip_low, 1 + c.clip_high)
-        per_sequence = torch.maximum(unclipped, clipped)  # [n]
-        has_tokens = (lengths > 0).to(ratio.dtype)  # [n]
+        per_sequence, binds = clipped_objective(seq_log_ratio[:, None], advantages, c.clip_low, c.clip_high)  # [n, 1]
+        has_tokens = (lengths > 0).to(per_sequence.dtype)[:, None]  # [n, 1]
         policy_loss = (per_sequence * has_tokens).sum() / has_tokens.sum().clamp_min(1.0)
-        metrics = ratio_metrics(seq_log_ratio[:, None], has_tokens[:, None], (clipped > unclipped)[:, None], policy_loss)
+        metrics = ratio_metrics(seq_log_ratio[:, None], has_tokens, binds, policy_loss)
         loss = add_kl(policy_loss, metrics, new, ref, mask, c.kl_beta, "sequence_mean")
         return LossOutput(loss=loss, metrics=metrics)
 
