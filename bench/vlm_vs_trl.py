@@ -1,22 +1,35 @@
 """Side-by-side with TRL's `GRPOTrainer`, in one run: VLM GRPO on the shipped tiny Qwen2-VL (`mmgrpo:vlm_shapes`).
 
 Both trainers get the same model (full fine-tuning, float32, vision tower trained), the same `vlm_shapes` counting
-questions (the same items, one 56 x 56 image each), the same number of prompts per step and group size `G`, the same
-completion length (`max_new_tokens` / `max_completion_length`), temperature 1, the same reward (our `accuracy`,
-numeric, read from ``<answer>``), GRPO's loss (group mean/std advantages, token ratio clipped at 0.2, per-sequence
-token mean, no KL), learning rate and one optimizer update per step (one minibatch of all completions). Measured:
+questions (the same items, one N x N image each, `--image-size`, 56 by default), the same number of prompts per step
+and group size `G`, the same completion length (`max_new_tokens` / `max_completion_length`), temperature 1, the same
+reward (our `accuracy`, numeric, read from ``<answer>``), GRPO's loss (group mean/std advantages, token ratio clipped
+at 0.2, per-sequence token mean, no KL), learning rate and one optimizer update per step (one minibatch of all
+completions). Measured:
 
   * seconds per step: the median of the intervals between consecutive step ends, after `--warmup` step(s);
   * peak memory: the peak RSS (``getrusage(RUSAGE_SELF).ru_maxrss``) of a fresh subprocess per measurement, and how
     much of it came after the trainer was built (peak minus the RSS just before the first step);
-  * the ratios mmgrpo / TRL; and step time against G in {2, 4, 8, 16} (`--group-sizes`).
+  * the ratios mmgrpo / TRL; and step time against G in {2, 4, 8, 16} (`--group-sizes`);
+  * checks that both do the same work: vision tokens per image and prompt tokens (each framework's own encoding of the
+    first question), mean completion length, mean reward, the share of groups whose rewards are all equal, the
+    gradient norm and skipped updates; and images through the vision tower per step (with its forward seconds).
+
+`--image-size N` (a multiple of 28) renders the `vlm_shapes` images at N x N for both (the same scenes and answers) and
+sets the processor's pixel budget to N^2 for both (a copy of the model folder whose ``processor_config.json`` says
+so; mmgrpo's ``pipeline.min_pixels`` / ``max_pixels`` = N^2 too), so each image gives (N / 28)^2 vision tokens after
+the 2 x 2 merge of 14-pixel patches: 4 at 56, 64 at 224, 144 at 336. The shipped model was trained at 56 x 56:
+larger images are out of its training distribution, which the reward and completion-length columns show.
 
 Every measurement runs in its own subprocess (one framework, one G). TRL is not a dependency of mmgrpo: install it
 for the benchmark only (the extra ``bench``), without touching the pinned stack:
 
     pip install --no-deps trl==1.16.0 datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19 pandas==3.1.1 \\
         pyarrow==26.0.1 xxhash==4.1.0
-    HF_HUB_OFFLINE=1 python bench/vlm_vs_trl.py --output outputs/bench_vlm_vs_trl [--steps 4] [--prompts 16]
+    HF_HUB_OFFLINE=1 python bench/vlm_vs_trl.py --output outputs/bench_vlm_vs_trl [--steps 4] [--prompts 16] \\
+        [--image-size 224]
+
+On a machine shared with other jobs, ``OMP_NUM_THREADS=1`` (one torch thread per measurement) keeps the times stable.
 
 Writes ``<output>/results.json``, ``<output>/table.md`` and ``<output>/step_time_vs_g.png``.
 """
@@ -27,6 +40,7 @@ import argparse
 import json
 import os
 import resource
+import shutil
 import statistics
 import subprocess
 import sys
@@ -36,6 +50,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 TRL_VERSION = "1.16.0"
+DEFAULT_IMAGE_SIZE = 56  # what the shipped vlm_shapes model was trained on (4 vision tokens per image)
 INSTALL = ("pip install --no-deps trl==1.16.0 datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19 pandas==3.1.1 "
            "pyarrow==26.0.1 xxhash==4.1.0")
 
@@ -69,7 +84,57 @@ def items(args) -> list[dict]:
     """The training questions both trainers see: the `vlm_shapes` counting items mmgrpo's data plugin yields."""
     from mmgrpo.data.vlm_shapes import VLMShapes, VLMShapesConfig
 
-    return VLMShapes(VLMShapesConfig(tasks=["count"], n_train=args.n_train, n_eval=1)).train_items()
+    config = VLMShapesConfig(tasks=["count"], n_train=args.n_train, n_eval=1, size=args.image_size)
+    return VLMShapes(config).train_items()
+
+
+def model_dir(args, tmp: str) -> str:
+    """The model folder both trainers load: the given one, or (when its processor's pixel budget is not
+    ``image_size``^2) a copy of it whose image processor keeps ``image_size`` x ``image_size`` images (min = max
+    pixels = ``image_size``^2). The weights are the same."""
+    from mmgrpo.hub import resolve_pretrained
+
+    path = Path(resolve_pretrained(args.model))
+    pixels = args.image_size**2
+    config = json.loads((path / "processor_config.json").read_text(encoding="utf-8"))
+    budget = {"shortest_edge": pixels, "longest_edge": pixels}
+    if config["image_processor"].get("size") == budget:
+        return str(path)
+    copy = Path(tmp) / "model"
+    shutil.copytree(path, copy)
+    config["image_processor"]["size"] = budget
+    (copy / "processor_config.json").write_text(json.dumps(config, indent=2), encoding="utf-8")
+    return str(copy)
+
+
+class VisionCounter:
+    """Counts what goes through the Qwen2-VL vision tower (every instance: patched on the class), in both trainers:
+    images (rows of ``grid_thw``) and forward seconds."""
+
+    def __init__(self):
+        from transformers.models.qwen2_vl import modeling_qwen2_vl
+
+        self.images, self.seconds = 0, 0.0
+        cls = modeling_qwen2_vl.Qwen2VisionTransformerPretrainedModel
+        original, counter = cls.forward, self
+
+        def forward(module, hidden_states, grid_thw, **kwargs):
+            start = time.perf_counter()
+            out = original(module, hidden_states, grid_thw, **kwargs)
+            counter.seconds += time.perf_counter() - start
+            counter.images += int(grid_thw.shape[0])
+            return out
+
+        cls.forward = forward
+
+    def per_step(self, steps: int) -> dict:
+        return {"vision_images_per_step": self.images / steps, "vision_forward_s_per_step": self.seconds / steps}
+
+
+def encoded_sizes(input_ids, image_token_id: int) -> dict:
+    """Prompt tokens and vision (image-pad) tokens of one encoded prompt."""
+    ids = [int(i) for i in input_ids]
+    return {"prompt_tokens": len(ids), "vision_tokens_per_image": ids.count(image_token_id)}
 
 
 def run_mmgrpo(args) -> dict:
@@ -79,25 +144,47 @@ def run_mmgrpo(args) -> dict:
     from mmgrpo.trainer import Trainer
 
     n = args.prompts * args.group_size
+    pixels = args.image_size**2
+    vision = VisionCounter()
     with tempfile.TemporaryDirectory() as tmp:
         config = load(args.config, [
-            f"output_dir={tmp}", f"pipeline.pretrained={args.model}", f"pipeline.max_new_tokens={args.max_new_tokens}",
+            f"output_dir={tmp}", f"pipeline.pretrained={model_dir(args, tmp)}",
+            f"pipeline.max_new_tokens={args.max_new_tokens}", f"pipeline.min_pixels={pixels}",
+            f"pipeline.max_pixels={pixels}", f"data.size={args.image_size}",
             "reward={name: accuracy, mode: numeric}", f"data.n_train={args.n_train}", "data.n_eval=1",
             f"train.prompts_per_step={args.prompts}", f"train.group_size={args.group_size}",
             f"train.minibatch_size={n}", "train.updates_per_step=1", f"train.learning_rate={args.learning_rate}",
             f"train.max_steps={args.warmup + args.steps}", "train.max_seconds=0", "eval.every=0", "checkpoint.every=0",
         ])
         trainer = Trainer(config)
+        policy = trainer.policy
+        first = items(args)[0]
+        sizes = encoded_sizes(policy.encode_prompt(first["prompt"], first["images"], [])["input_ids"],
+                              policy.model.config.image_token_id)
+        lengths = []
+        sample = policy.sample
+
+        def counted_sample(*a, **k):  # records the mean completion length (tokens up to and including the end)
+            rollout = sample(*a, **k)
+            lengths.append(rollout.outputs["num_tokens"].float().mean().item())
+            return rollout
+
+        policy.sample = counted_sample
+        vision.images, vision.seconds = 0, 0.0  # only the steps count
         before = rss_mib()
-        ends, rewards = [], []
+        ends, logs = [], []
         start = time.perf_counter()
         for _ in range(args.warmup + args.steps):
             trainer.step += 1
-            rewards.append(trainer.timed_train_step()["reward/mean"])
+            logs.append(trainer.timed_train_step())
             ends.append(time.perf_counter())
     # an all-zero-advantage batch skips the update (TRL still runs forward and backward): counted, to read the times
-    return {**step_stats(ends, start, args.warmup), "rss_before_steps_mib": before, "reward_mean": rewards,
-            "skipped_updates": trainer.skipped_updates, "threads": torch.get_num_threads()}
+    return {**step_stats(ends, start, args.warmup), "rss_before_steps_mib": before,
+            "reward_mean": [m["reward/mean"] for m in logs],
+            "zero_std_groups": [m["reward/zero_std_groups"] for m in logs],
+            "grad_norm": [m.get("train/grad_norm") for m in logs], "completion_length": lengths,
+            "skipped_updates": trainer.skipped_updates, "threads": torch.get_num_threads(), **sizes,
+            **vision.per_step(args.warmup + args.steps)}
 
 
 def run_trl(args) -> dict:
@@ -107,12 +194,12 @@ def run_trl(args) -> dict:
     from transformers import AutoProcessor, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    from mmgrpo.hub import resolve_pretrained
+    from mmgrpo.pipelines.qwen_vl import MODEL_CLASSES
     from mmgrpo.rewards.accuracy import AccuracyReward
 
-    from mmgrpo.pipelines.qwen_vl import MODEL_CLASSES
-
-    path = resolve_pretrained(args.model)
+    vision = VisionCounter()
+    tmp_model = tempfile.TemporaryDirectory()
+    path = model_dir(args, tmp_model.name)
     model_cls = getattr(transformers, MODEL_CLASSES[transformers.AutoConfig.from_pretrained(path).model_type])
     model = model_cls.from_pretrained(path, dtype=torch.float32)  # full fine-tuning in float32, as mmgrpo's config
     processor = AutoProcessor.from_pretrained(path)
@@ -123,6 +210,9 @@ def run_trl(args) -> dict:
         for it in rows
     ])
     accuracy = AccuracyReward(AccuracyReward.Config(mode="numeric"))
+    text = processor.apply_chat_template(dataset[0]["prompt"], tokenize=False, add_generation_prompt=True)
+    sizes = encoded_sizes(processor(text=[text], images=[rows[0]["images"][0]], return_tensors="pt")["input_ids"][0],
+                          model.config.image_token_id)
 
     def accuracy_reward(completions, answer, **kwargs):
         """Our `accuracy` reward (numeric, from the last <answer> block), one float per completion."""
@@ -138,6 +228,7 @@ def run_trl(args) -> dict:
         def on_train_begin(self, *a, **k):
             self.start = time.perf_counter()
             self.before = rss_mib()
+            vision.images, vision.seconds = 0, 0.0  # only the steps count
 
         def on_step_end(self, *a, **k):
             self.ends.append(time.perf_counter())
@@ -155,9 +246,15 @@ def run_trl(args) -> dict:
         trainer = GRPOTrainer(model=model, reward_funcs=[accuracy_reward], args=config, train_dataset=dataset,
                               processing_class=processor, callbacks=[clock])
         trainer.train()
-        rewards = [r["reward"] for r in trainer.state.log_history if "reward" in r]
+        logs = [r for r in trainer.state.log_history if "reward" in r]
+    tmp_model.cleanup()
     return {**step_stats(clock.ends, clock.start, args.warmup), "rss_before_steps_mib": clock.before,
-            "reward_mean": rewards, "threads": torch.get_num_threads(), "trl_version": __import__("trl").__version__}
+            "reward_mean": [r["reward"] for r in logs],
+            "zero_std_groups": [r.get("frac_reward_zero_std") for r in logs],
+            "grad_norm": [r.get("grad_norm") for r in logs],
+            "completion_length": [r.get("completions/mean_length") for r in logs],
+            "threads": torch.get_num_threads(), "trl_version": __import__("trl").__version__, **sizes,
+            **vision.per_step(args.warmup + args.steps)}
 
 
 def worker(args) -> None:
@@ -176,7 +273,8 @@ def worker(args) -> None:
 # ---------------------------------------------------------------------------------------------------- the driver
 def measure(args, framework: str, group_size: int) -> dict:
     command = [sys.executable, str(Path(__file__).resolve()), "--worker", framework, "--group-size", str(group_size)]
-    for key in ("model", "config", "prompts", "max_new_tokens", "steps", "warmup", "learning_rate", "n_train"):
+    for key in ("model", "config", "prompts", "max_new_tokens", "steps", "warmup", "learning_rate", "n_train",
+                "image_size"):
         command += [f"--{key.replace('_', '-')}", str(getattr(args, key))]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
            "TOKENIZERS_PARALLELISM": "false", "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
@@ -212,16 +310,18 @@ def write_outputs(args, results: dict, out: Path) -> None:
         rows.append({"G": g, "mmgrpo": ours, "trl": trl, "speedup": ratio(trl, ours, "step_s"),
                      "time_ratio": ratio(ours, trl, "step_s"), "peak_rss_ratio": ratio(ours, trl, "peak_rss_mib"),
                      "increment_ratio": ratio(ours, trl, "train_increment_mib")})
-    summary = {"settings": {k: getattr(args, k) for k in ("model", "config", "prompts", "max_new_tokens", "steps",
-                                                           "warmup", "learning_rate", "group_sizes", "main_g")},
+    image_size = getattr(args, "image_size", DEFAULT_IMAGE_SIZE)
+    settings = {k: getattr(args, k) for k in ("model", "config", "prompts", "max_new_tokens", "steps", "warmup",
+                                              "learning_rate", "group_sizes", "main_g")}
+    summary = {"settings": {**settings, "image_size": image_size},
                "torch_threads": torch.get_num_threads(), "cpu_count": os.cpu_count(), "rows": rows}
     (out / "results.json").write_text(json.dumps(summary, indent=2), encoding="utf-8")
 
     def cell(r, key, fmt):
         return fmt.format(r[key]) if key in r else "error"
 
-    lines = [f"Tiny Qwen2-VL `{args.model}`, {args.prompts} prompts x G completions per step, {args.max_new_tokens} "
-             f"completion tokens, full fine-tuning, one optimizer update per step; median of {args.steps} steps after "
+    lines = [f"Tiny Qwen2-VL `{args.model}`, {image_size} x {image_size} images, {args.prompts} prompts x G "
+             f"completions per step, {args.max_new_tokens} completion tokens, full fine-tuning, one optimizer update per step; median of {args.steps} steps after "
              f"{args.warmup} warm-up; {torch.get_num_threads()} torch threads, CPU. Peak RSS: fresh process per "
              "measurement (\"after build\": peak minus the RSS just before the first step).", "",
              "| G | mmgrpo s/step | TRL s/step | time ratio mmgrpo / TRL | speed-up TRL / mmgrpo | mmgrpo peak RSS MiB | TRL peak RSS MiB "
@@ -237,6 +337,30 @@ def write_outputs(args, results: dict, out: Path) -> None:
             f"{cell(t, 'peak_rss_mib', '{:.0f}')} | {row['peak_rss_ratio'] if row['peak_rss_ratio'] is not None else '-'} | "
             f"{cell(o, 'train_increment_mib', '{:.0f}')} | {cell(t, 'train_increment_mib', '{:.0f}')} | "
             f"{row['increment_ratio'] if row['increment_ratio'] is not None else '-'} |")
+
+    def mean(r, key, fmt):
+        values = [v for v in r.get(key, []) if v is not None]
+        return fmt.format(sum(values) / len(values)) if values else "-"
+
+    def pair(row, key, fmt, average=False):
+        return " / ".join((mean if average else cell)(row[fw], key, fmt) if (average or key in row[fw]) else "-"
+                          for fw in ("mmgrpo", "trl"))
+
+    lines += ["", "Same work on both sides (mmgrpo / TRL): each framework's own encoding of the first question; "
+              "means over all steps (warm-up included); vision tower = images through it per step and its forward "
+              "seconds per step.", "",
+              "| G | vision tokens per image | prompt tokens | vision-tower images per step | vision forward s/step "
+              "| mean completion tokens | mean reward | groups with equal rewards | grad norm "
+              "| mmgrpo skipped updates |",
+              "|---|---|---|---|---|---|---|---|---|---|"]
+    for row in rows:
+        o = row["mmgrpo"]
+        lines.append(
+            f"| {row['G']} | {pair(row, 'vision_tokens_per_image', '{}')} | {pair(row, 'prompt_tokens', '{}')} | "
+            f"{pair(row, 'vision_images_per_step', '{:.0f}')} | {pair(row, 'vision_forward_s_per_step', '{:.3f}')} | "
+            f"{pair(row, 'completion_length', '{:.1f}', True)} | {pair(row, 'reward_mean', '{:.2f}', True)} | "
+            f"{pair(row, 'zero_std_groups', '{:.2f}', True)} | {pair(row, 'grad_norm', '{:.2f}', True)} | "
+            f"{o.get('skipped_updates', '-')} |")
     errors = [(fw, row["G"], row[fw]["error"]) for row in rows for fw in ("mmgrpo", "trl") if "error" in row[fw]]
     if errors:
         lines += ["", "Errors:"] + [f"- {fw} G={g}: `{e}`" for fw, g, e in errors]
@@ -248,18 +372,24 @@ def write_outputs(args, results: dict, out: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(5, 3.5))
-    for fw, label in (("mmgrpo", "mmgrpo (prefix-shared)"), ("trl", f"TRL {TRL_VERSION} GRPOTrainer")):
-        points = [(row["G"], row[fw]["step_s"]) for row in rows if "step_s" in row[fw]]
-        if points:
-            ax.plot(*zip(*points), marker="o", label=label)
-    ax.set_xscale("log", base=2)
-    ax.set_xticks(args.group_sizes, [str(g) for g in args.group_sizes])
-    ax.set_xlabel(f"group size G ({args.prompts} prompts per step)")
-    ax.set_ylabel("seconds per step (median)")
-    ax.set_title("VLM GRPO step time, tiny Qwen2-VL, CPU")
-    ax.grid(alpha=0.3)
-    ax.legend()
+    tokens = next((r["vision_tokens_per_image"] for row in rows for r in (row["mmgrpo"], row["trl"])
+                   if "vision_tokens_per_image" in r), None)
+    fig, axes = plt.subplots(1, 2, figsize=(9.5, 3.6))
+    for ax, key, ylabel in ((axes[0], "step_s", "seconds per step (median)"),
+                            (axes[1], "train_increment_mib", "peak RSS after build (MiB)")):
+        for fw, label in (("mmgrpo", "mmgrpo (prefix-shared)"), ("trl", f"TRL {TRL_VERSION} GRPOTrainer")):
+            points = [(row["G"], row[fw][key]) for row in rows if key in row[fw]]
+            if points:
+                ax.plot(*zip(*points), marker="o", label=label)
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(args.group_sizes, [str(g) for g in args.group_sizes])
+        ax.set_xlabel(f"group size G ({args.prompts} prompts per step)")
+        ax.set_ylabel(ylabel)
+        ax.set_ylim(bottom=0)
+        ax.grid(alpha=0.3)
+    axes[0].legend()
+    vision = f", {tokens} vision tokens per image" if tokens is not None else ""
+    fig.suptitle(f"VLM GRPO, tiny Qwen2-VL, {image_size} x {image_size} images{vision}, CPU")
     fig.tight_layout()
     fig.savefig(out / "step_time_vs_g.png", dpi=120)
 
@@ -274,6 +404,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--steps", type=int, default=4, help="measured steps, after the warm-up")
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--learning-rate", type=float, default=2e-4)
+    parser.add_argument("--image-size", type=int, default=DEFAULT_IMAGE_SIZE,
+                        help="image side in pixels (a multiple of 28), the same for both: (N / 28)^2 vision tokens")
     parser.add_argument("--group-sizes", type=int, nargs="+", default=[2, 4, 8, 16])
     parser.add_argument("--main-g", type=int, default=8, help="the G of the headline comparison (the config's)")
     parser.add_argument("--frameworks", nargs="+", default=["mmgrpo", "trl"], choices=["mmgrpo", "trl"])
@@ -282,6 +414,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--group-size", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--n-train", type=int, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.image_size < 28 or args.image_size % 28:
+        parser.error(f"--image-size must be a positive multiple of 28 (14-pixel patches, 2 x 2 merge), "
+                     f"got {args.image_size}.")
     if args.n_train is None:
         args.n_train = args.prompts * (args.warmup + args.steps)  # every step sees new questions, in both trainers
     if args.worker:
