@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 import torch
+from accelerate.utils import gather_object
 from tqdm.auto import tqdm
 
 from . import checkpoint, registry
@@ -24,7 +25,7 @@ from .metrics_log import MetricsLog
 from .optim import build_optimizer
 from .prompt_stream import PromptStream, items_to_batch
 from .types import SamplingPlan, as_list
-from .visualize import plot_reward_curve, save_image_grid, save_sample_table
+from .visualize import plot_reward_curve, save_image_grid, save_sample_table, write_per_prompt_scores
 
 
 def _seed(*parts: int) -> int:
@@ -299,13 +300,15 @@ class Trainer:
         mine = items[self.rank * per_rank : (self.rank + 1) * per_rank]
         plan = SamplingPlan.deterministic(self.policy.eval_num_steps)
         generator = torch.Generator().manual_seed(_seed(cfg.seed, self.rank))
-        scores, components, images, captions, texts = [], {}, [], [], []
+        scores, components, images, captions, texts, per_item = [], {}, [], [], [], []
         for start in range(0, len(mine), batch_size):
             batch = items_to_batch(mine[start : start + batch_size])
             batch.group_ids = torch.arange(len(batch))
             rollout = self.policy.sample(batch, plan, generator=generator)
             result = self.reward(rollout.outputs, batch)
             scores.append(result.scores.float().cpu())
+            metric = result.components.get(cfg.metric, result.scores)  # [B] the headline metric, per item
+            per_item += list(zip(batch.prompts, result.scores.tolist(), metric.tolist()))
             for name, value in result.components.items():
                 components.setdefault(name, []).append(value.float().cpu())
             if "images" in rollout.outputs and len(images) < cfg.grid_size:
@@ -318,6 +321,9 @@ class Trainer:
         out = {"eval/score": _finite_mean(acc.gather(torch.cat(scores).to(acc.device)).cpu())}
         for name, values in components.items():
             out[f"eval/{name}"] = _finite_mean(acc.gather(torch.cat(values).to(acc.device)).cpu())
+        per_item = gather_object(per_item) if self.world > 1 else per_item
+        if acc.is_main_process:
+            write_per_prompt_scores(per_item, self.output_dir / "eval" / f"step_{step:05d}.json", cfg.metric)
         if acc.is_main_process and texts:
             (self.output_dir / "samples").mkdir(parents=True, exist_ok=True)
             lines = [json.dumps({k: v for k, v in t.items() if k != "images"}) for t in texts[: cfg.grid_size]]

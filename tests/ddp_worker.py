@@ -1,4 +1,5 @@
-"""Run by `test_ddp.py` under torchrun with 2 processes: gathers advantages across ranks and trains 2 steps."""
+"""Run by `test_ddp.py` under torchrun with 2 processes: gathers advantages across ranks, trains 2 steps
+and evaluates (one held-out prompt per rank)."""
 
 import json
 import sys
@@ -20,9 +21,9 @@ def main(tiny_sd3_dir: str, out_dir: str) -> None:
                      "guidance_scale": 1.0, "lora_rank": 4, "max_sequence_length": 16},
         "algorithm": {"name": "flow_grpo", "clip_range": 0.2},
         "reward": {"name": "jpeg"},
-        "data": {"name": "prompt_file", "train_file": prompts},
+        "data": {"name": "prompt_file", "train_file": prompts, "eval_file": prompts},
         "train": {"max_steps": 2, "prompts_per_step": 3, "group_size": 2, "minibatch_size": 2, "learning_rate": 1e-2},
-        "eval": {"every": 0},
+        "eval": {"every": 0, "num_prompts": 2, "metric": "jpeg_kb"},
     }
     trainer = Trainer(config_mod.from_dict(raw))
     acc = trainer.accelerator
@@ -34,6 +35,7 @@ def main(tiny_sd3_dir: str, out_dir: str) -> None:
     trainer.train()
     flat = torch.cat([p.detach().flatten() for p in trainer.policy.trainable_parameters()])  # [P]
     all_flat = acc.gather(flat[None].to(acc.device)).cpu()  # [world, P]
+    evaluation = trainer.evaluate(7)  # one held-out prompt per rank, gathered
     if acc.is_main_process:
         result = {
             "world_size": acc.num_processes,
@@ -42,6 +44,8 @@ def main(tiny_sd3_dir: str, out_dir: str) -> None:
             "group_ids": all_groups.tolist(),
             "ranks_equal": bool(torch.equal(all_flat[0], all_flat[1])),
             "moved": not torch.equal(initial, flat),
+            "eval_jpeg_kb": evaluation["eval/jpeg_kb"],
+            "per_prompt": json.loads((trainer.output_dir / "eval" / "step_00007.json").read_text()),
         }
         with open(f"{out_dir}/result.json", "w") as f:
             json.dump(result, f)

@@ -1,5 +1,6 @@
 """Two CPU processes under torchrun: world size 2, advantages equal to the single-process ones on the same data
-(a group spans both ranks), and the ranks' weights stay equal after training steps."""
+(a group spans both ranks), the ranks' weights stay equal after training steps, and the evaluation gathers both
+ranks' prompts."""
 
 import json
 import os
@@ -7,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 from mmgrpo.advantages import group_normalize
@@ -34,3 +36,7 @@ def test_two_process_training_matches_single_process(tmp_path, tiny_sd3_dir):
     # group 1 = samples 2 (rank 0) and 3 (rank 1): normalised together, so +-1 (up to eps), not 0
     assert abs(result["advantages"][2] + 1) < 1e-2 and abs(result["advantages"][3] - 1) < 1e-2
     assert result["moved"] and result["ranks_equal"]
+    # the per-prompt evaluation holds both ranks' items, and its mean is the gathered metric
+    rows = result["per_prompt"]
+    assert sorted(r["prompt"] for r in rows) == ["a blue square", "a red circle"] and [r["n"] for r in rows] == [1, 1]
+    assert sum(r["jpeg_kb"] for r in rows) / 2 == pytest.approx(result["eval_jpeg_kb"], rel=1e-6)

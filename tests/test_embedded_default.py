@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 from mmgrpo import config as config_mod
@@ -33,6 +34,11 @@ def test_cli_train_then_eval_a_few_steps(tmp_path):
     assert (out / "reward_curve.png").is_file()
     assert sorted(p.name for p in (out / "samples").iterdir()) == ["step_00000.png", "step_00002.png"]
     summary = json.loads(train.stdout[train.stdout.index("{"):])
+    # the per-prompt evaluation: distinct prompts, worst first, and its n-weighted mean is the logged metric
+    rows = json.loads((out / "eval" / "step_00002.json").read_text())
+    assert len({r["prompt"] for r in rows}) == len(rows) and sum(r["n"] for r in rows) == 16
+    assert [r["strict"] for r in rows] == sorted(r["strict"] for r in rows)
+    assert sum(r["n"] * r["strict"] for r in rows) / 16 == pytest.approx(summary["eval_strict_last"], abs=1e-6)
     evaluate = subprocess.run(
         [sys.executable, "-m", "mmgrpo.cli", "eval", str(CONFIG), "--checkpoint", str(out / "checkpoints" / "step_0000002"),
          *common, f"output_dir={tmp_path / 'eval'}"],
