@@ -60,7 +60,11 @@ class StochasticPolicy(Protocol):
 
 @runtime_checkable
 class RewardFn(Protocol):
-    """Scores decoded outputs; expensive set-up belongs in ``__init__``."""
+    """Scores decoded outputs; expensive set-up belongs in ``__init__``.
+
+    Optional member: ``needs_whole_groups: bool``, true when a score depends on the other members of its group in the
+    same call (per-group normalisation); the trainer then refuses a layout that splits a group across processes.
+    """
 
     Config: type
     modalities: frozenset[str]

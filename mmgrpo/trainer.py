@@ -35,10 +35,18 @@ def _seed(*parts: int) -> int:
     return value
 
 
-def build_components(config: ExperimentConfig):
-    """Instantiates the plugins named by `config`; checks that the reward can score the pipeline's outputs."""
+def build_components(config: ExperimentConfig, samples_per_process: int | None = None):
+    """Instantiates the plugins named by `config`; checks, before the pipeline loads, that the reward can score the
+    pipeline's outputs and, given `samples_per_process`, that a reward that needs whole groups gets them."""
     policy_cls = registry.get("pipeline", config.pipeline.name)
     reward = registry.get("reward", config.reward.name)(config.reward.options)
+    group_size = config.train.group_size
+    if getattr(reward, "needs_whole_groups", False) and samples_per_process and samples_per_process % group_size:
+        raise ValueError(
+            f"reward {config.reward.name!r} normalises within groups, but {samples_per_process} samples per process "
+            f"split groups of {group_size} across processes: make prompts_per_step * group_size / processes a "
+            "multiple of group_size, or set reward.normalize=none (the algorithm normalises after gathering)."
+        )
     # the instance's modalities: a reward may be configured for another modality (e.g. clip_score on video)
     missing = set(reward.modalities) - set(policy_cls.modalities)
     if missing:
@@ -131,7 +139,7 @@ class Trainer:
         from accelerate.utils import set_seed
 
         set_seed(config.seed)  # LoRA initialisation and anything else drawn from global RNGs
-        self.policy, self.algorithm, self.reward, self.data = build_components(config)
+        self.policy, self.algorithm, self.reward, self.data = build_components(config, self.local_n)
         self.eval_items = self.data.eval_items()
         self.optimizer, self.lr_scheduler = build_optimizer(self.policy.trainable_parameters(), config.train)
         self.wrapped = self.policy.prepare(acc)

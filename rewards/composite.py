@@ -11,7 +11,8 @@ https://huggingface.co/docs/trl/main/en/grpo_trainer :
 Group statistics use `batch.group_ids` (the whole call is one group without them), population std, ``eps`` 1e-4, over
 the finite values only (`mmgrpo.advantages.group_normalize`). A component that is NaN ("not applicable") for a sample
 is left out of that sample's sum; a sample for which every component is NaN scores NaN. The groups are those present
-in the call: when a group is split across processes, each part is normalised on its own.
+in the call, so a normalising composite sets ``needs_whole_groups`` and the trainer refuses to split a group across
+processes (each part would be normalised on its own).
 
 Config: ``rewards`` maps a component name to ``{name: <registered reward, defaults to the component name>, weight:
 <float, defaults to 1>, **that reward's options}``, e.g.::
@@ -89,6 +90,7 @@ class CompositeReward:
         self.rewards = {key: registry.get("reward", name)(options) for key, (name, _, options) in config.specs.items()}
         self.weights = {key: weight for key, (_, weight, _) in config.specs.items()}
         self.modalities = frozenset().union(*(reward.modalities for reward in self.rewards.values()))
+        self.needs_whole_groups = config.normalize != "none"  # group statistics see only this call's samples
 
     def __call__(self, outputs: dict[str, Any], batch: PromptBatch) -> RewardResult:
         """Returns the (normalised) weighted sum `[N]` and every component's score and parts, each `[N]`."""

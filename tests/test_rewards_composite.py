@@ -66,3 +66,26 @@ def test_config_errors_name_the_component_key():
 def test_modalities_are_the_union_of_the_components():
     config = build_dataclass(CompositeReward.Config, {"rewards": {"format": {}, "ink": {"name": "jpeg"}}}, "reward")
     assert CompositeReward(config).modalities == {"text", "image"}
+
+
+def test_trainer_refuses_to_split_a_normalised_group_across_processes(tmp_path, tiny_sd3_dir):
+    from mmgrpo import config as config_mod
+    from mmgrpo.trainer import build_components
+
+    (tmp_path / "prompts.txt").write_text("a red circle\na blue square\n")
+    raw = {
+        "output_dir": str(tmp_path / "run"),
+        "pipeline": {"name": "sd3", "pretrained": tiny_sd3_dir, "resolution": 32, "num_steps": 2},
+        "algorithm": {"name": "flow_grpo"},
+        "reward": {"name": "composite", "normalize": "sum_then_normalize", "rewards": {"jpeg": {"weight": 1.0}}},
+        "data": {"name": "prompt_file", "train_file": str(tmp_path / "prompts.txt")},
+        "train": {"prompts_per_step": 3, "group_size": 2},
+    }
+    config = config_mod.from_dict(raw)
+    # 6 samples over 2 processes = 3 each: group 1 would be normalised in two halves
+    with pytest.raises(ValueError, match="split groups of 2 across processes"):
+        build_components(config, samples_per_process=3)
+    policy, _, reward, _ = build_components(config, samples_per_process=6)  # one process: whole groups
+    assert reward.needs_whole_groups and policy is not None
+    raw["reward"]["normalize"] = "none"  # the algorithm's normalisation after the gather: any layout works
+    assert not build_components(config_mod.from_dict(raw), samples_per_process=3)[2].needs_whole_groups
