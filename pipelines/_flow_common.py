@@ -8,12 +8,12 @@ Not a plugin: it defines no ``PLUGIN`` and its name starts with an underscore, s
 from __future__ import annotations
 
 import contextlib
-import copy
 from pathlib import Path
 from typing import Callable
 
 import torch
 
+from mmgrpo.reference import ReferenceSwitch
 from mmgrpo.samplers.flow_sde import flow_sde_step
 from mmgrpo.types import SamplingPlan
 
@@ -22,6 +22,20 @@ LORA_WEIGHTS = "pytorch_lora_weights.safetensors"
 
 # velocity(latents [n, ...], step index i) -> velocity [n, ...] in float32, at the step's noise level
 Velocity = Callable[[torch.Tensor, int], torch.Tensor]
+
+
+def _adapters_off(transformer: torch.nn.Module) -> Callable[[], contextlib.AbstractContextManager]:
+    """A context factory that disables a diffusers model's adapters (it has no peft ``disable_adapter`` context)."""
+
+    @contextlib.contextmanager
+    def off():
+        transformer.disable_adapters()
+        try:
+            yield
+        finally:
+            transformer.enable_adapters()
+
+    return off
 
 
 class TrainableTransformer:
@@ -42,7 +56,6 @@ class TrainableTransformer:
 
     def __init__(self, transformer: torch.nn.Module, *, lora_rank: int, lora_alpha: int, lora_targets: list[str]):
         self.lora = lora_rank > 0
-        self.frozen = None
         if self.lora:
             from peft import LoraConfig
 
@@ -56,35 +69,23 @@ class TrainableTransformer:
                     param.data = param.data.float()  # trainable parameters are always float32
         else:
             transformer.float().requires_grad_(True)
-            self.frozen = copy.deepcopy(transformer).requires_grad_(False).eval()
         self.module = transformer
-        self.forward = transformer
+        self.switch = ReferenceSwitch(transformer, _adapters_off(transformer) if self.lora else None)
+
+    @property
+    def forward(self) -> torch.nn.Module:
+        return self.switch.forward
 
     def parameters(self) -> list[torch.nn.Parameter]:
         return [p for p in self.module.parameters() if p.requires_grad]
 
     def prepare(self, accelerator) -> list[torch.nn.Module]:
         """Moves the frozen reference to the accelerator's device and wraps the trained module for distribution."""
-        if self.frozen is not None:
-            self.frozen.to(accelerator.device)
-        self.forward = accelerator.prepare_model(self.module)
-        return [self.forward]
+        return self.switch.prepare(accelerator)
 
-    @contextlib.contextmanager
     def reference(self):
         """Forwards run through the reference: LoRA adapter disabled, or the frozen initial transformer."""
-        if self.frozen is not None:
-            previous, self.forward = self.forward, self.frozen
-            try:
-                yield
-            finally:
-                self.forward = previous
-        else:
-            self.module.disable_adapters()
-            try:
-                yield
-            finally:
-                self.module.enable_adapters()
+        return self.switch.reference()
 
     def save(self, path: str | Path, pipeline_cls: type) -> None:
         """Writes a diffusers LoRA file with its adapter metadata (``pipeline_cls.load_lora_weights(path)`` reads it)

@@ -15,8 +15,6 @@ that exist in each), or any transformers model mapping ``input_ids -> logits`` w
 
 from __future__ import annotations
 
-import contextlib
-import copy
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -24,6 +22,7 @@ from typing import Literal
 import torch
 
 from mmgrpo.hub import resolve_pretrained
+from mmgrpo.reference import ReferenceSwitch
 from mmgrpo.samplers.masked_diffusion import eoser_gamma, make_schedule, rebuild_state, token_log_probs, unmask_step
 from mmgrpo.types import PromptBatch, Rollout, SamplingPlan
 
@@ -171,7 +170,6 @@ class MDLMPolicy:
         if self.pad_id == self.mask_id:
             raise ValueError("The tokenizer's pad token is the mask token: give it another pad token.")
         self.lora = config.lora_rank > 0
-        self.frozen = None
         if self.lora:
             from peft import LoraConfig, get_peft_model
 
@@ -184,9 +182,8 @@ class MDLMPolicy:
                     param.data = param.data.float()
         else:
             model.float().requires_grad_(True)
-            self.frozen = copy.deepcopy(model).requires_grad_(False).eval()
         self.model = model.eval()  # no dropout: replay must see the rollout's logits
-        self.forward = self.model
+        self.switch = ReferenceSwitch(model, model.disable_adapter if self.lora else None)
         self.device = torch.device("cpu")
 
     # ----------------------------------------------------------------------------------------------------- set-up
@@ -233,26 +230,28 @@ class MDLMPolicy:
     def eval_num_steps(self) -> int:
         return self.config.decoding.num_steps
 
+    @property
+    def forward(self) -> torch.nn.Module:
+        """What forwards run through: the model, its DDP wrapper, or the frozen reference in [`~MDLMPolicy.reference`]."""
+        return self.switch.forward
+
+    @forward.setter
+    def forward(self, module: torch.nn.Module) -> None:
+        self.switch.forward = module
+
+    @property
+    def frozen(self) -> torch.nn.Module | None:
+        """The frozen initial model (full fine-tuning only)."""
+        return self.switch.frozen
+
     def prepare(self, accelerator) -> list[torch.nn.Module]:
         """Moves the model (and the frozen reference) to the accelerator's device and wraps it for distribution."""
         self.device = accelerator.device
-        if self.frozen is not None:
-            self.frozen.to(self.device)
-        self.forward = accelerator.prepare_model(self.model)
-        return [self.forward]
+        return self.switch.prepare(accelerator)
 
-    @contextlib.contextmanager
     def reference(self):
         """Forwards run through the reference: LoRA adapter disabled, or the frozen initial model."""
-        if self.frozen is not None:
-            previous, self.forward = self.forward, self.frozen
-            try:
-                yield
-            finally:
-                self.forward = previous
-        else:
-            with self.model.disable_adapter():
-                yield
+        return self.switch.reference()
 
     # --------------------------------------------------------------------------------------------------- model
     def encode_prompts(self, prompts: list[str]) -> tuple[torch.Tensor, torch.Tensor]:

@@ -6,7 +6,6 @@ import json
 from pathlib import Path
 
 import pytest
-import torch
 
 from mmgrpo import config as config_mod
 from mmgrpo.trainer import Trainer

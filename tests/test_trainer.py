@@ -1,7 +1,6 @@
 """The trainer loop end to end on a tiny SD3: outputs, exact resume, atomic checkpoints, NaN safety."""
 
 import json
-import shutil
 
 import pytest
 import torch

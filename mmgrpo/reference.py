@@ -1,0 +1,57 @@
+"""The trained module of a policy and its reference policy, for every adapter that trains one module.
+
+Not a plugin: adapters compose it (`pipelines/_flow_common.py` for `sd3` / `flux`, `pipelines/mdlm.py`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+from typing import Callable, ContextManager
+
+import torch
+
+
+class ReferenceSwitch:
+    """What a policy's forwards run through, and its reference policy inside [`~ReferenceSwitch.reference`].
+
+    Full fine-tuning keeps a frozen copy of the initial weights as the reference; with LoRA the reference is the same
+    module with its adapter disabled (no copy).
+
+    Args:
+        module (`torch.nn.Module`): the trained module, unwrapped and already set up for training (adapter added, or
+            every parameter trainable). Without LoRA, its frozen copy is taken now.
+        disable_adapter (`Callable[[], ContextManager]`, *optional*): a context in which the module's LoRA adapter is
+            off (peft's ``model.disable_adapter``); `None` means full fine-tuning.
+
+    Attributes:
+        forward (`torch.nn.Module`): the module, its DDP/FSDP wrapper after [`~ReferenceSwitch.prepare`], or the frozen
+            copy inside [`~ReferenceSwitch.reference`].
+        frozen (`torch.nn.Module` or `None`): the frozen initial copy (full fine-tuning only).
+    """
+
+    def __init__(self, module: torch.nn.Module, disable_adapter: Callable[[], ContextManager] | None = None):
+        self.module = module
+        self.disable_adapter = disable_adapter
+        self.frozen = None if disable_adapter else copy.deepcopy(module).requires_grad_(False).eval()
+        self.forward = module
+
+    def prepare(self, accelerator) -> list[torch.nn.Module]:
+        """Moves the frozen reference to the accelerator's device and wraps the trained module for distribution."""
+        if self.frozen is not None:
+            self.frozen.to(accelerator.device)
+        self.forward = accelerator.prepare_model(self.module)
+        return [self.forward]
+
+    @contextlib.contextmanager
+    def reference(self):
+        """Forwards run through the reference: the LoRA adapter disabled, or the frozen initial module."""
+        if self.frozen is None:
+            with self.disable_adapter():
+                yield
+            return
+        previous, self.forward = self.forward, self.frozen
+        try:
+            yield
+        finally:
+            self.forward = previous
