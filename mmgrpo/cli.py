@@ -1,5 +1,5 @@
-"""Command line: ``mmgrpo train CONFIG [key=value ...]``, ``mmgrpo eval CONFIG --checkpoint DIR``, ``mmgrpo list``,
-``mmgrpo serve-reward CONFIG [--port P]``."""
+"""Command line: ``mmgrpo train CONFIG [key=value ...]``, ``mmgrpo eval CONFIG [--checkpoint DIR] [--split train]``,
+``mmgrpo list``, ``mmgrpo serve-reward CONFIG [--port P]``."""
 
 from __future__ import annotations
 
@@ -28,7 +28,10 @@ def main(argv: list[str] | None = None) -> int:
     p_train.add_argument("overrides", nargs="*", help="key.subkey=value overrides (values parsed as YAML)")
     p_eval = sub.add_parser("eval", help="evaluate a checkpoint on the held-out prompts")
     p_eval.add_argument("config")
-    p_eval.add_argument("--checkpoint", required=True, help="a checkpoint folder written by `mmgrpo train`")
+    p_eval.add_argument("--checkpoint", help="a checkpoint folder written by `mmgrpo train` (default: the config's "
+                        "pretrained model as it is, i.e. the base of a run)")
+    p_eval.add_argument("--split", choices=["eval", "train"], default="eval",
+                        help="score the held-out prompts (default) or the train prompts (is a gap over-fitting?)")
     p_eval.add_argument("overrides", nargs="*")
     sub.add_parser("list", help="list registered pipelines, algorithms, rewards and prompt sources")
     p_serve = sub.add_parser("serve-reward", help="serve the config's reward over HTTP (for the `remote` reward)")
@@ -48,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
         from .reward_server import serve
 
         return serve(args.config, overrides, args.host, args.port)
-    if args.command == "eval":
+    if args.command == "eval" and args.checkpoint:
         overrides.append(f"checkpoint.resume_from={args.checkpoint}")
     try:
         config = load(args.config, overrides)  # every key and type checked before any model loads
@@ -62,6 +65,8 @@ def main(argv: list[str] | None = None) -> int:
         summary = train(config)
     else:
         trainer = Trainer(config)
+        if args.split == "train":  # the same evaluation (sampler, noise, count) on the first train items
+            trainer.eval_items = trainer.data.train_items()[: config.eval.num_prompts]
         summary = trainer.evaluate(trainer.step)
     if summary:
         print(json.dumps(summary, indent=2))

@@ -48,6 +48,15 @@ def test_cli_train_then_eval_a_few_steps(tmp_path):
     metrics = json.loads(evaluate.stdout[evaluate.stdout.index("{"):])
     # the reloaded checkpoint reproduces the trained run's final evaluation exactly
     assert metrics["eval/strict"] == summary["eval_strict_last"]
+    on_train = subprocess.run(
+        [sys.executable, "-m", "mmgrpo.cli", "eval", str(CONFIG), "--checkpoint", str(out / "checkpoints" / "step_0000002"),
+         "--split", "train", *common, f"output_dir={tmp_path / 'eval_train'}"],
+        capture_output=True, text=True, timeout=900, cwd=ROOT,
+    )
+    assert on_train.returncode == 0, on_train.stderr[-3000:]
+    train_rows = json.loads((tmp_path / "eval_train" / "eval" / "step_00002.json").read_text())
+    assert sum(r["n"] for r in train_rows) == 16  # the same count, drawn from the train prompts only
+    assert not {r["prompt"] for r in train_rows} & {r["prompt"] for r in rows}
 
 
 def test_shipped_base_model_is_clearly_imperfect(monkeypatch):
