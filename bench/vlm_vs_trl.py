@@ -310,7 +310,7 @@ def write_outputs(args, results: dict, out: Path) -> None:
         rows.append({"G": g, "mmgrpo": ours, "trl": trl, "speedup": ratio(trl, ours, "step_s"),
                      "time_ratio": ratio(ours, trl, "step_s"), "peak_rss_ratio": ratio(ours, trl, "peak_rss_mib"),
                      "increment_ratio": ratio(ours, trl, "train_increment_mib")})
-    image_size = getattr(args, "image_size", DEFAULT_IMAGE_SIZE)
+    image_size = args.image_size
     settings = {k: getattr(args, k) for k in ("model", "config", "prompts", "max_new_tokens", "steps", "warmup",
                                               "learning_rate", "group_sizes", "main_g")}
     summary = {"settings": {**settings, "image_size": image_size},

@@ -66,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         trainer = Trainer(config)
         if args.split == "train":  # the same evaluation (sampler, noise, count) on the first train items
-            trainer.eval_items = trainer.data.train_items()[: config.eval.num_prompts]
+            trainer.eval_items = trainer.data.train_items()  # `evaluate` takes the first eval.num_prompts
         summary = trainer.evaluate(trainer.step)
     if summary:
         print(json.dumps(summary, indent=2))

@@ -23,6 +23,22 @@ torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS") or 2))
 
 
 @pytest.fixture(scope="session")
+def load_bench():
+    """Imports a script of `bench/` by name (the folder is not a package), e.g. ``load_bench("vlm_vs_trl")``."""
+    import importlib.util
+    from pathlib import Path
+
+    def load(name: str):
+        path = Path(__file__).resolve().parent.parent / "bench" / f"{name}.py"
+        spec = importlib.util.spec_from_file_location(name, path)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return module
+
+    return load
+
+
+@pytest.fixture(scope="session")
 def tiny_sd3_dir(tmp_path_factory):
     """A tiny random SD3 pipeline (real diffusers/transformers classes) written with `save_pretrained`."""
     from mmgrpo.data.tiny_components import tiny_sd3_pipeline

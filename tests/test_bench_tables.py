@@ -1,21 +1,15 @@
 """bench/flow_algorithms.py's report on synthetic runs (no model runs): time to reach Flow-GRPO's final reward, the
 speed-ups, the verdict on DGPO's claim, and the files it writes."""
 
-import importlib.util
 import json
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
-
 
 @pytest.fixture(scope="module")
-def bench():
-    spec = importlib.util.spec_from_file_location("flow_algorithms", ROOT / "bench" / "flow_algorithms.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+def bench(load_bench):
+    return load_bench("flow_algorithms")
 
 
 def write_run(folder: Path, evals: dict[int, float], step_s: float, with_train_s: bool = True) -> Path:

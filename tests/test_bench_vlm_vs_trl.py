@@ -2,21 +2,14 @@
 ratios, errors, figure) and its message when TRL is not installed."""
 
 import importlib.metadata
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
-
 
 @pytest.fixture(scope="module")
-def bench():
-    spec = importlib.util.spec_from_file_location("vlm_vs_trl", ROOT / "bench" / "vlm_vs_trl.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+def bench(load_bench):
+    return load_bench("vlm_vs_trl")
 
 
 def test_step_stats_take_the_median_after_the_warmup(bench):
@@ -27,7 +20,7 @@ def test_step_stats_take_the_median_after_the_warmup(bench):
 def test_report_ratios_errors_and_files(bench, tmp_path):
     args = bench.argparse.Namespace(model="mmgrpo:vlm_shapes", config="configs/tiny/vlm_count.yaml", prompts=16,
                                     max_new_tokens=20, steps=4, warmup=1, learning_rate=2e-4, group_sizes=[2, 8],
-                                    main_g=8)
+                                    main_g=8, image_size=56)
     results = {
         "mmgrpo": {"2": {"step_s": 0.5, "peak_rss_mib": 700.0, "rss_before_steps_mib": 600.0},
                    "8": {"step_s": 1.0, "peak_rss_mib": 800.0, "rss_before_steps_mib": 600.0}},
