@@ -38,7 +38,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = {
-    "flow_grpo": "configs/tiny/t2i_shapes.yaml",
+    "flow_grpo": "configs/tiny/t2i_shapes_flow_grpo.yaml",
     "e_grpo": "configs/tiny/t2i_shapes_e_grpo.yaml",
     "chunk_grpo": "configs/tiny/t2i_shapes_chunk_grpo.yaml",
     "dgpo": "configs/tiny/t2i_shapes_dgpo.yaml",

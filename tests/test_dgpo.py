@@ -11,7 +11,7 @@ from mmgrpo.algorithms.dgpo import DGPO, DGPOConfig, group_weights
 from mmgrpo.pipelines._flow_plans import group_noise
 from mmgrpo.pipelines.sd3 import SD3Config, SD3Policy
 from mmgrpo.trainer import Trainer, score_unit
-from mmgrpo.types import PromptBatch
+from mmgrpo.types import PromptBatch, SamplingPlan
 
 PROMPTS = ["a red circle", "two blue squares"]
 
@@ -161,6 +161,19 @@ def test_rollout_is_diffusers_dpm_solver(tiny_sd3_dir):
             x = scheduler.step(policy.velocity(x, scheduler.sigmas[i], embeds), t, x).prev_sample
     torch.testing.assert_close(rollout.trajectory["latents"][:, -1], x, rtol=1e-5, atol=1e-5)
     assert rollout.trajectory["shared_sigmas"][0] > 0.99 and rollout.trajectory["shared_sigmas"][-1] == 0
+
+
+def test_euler_rollout_is_the_evaluation_sampler(tiny_sd3_dir):
+    policy = make_policy(tiny_sd3_dir)
+    plan = DGPO(DGPOConfig(trunc_steps=2, num_train_timesteps=2, solver="euler")).schedule(4)
+    batch = PromptBatch(PROMPTS)
+    rollout = policy.sample(batch, plan, generator=torch.Generator().manual_seed(3))
+    evaluated = policy.sample(batch, SamplingPlan.deterministic(4), generator=torch.Generator().manual_seed(3))
+    assert torch.equal(rollout.trajectory["latents"][:, -1], evaluated.trajectory["latents"][:, -1])
+    # its likelihood is scored at the Euler noise levels of the high-noise end
+    assert plan.solver == "flow" and {j for unit in plan.train_units for j in unit} <= {0, 1, 2}
+    with pytest.raises(ValueError, match="solver must be 'dpm' or 'euler'"):
+        DGPOConfig(solver="heun")
 
 
 def test_fast_ema_old_model(tiny_sd3_dir):

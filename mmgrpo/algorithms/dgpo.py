@@ -28,6 +28,7 @@ weights after ``switch_ema_ref`` updates).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 
@@ -57,6 +58,9 @@ class DGPOConfig:
         ema_decay_max (`float`), ema_decay_rate (`float`): the old model's EMA decay after `u` optimizer updates is
             ``min(ema_decay_max, ema_decay_rate * u)``.
         flow_shift (`float`): ``flow_shift`` of the DPM-Solver++ noise levels of the rollouts.
+        solver (`str`): the rollouts' deterministic sampler: ``"dpm"`` (DPM-Solver++, as the paper) or ``"euler"``
+            (the pipeline's own Euler ODE and noise levels, i.e. the sampler that evaluation uses, so the samples RL
+            ranks are the samples that are scored; `flow_shift` is then unused).
     """
 
     beta_dpo: float = 100.0
@@ -72,6 +76,7 @@ class DGPOConfig:
     ema_decay_max: float = 0.3
     ema_decay_rate: float = 1e-3
     flow_shift: float = 3.0
+    solver: Literal["dpm", "euler"] = "dpm"
 
     def __post_init__(self):
         if self.beta_dpo <= 0 or self.kl_beta < 0 or self.clip_range <= 0:
@@ -88,6 +93,8 @@ class DGPOConfig:
             raise ValueError(f"ema_decay_max must be in [0, 1) and ema_decay_rate >= 0, got {self.ema_decay_max}.")
         if self.flow_shift <= 0:
             raise ValueError(f"flow_shift must be > 0, got {self.flow_shift}.")
+        if self.solver not in ("dpm", "euler"):
+            raise ValueError(f"DGPO's solver must be 'dpm' or 'euler', got {self.solver!r}.")
 
 
 class DGPO:
@@ -103,7 +110,7 @@ class DGPO:
         self.updates = 0
 
     def schedule(self, num_steps: int, generator: torch.Generator | None = None) -> SamplingPlan:
-        """Deterministic DPM-Solver++ rollouts; `num_train_timesteps` noise levels from the high-noise end."""
+        """Deterministic rollouts (DPM-Solver++ or Euler); `num_train_timesteps` noise levels from the high-noise end."""
         c = self.config
         if c.trunc_steps >= num_steps:
             raise ValueError(
@@ -116,7 +123,7 @@ class DGPO:
             sde_steps=[],
             train_units=[[int(j)] for j in order],
             noise_level=0.0,
-            solver="dpm",
+            solver="dpm" if c.solver == "dpm" else "flow",
             flow_shift=c.flow_shift,
             scoring="likelihood",
             seed=int(torch.randint(0, 2**62, (1,), generator=generator)),
