@@ -227,6 +227,9 @@ class ShapesPrompts:
             held_out (`str`, defaults to `"unseen"`): ``"unseen"`` (held-out prompts new to base training and RL) or
                 ``"rl_only"`` (held-out prompts the base model was trained on but RL never sees); see the class doc.
             image_size (`int`, defaults to 32): side of the rendered images, in pixels.
+            train_kinds (`tuple[str, ...]`, *optional*): the kinds training draws from, a subset of `kinds` (default:
+                all of `kinds`). Held-out items always cover every kind of `kinds`, so training can skip a kind the
+                model already gets right and still be measured on it.
         """
 
         seed: int = 0
@@ -237,9 +240,17 @@ class ShapesPrompts:
         eval_fraction: float = 0.2
         held_out: Literal["unseen", "rl_only"] = "unseen"
         image_size: int = 32
+        train_kinds: tuple[str, ...] | None = None
 
         def __post_init__(self):
             self.kinds = tuple(self.kinds)
+            self.train_kinds = tuple(self.train_kinds) if self.train_kinds is not None else self.kinds
+            outside = [k for k in self.train_kinds if k not in self.kinds]
+            if not self.train_kinds or outside:
+                raise ValueError(
+                    f"ShapesPrompts.Config.train_kinds {list(self.train_kinds)} must be a non-empty subset of kinds "
+                    f"{list(self.kinds)}: add {outside} to kinds or remove them from train_kinds."
+                )
             self.counts = tuple(self.counts)
             unknown = [k for k in self.kinds if k not in KINDS]
             if not self.kinds or unknown:
@@ -273,12 +284,12 @@ class ShapesPrompts:
             if not self.train_pools[kind] or not self.eval_pools[kind]:
                 raise ValueError(f"Kind {kind!r} has an empty train or eval split; change eval_fraction.")
 
-    def _draw_items(self, pools: dict[str, list[dict]], n: int, seed: int) -> list[dict]:
+    def _draw_items(self, pools: dict[str, list[dict]], kinds: tuple[str, ...], n: int, seed: int) -> list[dict]:
         rng = np.random.default_rng(seed)
         orders = {kind: [] for kind in pools}
         items = []
         for i in range(n):
-            kind = self.config.kinds[i % len(self.config.kinds)]
+            kind = kinds[i % len(kinds)]
             if not orders[kind]:
                 orders[kind] = list(rng.permutation(len(pools[kind])))
             metadata = pools[kind][orders[kind].pop()]
@@ -286,12 +297,12 @@ class ShapesPrompts:
         return items
 
     def train_items(self) -> list[dict]:
-        """`n_train` items ``{"prompt": str, "metadata": dict}`` from the train prompts."""
-        return self._draw_items(self.train_pools, self.config.n_train, self.config.seed)
+        """`n_train` items ``{"prompt": str, "metadata": dict}`` from the train prompts of `train_kinds`."""
+        return self._draw_items(self.train_pools, self.config.train_kinds, self.config.n_train, self.config.seed)
 
     def eval_items(self) -> list[dict]:
         """`n_eval` items ``{"prompt": str, "metadata": dict}`` from the held-out prompts."""
-        return self._draw_items(self.eval_pools, self.config.n_eval, self.config.seed + 1)
+        return self._draw_items(self.eval_pools, self.config.kinds, self.config.n_eval, self.config.seed + 1)
 
     def render(self, metadata: dict, rng: np.random.Generator) -> Image.Image:
         """A correct image for `metadata` at the configured size (see [`render`])."""

@@ -18,7 +18,8 @@ def group_normalize(
 
     Args:
         scores (`torch.FloatTensor` of shape `[N]`): rewards gathered from every process; NaN or infinite means
-            "not applicable": such samples are left out of the statistics and get advantage 0.
+            "not applicable": such samples are left out of the statistics and get advantage 0. A group whose valid
+            scores are all equal gets exactly 0.
         group_ids (`torch.LongTensor` of shape `[N]`): group of each sample.
         scale (`bool`): divide by the standard deviation (``False``: mean-centring only, as Dr. GRPO).
         global_std (`bool`): divide by the standard deviation of all valid scores instead of the group's.
@@ -37,6 +38,8 @@ def group_normalize(
         if members.sum() == 0:
             continue
         group = scores[members]
+        if bool((group == group[0]).all()):
+            continue  # identical rewards: exactly 0 (a mean's rounding error over eps would not be)
         centred = group - group.mean()
         if scale:
             std = global_scale if global_scale is not None else group.std(unbiased=False)
@@ -45,3 +48,20 @@ def group_normalize(
     if clip is not None:
         advantages = advantages.clamp(-clip, clip)
     return advantages  # [N]
+
+
+def groups_with_signal(advantages: torch.Tensor, group_ids: torch.Tensor) -> torch.Tensor:
+    """Which samples belong to a group with at least one non-zero advantage.
+
+    Args:
+        advantages (`torch.FloatTensor` of shape `[N]`): advantages of the whole (gathered) batch.
+        group_ids (`torch.LongTensor` of shape `[N]`): group of each sample.
+
+    Returns:
+        `torch.BoolTensor` of shape `[N]`: `False` for every member of a group whose advantages are all exactly 0.
+    """
+    _, inverse = torch.unique(group_ids, return_inverse=True)
+    signal = torch.zeros(int(inverse.max()) + 1, dtype=torch.bool).index_put_(
+        (inverse,), advantages != 0, accumulate=True
+    )  # [groups]
+    return signal[inverse]  # [N]

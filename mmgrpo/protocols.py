@@ -80,8 +80,11 @@ class Algorithm(Protocol):
     transitions), ``"likelihood"`` -> ``policy.likelihood`` (a sample-only surrogate). Optional members:
 
     - ``old_policy(policy) -> ContextManager``: the algorithm keeps its own "old" model (DGPO's fast EMA); the trainer
-      scores the unit inside this context and passes its ``log_prob`` as `old_log_prob` instead of the rollout's.
+      scores the unit inside this context and passes its ``log_prob`` as `old_log_prob` instead of the rollout's. It
+      may return `None` when this run reads no old model; `old_log_prob` is then the detached new score.
     - ``after_update(policy)``: called after every optimizer step.
+    - ``zero_advantage_is_inert``: `True` when a sample with advantage 0 adds exactly nothing to the loss's gradient
+      (e.g. no KL term); the trainer then does not score groups whose advantages are all 0.
     - ``state_dict()`` / ``load_state_dict(state)``: state saved in and restored from checkpoints.
     """
 

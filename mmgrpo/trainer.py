@@ -21,6 +21,7 @@ from tqdm.auto import tqdm
 
 from . import checkpoint, registry
 from .config import ExperimentConfig
+from .advantages import groups_with_signal
 from .metrics_log import MetricsLog
 from .optim import build_optimizer
 from .prompt_stream import PromptStream, items_to_batch
@@ -81,17 +82,21 @@ def score_unit(policy, algorithm, sub, unit: list[int], device) -> tuple[dict, t
 
     `new` is the policy's score of `sub` at `unit`, with gradients: ``policy.log_prob`` or ``policy.likelihood`` as
     `algorithm.scoring` says. `old_log_prob` `[n, k]` is what the rollout recorded or, when the algorithm keeps its own
-    old model (an ``old_policy(policy)`` context, e.g. DGPO's fast EMA), the ``log_prob`` entry of the score under it.
+    old model (an ``old_policy(policy)`` context, e.g. DGPO's fast EMA), the ``log_prob`` entry of the score under it
+    (or of `new`, detached, when ``old_policy`` returns `None`: nothing reads an old model this run).
     `ref` is the reference policy's score when `algorithm.needs_reference`.
     """
     score = getattr(policy, SCORING_METHODS[algorithm.scoring])
     old_policy = getattr(algorithm, "old_policy", None)
+    old_context = old_policy(policy) if old_policy is not None else None
     if old_policy is None:
         old = sub.old_log_probs[:, unit].to(device)
-    else:
-        with torch.no_grad(), old_policy(policy):  # before `new`: swapping weights must not touch a live graph
+    elif old_context is not None:
+        with torch.no_grad(), old_context:  # before `new`: swapping weights must not touch a live graph
             old = score(sub, unit)["log_prob"]
     new = score(sub, unit)
+    if old_policy is not None and old_context is None:
+        old = new["log_prob"].detach()  # the algorithm reads no old model: it is the current one, no extra forward
     ref = None
     if algorithm.needs_reference:
         with torch.no_grad(), policy.reference():
@@ -213,7 +218,9 @@ class Trainer:
         result = self.reward(rollout.outputs, local)
         local_adv, all_scores, all_groups, advantages = self.global_advantages(result.scores, rollout.group_ids)
         metrics = self._reward_metrics(all_scores, all_groups, result.components)
-        metrics.update(self._update(rollout, plan, local_adv, has_signal=bool((advantages != 0).any()), generator=generator))
+        with_signal = groups_with_signal(advantages, all_groups)  # [N]
+        local_signal = with_signal[self.rank * len(local_adv) : (self.rank + 1) * len(local_adv)]  # [n]
+        metrics.update(self._update(rollout, plan, local_adv, local_signal, generator=generator))
         metrics["lr"] = self.lr_scheduler.get_last_lr()[0]
         metrics["samples_seen"] = self.step * len(all_scores)
         return metrics
@@ -229,15 +236,23 @@ class Trainer:
         n = scores.shape[0]
         return advantages[self.rank * n : (self.rank + 1) * n], all_scores, all_groups, advantages
 
-    def _update(self, rollout, plan: SamplingPlan, advantages, has_signal: bool, generator) -> dict[str, float]:
+    def _update(self, rollout, plan: SamplingPlan, advantages, with_signal, generator) -> dict[str, float]:
+        """Optimizer updates on one rollout batch. `advantages` `[n]` and `with_signal` `[n]` (whether a sample's group
+        has a non-zero advantage anywhere in the global batch) are this process's slice.
+
+        When the algorithm declares ``zero_advantage_is_inert`` (such samples add exactly nothing to its loss's
+        gradient, e.g. no KL term), the members of groups without signal are not scored at all; the others keep their
+        weight in the minibatch mean, so the gradient is the same as scoring everything.
+        """
         cfg, acc = self.config.train, self.accelerator
         units = plan.train_units
         sums: dict[str, float] = {}
         counts = 0
         grad_norms = []
+        inert = getattr(self.algorithm, "zero_advantage_is_inert", False)
         if not units:
             return {}
-        if not has_signal and not self.algorithm.needs_reference:
+        if not bool(with_signal.any()) and not self.algorithm.needs_reference:
             self.skipped_updates += 1  # every advantage is 0: a step would only apply weight decay
             return {"train/skipped_updates": self.skipped_updates}
         for _ in range(cfg.inner_epochs):
@@ -248,18 +263,23 @@ class Trainer:
                 group = minibatches[u : u + per_update]
                 total = sum(len(m) for m in group)
                 for j, index in enumerate(group):
-                    sub = rollout.select(index)
+                    kept = index[with_signal[index]] if inert else index
+                    weight = len(kept)
+                    if weight == 0:  # a zero-weight pass still runs every process's backward (DDP) and the update
+                        kept = index[:1]
+                    sub = rollout.select(kept)
                     for k, unit in enumerate(units):
                         last = j == len(group) - 1 and k == len(units) - 1
-                        out = self._unit_loss(sub, unit, advantages[index])
+                        out = self._unit_loss(sub, unit, advantages[kept])
                         with contextlib.ExitStack() as stack:
                             if not last:
                                 for module in self.wrapped:
                                     stack.enter_context(acc.no_sync(module))
-                            acc.backward(out.loss * (len(index) / total / len(units)))
-                        for key, value in out.metrics.items():
-                            sums[key] = sums.get(key, 0.0) + value
-                        counts += 1
+                            acc.backward(out.loss * (weight / total / len(units)))
+                        if weight:
+                            for key, value in out.metrics.items():
+                                sums[key] = sums.get(key, 0.0) + value
+                            counts += 1
                 grad_norm = acc.clip_grad_norm_(self.policy.trainable_parameters(), cfg.max_grad_norm)
                 if not torch.isfinite(torch.as_tensor(grad_norm)):
                     self.skipped_updates += 1  # a NaN/inf loss or gradient never reaches the weights
@@ -275,6 +295,8 @@ class Trainer:
         if grad_norms:
             metrics["train/grad_norm"] = sum(grad_norms) / len(grad_norms)
         metrics["train/skipped_updates"] = self.skipped_updates
+        if inert:
+            metrics["train/unscored_share"] = 1.0 - with_signal.float().mean().item()  # samples not scored (no signal)
         return metrics
 
     def _unit_loss(self, sub, unit: list[int], advantages):

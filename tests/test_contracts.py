@@ -139,6 +139,8 @@ def test_algorithm_contract(name):
     adv = algorithm.advantages(scores, groups)
     assert adv.shape == (6,) and torch.isfinite(adv).all() and adv[2] == 0  # NaN = not applicable
     assert adv[0] > 0 > adv[1]
+    tied = algorithm.advantages(torch.full((8,), 2 / 3), torch.zeros(8, dtype=torch.long))  # mean != 2/3 in float32
+    assert torch.count_nonzero(tied) == 0  # identical rewards: exactly no signal
     plan = algorithm.schedule(6, torch.Generator().manual_seed(0))
     assert plan.train_units and plan.scoring == algorithm.scoring
     if algorithm.scoring == "trajectory":

@@ -218,6 +218,32 @@ def test_old_model_scores_under_the_ema_weights(tiny_sd3_dir):
     assert not torch.allclose(new["log_prob"].detach(), old)
 
 
+def test_without_clip_the_old_model_is_not_scored(tiny_sd3_dir):
+    """clip_range 0 (and no use_ema_ref): nothing reads the old model, so its forward pass is skipped, the old score is
+    the detached new one and the loss equals the clipped loss of a batch in which nothing is clipped."""
+    policy = make_policy(tiny_sd3_dir)
+    algorithm = DGPO(DGPOConfig(trunc_steps=2, num_train_timesteps=1, clip_range=0.0, kl_beta=0.0))
+    assert algorithm.old_policy(policy) is None and algorithm.needs_reference
+    plan = algorithm.schedule(4, torch.Generator().manual_seed(0))
+    rollout = policy.sample(PromptBatch(PROMPTS).repeat(2), plan, generator=torch.Generator().manual_seed(0))
+    calls = []
+    likelihood = policy.likelihood
+    policy.likelihood = lambda *args: calls.append(1) or likelihood(*args)
+    new, old, ref = score_unit(policy, algorithm, rollout, plan.train_units[0], torch.device("cpu"))
+    assert len(calls) == 2  # the policy and the frozen reference; no old model
+    torch.testing.assert_close(old, new["log_prob"].detach(), rtol=0, atol=0)
+    advantages = torch.tensor([1.0, -1.0, 0.5, -0.5])
+    unclipped = algorithm.loss(new, old, advantages, ref)
+    far_old = old - 5.0  # ratios exp(-5): every positive-advantage sample would be clipped at any clip_range > 0
+    out = algorithm.loss(new, far_old, advantages, ref)
+    assert out.metrics["clip_frac"] == 0.0
+    torch.testing.assert_close(out.loss, unclipped.loss, rtol=0, atol=0)
+    clipping = DGPO(DGPOConfig(trunc_steps=2, num_train_timesteps=1, clip_range=1e-2, kl_beta=0.0))
+    assert clipping.loss(new, far_old, advantages, ref).metrics["clip_frac"] > 0
+    algorithm.after_update(policy)
+    assert algorithm.ema.shadow is None and algorithm.updates == 1  # no EMA is kept
+
+
 def dgpo_config(tmp_path, tiny_sd3_dir, max_steps):
     tmp_path.mkdir(parents=True, exist_ok=True)
     prompts = tmp_path / "prompts.txt"
@@ -252,3 +278,39 @@ def test_resume_restores_the_old_model_exactly(tmp_path, tiny_sd3_dir):
         assert torch.equal(a, b)
     for a, b in zip(full.algorithm.ema.shadow, resumed.algorithm.ema.shadow):
         assert torch.equal(a, b)
+
+
+def test_groups_without_signal_are_not_scored_and_the_gradient_is_unchanged(tmp_path, tiny_sd3_dir):
+    """With kl_beta 0 a zero-advantage group adds nothing to DGPO's gradient, so the trainer skips scoring it; the
+    gradient of the update equals the one that scores every sample."""
+    raw = dgpo_config(tmp_path, tiny_sd3_dir, 1)
+    raw["algorithm"].update(kl_beta=0.0, clip_range=0.0)
+    raw["train"].update(prompts_per_step=3, minibatch_size=4)  # 6 samples: minibatches of 4 and 2
+    trainer = Trainer(config_mod.from_dict(raw))
+    assert trainer.algorithm.zero_advantage_is_inert
+    plan = trainer.algorithm.schedule(trainer.policy.num_steps, torch.Generator().manual_seed(0))
+    batch = PromptBatch(["a red circle", "a blue square", "a green triangle"]).repeat(2)
+    rollout = trainer.policy.sample(batch, plan, generator=torch.Generator().manual_seed(0))
+    advantages = torch.tensor([0.0, 0.0, 1.0, -1.0, 0.5, -0.5])  # group 0 has no signal
+    with_signal = torch.tensor([False, False, True, True, True, True])
+    state = {k: v.clone() for k, v in trainer.policy.transformer.state_dict().items()}
+    scored, grads = [], []
+    likelihood = trainer.policy.likelihood
+    trainer.policy.likelihood = lambda sub, unit: scored.extend(sub.group_ids.tolist()) or likelihood(sub, unit)
+    step = trainer.optimizer.step
+    trainer.optimizer.step = lambda: grads.append([p.grad.clone() for p in trainer.policy.trainable_parameters()])
+    runs = []
+    for inert in (True, False):
+        trainer.algorithm.zero_advantage_is_inert = inert
+        scored.clear(), grads.clear()
+        metrics = trainer._update(rollout, plan, advantages, with_signal, generator=torch.Generator().manual_seed(1))
+        trainer.optimizer.zero_grad(set_to_none=True)
+        runs.append((list(scored), grads[0], metrics))
+    trainer.optimizer.step = step
+    (scored_inert, grads_inert, metrics_inert), (scored_all, grads_all, _) = runs
+    assert 0 not in scored_inert and 0 in scored_all  # group 0 was never scored when inert
+    assert metrics_inert["train/unscored_share"] == pytest.approx(2 / 6)
+    assert any(torch.count_nonzero(g) for g in grads_all)
+    for a, b in zip(grads_inert, grads_all):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-9)
+    assert all(torch.equal(v, trainer.policy.transformer.state_dict()[k]) for k, v in state.items())  # no step taken

@@ -84,6 +84,19 @@ def test_train_eval_disjoint_and_deterministic():
     assert all(it["prompt"] == prompt_from_metadata(it["metadata"]) for it in train + held_out)
 
 
+def test_train_kinds_narrow_training_but_not_the_held_out_set():
+    kinds = ("single", "counting", "two_objects")
+    full = ShapesPrompts(ShapesPrompts.Config(kinds=kinds, n_train=300, n_eval=60))
+    narrow = ShapesPrompts(ShapesPrompts.Config(kinds=kinds, train_kinds=("counting", "two_objects"), n_train=300,
+                                                n_eval=60))
+    assert {it["metadata"]["kind"] for it in narrow.train_items()} == {"counting", "two_objects"}
+    assert [it["metadata"]["kind"] for it in narrow.train_items()[:4]] == ["counting", "two_objects"] * 2
+    assert narrow.eval_items() == full.eval_items()  # every kind is still measured, on the same prompts
+    assert full.config.train_kinds == kinds
+    with pytest.raises(ValueError, match=r"train_kinds .* subset of kinds.*add \['position'\]"):
+        ShapesPrompts.Config(kinds=kinds, train_kinds=("counting", "position"))
+
+
 def test_config_validation_messages():
     with pytest.raises(ValueError, match="kinds"):
         ShapesPrompts.Config(kinds=("single", "colour"))

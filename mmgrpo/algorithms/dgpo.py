@@ -45,7 +45,10 @@ class DGPOConfig:
         beta_dpo (`float`): scale of the implicit reward in the sigmoid group weight (10-100 against the frozen
             reference; 2000-5000 with `use_ema_ref`).
         kl_beta (`float`): weight of the velocity-space KL ``mean ||v - v_ref||^2`` to the reference (0: off).
-        clip_range (`float`): clip of the denoising-loss ratio against the fast-EMA old model.
+        clip_range (`float`): clip of the denoising-loss ratio against the fast-EMA old model. 0 turns the clip off;
+            without `use_ema_ref` the old model is then not needed, and its forward pass is skipped (one of the three
+            scoring passes per noise level). With one optimizer update per rollout batch the old model is almost the
+            sampling model, so the clip rarely or never triggers.
         clip_dsm (`bool`): detach a sample's flow-matching loss when its ratio is clipped.
         clip_kl (`bool`): also detach its KL term.
         num_train_timesteps (`int`): noise levels scored per rollout batch (the plan's train units).
@@ -79,10 +82,10 @@ class DGPOConfig:
     solver: Literal["dpm", "euler"] = "dpm"
 
     def __post_init__(self):
-        if self.beta_dpo <= 0 or self.kl_beta < 0 or self.clip_range <= 0:
+        if self.beta_dpo <= 0 or self.kl_beta < 0 or self.clip_range < 0:
             raise ValueError(
-                f"beta_dpo and clip_range must be > 0 and kl_beta >= 0, got {self.beta_dpo}, {self.clip_range}, "
-                f"{self.kl_beta}."
+                f"beta_dpo must be > 0 and clip_range and kl_beta >= 0 (clip_range 0: no clip), got {self.beta_dpo}, "
+                f"{self.clip_range}, {self.kl_beta}."
             )
         if self.num_train_timesteps < 1 or self.trunc_steps + 1 < self.num_train_timesteps:
             raise ValueError(
@@ -106,6 +109,9 @@ class DGPO:
     def __init__(self, config: DGPOConfig):
         self.config = config
         self.needs_reference = config.kl_beta > 0 or not config.use_ema_ref
+        self.keeps_old_model = config.clip_range > 0 or config.use_ema_ref  # the clip or the reference reads it
+        # without the KL, a sample with advantage 0 adds exactly nothing to the loss: the trainer need not score it
+        self.zero_advantage_is_inert = config.kl_beta == 0
         self.ema = ParameterEMA()
         self.updates = 0
 
@@ -134,11 +140,15 @@ class DGPO:
 
     # ---------------------------------------------------------------------------------- the fast-EMA old model
     def old_policy(self, policy):
-        """Context in which `policy` holds the fast-EMA weights (the trainer scores the old model inside it)."""
-        return self.ema.swapped(policy.trainable_parameters())
+        """Context in which `policy` holds the fast-EMA weights (the trainer scores the old model inside it), or `None`
+        when nothing reads the old model (no clip, no `use_ema_ref`): the trainer then skips its forward pass."""
+        return self.ema.swapped(policy.trainable_parameters()) if self.keeps_old_model else None
 
     def after_update(self, policy) -> None:
         """One EMA step after an optimizer update, decay ``min(ema_decay_max, ema_decay_rate * updates)``."""
+        if not self.keeps_old_model:
+            self.updates += 1
+            return
         decay = min(self.config.ema_decay_max, self.config.ema_decay_rate * self.updates)
         self.ema.update(policy.trainable_parameters(), decay)
         self.updates += 1
@@ -166,6 +176,7 @@ class DGPO:
         adv = advantages[:, None].to(fm.dtype)  # [n, 1]
         ratio = torch.exp(new["log_prob"].detach() - old_log_prob)  # [n, k] = exp(L_old - L)
         clipped = torch.where(adv > 0, ratio > 1 + c.clip_range, ratio < 1 - c.clip_range)  # [n, k]
+        clipped &= c.clip_range > 0
         fm_used = torch.where(clipped, fm.detach(), fm) if c.clip_dsm else fm
         fm_ref = -old_log_prob if c.use_ema_ref else -ref["log_prob"]  # [n, k]
         weights = group_weights(adv * c.beta_dpo * (fm.detach() - fm_ref), new["group_ids"])  # [n, k]
