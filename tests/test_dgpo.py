@@ -311,6 +311,6 @@ def test_groups_without_signal_are_not_scored_and_the_gradient_is_unchanged(tmp_
     assert 0 not in scored_inert and 0 in scored_all  # group 0 was never scored when inert
     assert metrics_inert["train/unscored_share"] == pytest.approx(2 / 6)
     assert any(torch.count_nonzero(g) for g in grads_all)
-    for a, b in zip(grads_inert, grads_all):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-9)
+    for a, b in zip(grads_inert, grads_all):  # equal up to float summation order (2 threads sum differently)
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5 * float(b.abs().max()) + 1e-12)
     assert all(torch.equal(v, trainer.policy.transformer.state_dict()[k]) for k, v in state.items())  # no step taken
