@@ -244,6 +244,10 @@ class ShapesPrompts:
 
         def __post_init__(self):
             self.kinds = tuple(self.kinds)
+            self.counts = tuple(self.counts)
+            unknown = [k for k in self.kinds if k not in KINDS]
+            if not self.kinds or unknown:
+                raise ValueError(f"ShapesPrompts.Config.kinds has unknown or no kinds {unknown}; choose from {KINDS}.")
             self.train_kinds = tuple(self.train_kinds) if self.train_kinds is not None else self.kinds
             outside = [k for k in self.train_kinds if k not in self.kinds]
             if not self.train_kinds or outside:
@@ -251,10 +255,6 @@ class ShapesPrompts:
                     f"ShapesPrompts.Config.train_kinds {list(self.train_kinds)} must be a non-empty subset of kinds "
                     f"{list(self.kinds)}: add {outside} to kinds or remove them from train_kinds."
                 )
-            self.counts = tuple(self.counts)
-            unknown = [k for k in self.kinds if k not in KINDS]
-            if not self.kinds or unknown:
-                raise ValueError(f"ShapesPrompts.Config.kinds has unknown or no kinds {unknown}; choose from {KINDS}.")
             bad = [n for n in self.counts if n not in NUMBERS]
             if not self.counts or bad:
                 raise ValueError(f"ShapesPrompts.Config.counts {self.counts} must be non-empty values in 1..4.")

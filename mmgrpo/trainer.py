@@ -20,8 +20,8 @@ from accelerate.utils import gather_object
 from tqdm.auto import tqdm
 
 from . import checkpoint, registry
-from .config import ExperimentConfig
 from .advantages import groups_with_signal
+from .config import ExperimentConfig
 from .metrics_log import MetricsLog
 from .optim import build_optimizer
 from .prompt_stream import PromptStream, items_to_batch
@@ -89,13 +89,12 @@ def score_unit(policy, algorithm, sub, unit: list[int], device) -> tuple[dict, t
     score = getattr(policy, SCORING_METHODS[algorithm.scoring])
     old_policy = getattr(algorithm, "old_policy", None)
     old_context = old_policy(policy) if old_policy is not None else None
-    if old_policy is None:
-        old = sub.old_log_probs[:, unit].to(device)
-    elif old_context is not None:
+    old = sub.old_log_probs[:, unit].to(device) if old_policy is None else None
+    if old_context is not None:
         with torch.no_grad(), old_context:  # before `new`: swapping weights must not touch a live graph
             old = score(sub, unit)["log_prob"]
     new = score(sub, unit)
-    if old_policy is not None and old_context is None:
+    if old is None:
         old = new["log_prob"].detach()  # the algorithm reads no old model: it is the current one, no extra forward
     ref = None
     if algorithm.needs_reference:
@@ -219,8 +218,8 @@ class Trainer:
         local_adv, all_scores, all_groups, advantages = self.global_advantages(result.scores, rollout.group_ids)
         metrics = self._reward_metrics(all_scores, all_groups, result.components)
         with_signal = groups_with_signal(advantages, all_groups)  # [N]
-        local_signal = with_signal[self.rank * len(local_adv) : (self.rank + 1) * len(local_adv)]  # [n]
-        metrics.update(self._update(rollout, plan, local_adv, local_signal, generator=generator))
+        metrics.update(self._update(rollout, plan, local_adv, self._this_process(with_signal, len(local_adv)),
+                                    has_signal=bool(with_signal.any()), generator=generator))
         metrics["lr"] = self.lr_scheduler.get_last_lr()[0]
         metrics["samples_seen"] = self.step * len(all_scores)
         return metrics
@@ -233,12 +232,18 @@ class Trainer:
         all_scores = acc.gather(scores.float().to(acc.device)).cpu()  # [N]
         all_groups = acc.gather(group_ids.to(acc.device)).cpu()  # [N]
         advantages = self.algorithm.advantages(all_scores, all_groups)  # [N]
-        n = scores.shape[0]
-        return advantages[self.rank * n : (self.rank + 1) * n], all_scores, all_groups, advantages
+        return self._this_process(advantages, scores.shape[0]), all_scores, all_groups, advantages
 
-    def _update(self, rollout, plan: SamplingPlan, advantages, with_signal, generator) -> dict[str, float]:
+    def _this_process(self, values: torch.Tensor, n: int) -> torch.Tensor:
+        """This process's slice `[n]` of a batch gathered from every process `[N]`."""
+        return values[self.rank * n : (self.rank + 1) * n]
+
+    def _update(
+        self, rollout, plan: SamplingPlan, advantages, with_signal, has_signal: bool, generator
+    ) -> dict[str, float]:
         """Optimizer updates on one rollout batch. `advantages` `[n]` and `with_signal` `[n]` (whether a sample's group
-        has a non-zero advantage anywhere in the global batch) are this process's slice.
+        has a non-zero advantage anywhere in the global batch) are this process's slice; `has_signal` is whether any
+        advantage of the global batch is non-zero (the same on every process, so all of them skip or step together).
 
         When the algorithm declares ``zero_advantage_is_inert`` (such samples add exactly nothing to its loss's
         gradient, e.g. no KL term), the members of groups without signal are not scored at all; the others keep their
@@ -252,7 +257,7 @@ class Trainer:
         inert = getattr(self.algorithm, "zero_advantage_is_inert", False)
         if not units:
             return {}
-        if not bool(with_signal.any()) and not self.algorithm.needs_reference:
+        if not has_signal and not self.algorithm.needs_reference:
             self.skipped_updates += 1  # every advantage is 0: a step would only apply weight decay
             return {"train/skipped_updates": self.skipped_updates}
         for _ in range(cfg.inner_epochs):

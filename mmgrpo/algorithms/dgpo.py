@@ -146,11 +146,9 @@ class DGPO:
 
     def after_update(self, policy) -> None:
         """One EMA step after an optimizer update, decay ``min(ema_decay_max, ema_decay_rate * updates)``."""
-        if not self.keeps_old_model:
-            self.updates += 1
-            return
-        decay = min(self.config.ema_decay_max, self.config.ema_decay_rate * self.updates)
-        self.ema.update(policy.trainable_parameters(), decay)
+        if self.keeps_old_model:
+            decay = min(self.config.ema_decay_max, self.config.ema_decay_rate * self.updates)
+            self.ema.update(policy.trainable_parameters(), decay)
         self.updates += 1
 
     def state_dict(self) -> dict:
