@@ -93,7 +93,8 @@ class EvalConfig:
         num_prompts (`int`): held-out prompts evaluated (one deterministic sample each).
         grid_size (`int`): samples drawn in each `samples/step_*.png` grid.
         metric (`str`): the reward component reported as the headline eval metric (e.g. ``strict``), or
-            ``score`` for the reward itself.
+            ``score`` for the reward itself; not ``prompt``, ``n`` or ``reward``, the other columns of
+            ``eval/step_*.json``.
         seed (`int`): noise seed of evaluation samples (the same every evaluation).
     """
 
@@ -108,6 +109,11 @@ class EvalConfig:
         if self.every < 0 or self.every_seconds < 0:
             raise ConfigError(
                 f"eval.every and eval.every_seconds must be >= 0 (0 disables), got {self.every} and {self.every_seconds}."
+            )
+        if self.metric in ("prompt", "n", "reward"):  # the other columns of eval/step_*.json
+            raise ConfigError(
+                f"eval.metric {self.metric!r} is a column name of eval/step_*.json: name a reward component, or "
+                f"'score' for the reward itself."
             )
 
 

@@ -74,6 +74,8 @@ def test_bad_values_explain_the_fix(tmp_path):
     raw["pipeline"]["name"] = "sd4"
     with pytest.raises(ConfigError, match="Unknown pipeline 'sd4'. Registered pipelines: .*sd3"):
         config_mod.from_dict(raw)
+    with pytest.raises(ConfigError, match="eval.metric 'n' is a column name of eval/step_"):
+        config_mod.from_dict(base_config(tmp_path, eval={"metric": "n"}))
 
 
 def test_missing_model_path(tmp_path):
