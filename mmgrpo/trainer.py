@@ -217,9 +217,7 @@ class Trainer:
         result = self.reward(rollout.outputs, local)
         local_adv, all_scores, all_groups, advantages = self.global_advantages(result.scores, rollout.group_ids)
         metrics = self._reward_metrics(all_scores, all_groups, result.components)
-        with_signal = groups_with_signal(advantages, all_groups)  # [N]
-        metrics.update(self._update(rollout, plan, local_adv, self._this_process(with_signal, len(local_adv)),
-                                    has_signal=bool(with_signal.any()), generator=generator))
+        metrics.update(self._update(rollout, plan, local_adv, groups_with_signal(advantages, all_groups), generator))
         metrics["lr"] = self.lr_scheduler.get_last_lr()[0]
         metrics["samples_seen"] = self.step * len(all_scores)
         return metrics
@@ -238,12 +236,10 @@ class Trainer:
         """This process's slice `[n]` of a batch gathered from every process `[N]`."""
         return values[self.rank * n : (self.rank + 1) * n]
 
-    def _update(
-        self, rollout, plan: SamplingPlan, advantages, with_signal, has_signal: bool, generator
-    ) -> dict[str, float]:
-        """Optimizer updates on one rollout batch. `advantages` `[n]` and `with_signal` `[n]` (whether a sample's group
-        has a non-zero advantage anywhere in the global batch) are this process's slice; `has_signal` is whether any
-        advantage of the global batch is non-zero (the same on every process, so all of them skip or step together).
+    def _update(self, rollout, plan: SamplingPlan, advantages, with_signal, generator) -> dict[str, float]:
+        """Optimizer updates on one rollout batch. `advantages` `[n]` is this process's slice; `with_signal` `[N]`
+        (whether a sample's group has a non-zero advantage) covers the global batch, so every process decides alike
+        whether to skip or step.
 
         When the algorithm declares ``zero_advantage_is_inert`` (such samples add exactly nothing to its loss's
         gradient, e.g. no KL term), the members of groups without signal are not scored at all; the others keep their
@@ -257,9 +253,10 @@ class Trainer:
         inert = getattr(self.algorithm, "zero_advantage_is_inert", False)
         if not units:
             return {}
-        if not has_signal and not self.algorithm.needs_reference:
+        if not with_signal.any() and not self.algorithm.needs_reference:
             self.skipped_updates += 1  # every advantage is 0: a step would only apply weight decay
             return {"train/skipped_updates": self.skipped_updates}
+        mine = self._this_process(with_signal, len(advantages))  # [n]
         for _ in range(cfg.inner_epochs):
             order = torch.randperm(len(rollout), generator=generator)
             minibatches = list(order.split(cfg.minibatch_size))
@@ -268,7 +265,7 @@ class Trainer:
                 group = minibatches[u : u + per_update]
                 total = sum(len(m) for m in group)
                 for j, index in enumerate(group):
-                    kept = index[with_signal[index]] if inert else index
+                    kept = index[mine[index]] if inert else index
                     weight = len(kept)
                     if weight == 0:  # a zero-weight pass still runs every process's backward (DDP) and the update
                         kept = index[:1]
@@ -301,7 +298,7 @@ class Trainer:
             metrics["train/grad_norm"] = sum(grad_norms) / len(grad_norms)
         metrics["train/skipped_updates"] = self.skipped_updates
         if inert:
-            metrics["train/unscored_share"] = 1.0 - with_signal.float().mean().item()  # samples not scored (no signal)
+            metrics["train/unscored_share"] = 1.0 - with_signal.float().mean().item()  # of the global batch
         return metrics
 
     def _unit_loss(self, sub, unit: list[int], advantages):
