@@ -1,11 +1,13 @@
-"""The sampler step against an independent transcription of the paper's formulas."""
+"""The sampler step against an independent transcription of the paper's formulas; inputs it cannot take are refused
+(property tests: finite outputs over the valid domain, a ValueError, never a silent inf / NaN, outside it)."""
 
 import math
 
 import pytest
 import torch
+from hypothesis import given, settings, strategies as st
 
-from mmgrpo.samplers.flow_sde import flow_sde_step
+from mmgrpo.samplers.flow_sde import entropy_merge_span, flow_sde_std, flow_sde_step
 
 
 def paper_sde_step(x, v, sigma, sigma_next, eta, sigma_one, prev):
@@ -69,3 +71,94 @@ def test_cps_step_matches_formula():
 def test_bad_sde_type_is_rejected():
     with pytest.raises(ValueError, match="sde_type"):
         flow_sde_step(torch.zeros(1, 1), torch.zeros(1, 1), 0.5, 0.4, sde_type="euler")
+
+
+# ------------------------------------------------------------------------ inputs the step refuses (property tests)
+PROPERTY = settings(derandomize=True, max_examples=100, deadline=None)
+
+
+def _latents(seed: int, scale: float):
+    g = torch.Generator().manual_seed(seed)
+    return scale * torch.randn(2, 3, 4, generator=g), scale * torch.randn(2, 3, 4, generator=g)
+
+
+def _finite(out) -> bool:
+    return all(bool(torch.isfinite(t).all()) for t in (out.prev_sample, out.log_prob, out.mean, out.std))
+
+
+@st.composite
+def valid_steps(draw):
+    """Steps of every type inside the documented domain: 0 <= sigma_next < sigma <= 1, noise 0 or in [1e-3, 1]."""
+    sigma = draw(st.one_of(st.just(1.0), st.floats(1e-3, 1.0)))
+    sigma_next = sigma * draw(st.one_of(st.just(0.0), st.floats(0.0, 0.999)))
+    return dict(sigma=sigma, sigma_next=sigma_next, sde_type=draw(st.sampled_from(["sde", "cps", "ode"])),
+                noise_level=draw(st.one_of(st.just(0.0), st.floats(1e-3, 1.0))),
+                sigma_at_one=draw(st.floats(0.05, 0.99)))
+
+
+@PROPERTY
+@given(step=valid_steps(), seed=st.integers(0, 2**16), scale=st.floats(1e-3, 1e2))
+def test_valid_steps_give_finite_samples_and_log_probs(step, seed, scale):
+    v, x = _latents(seed, scale)
+    out = flow_sde_step(v, x, generator=torch.Generator().manual_seed(seed), **step)
+    again = flow_sde_step(v, x, prev_sample=out.prev_sample, **step)  # re-scoring what was sampled
+    assert _finite(out) and _finite(again)
+    assert bool((out.std >= 0).all())
+    std = flow_sde_std(step["sigma"], step["sigma_next"], noise_level=step["noise_level"], sde_type=step["sde_type"],
+                       sigma_at_one=step["sigma_at_one"])
+    assert bool(torch.isfinite(std)) and float(std) >= 0
+
+
+ANY_FLOAT = st.one_of(st.floats(-0.5, 1.5), st.sampled_from([0.0, 1.0, float("nan"), float("inf"), -float("inf")]))
+
+
+@PROPERTY
+@given(sigma=ANY_FLOAT, sigma_next=ANY_FLOAT, noise_level=st.one_of(st.floats(-1.0, 3.0), ANY_FLOAT),
+       sde_type=st.sampled_from(["sde", "cps", "ode"]), sigma_at_one=st.one_of(st.none(), ANY_FLOAT),
+       seed=st.integers(0, 2**16))
+def test_any_step_is_refused_or_finite(sigma, sigma_next, noise_level, sde_type, sigma_at_one, seed):
+    """Over arbitrary (also invalid) sigmas and noise levels the step either raises ValueError or is finite: never a
+    silent inf / NaN."""
+    v, x = _latents(seed, 1.0)
+    try:
+        out = flow_sde_step(v, x, sigma, sigma_next, noise_level=noise_level, sde_type=sde_type,
+                            sigma_at_one=sigma_at_one, generator=torch.Generator().manual_seed(seed))
+    except ValueError:
+        return
+    assert _finite(out)
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(sigma=1.0, sigma_next=0.9), "sigma_at_one"),  # Flow-GRPO's 1 - sigma divides by zero at 1
+    (dict(sigma=1.0, sigma_next=0.9, sigma_at_one=1.0), "sigma_at_one"),
+    (dict(sigma=0.5, sigma_next=0.6), "exceeds sigma"),  # a rising (non-monotone) schedule: sqrt(-dt) is NaN
+    (dict(sigma=0.5, sigma_next=0.5), "sigma_next < sigma"),  # zero-length stochastic step: std 0 in the density
+    (dict(sigma=0.0, sigma_next=0.0), "sigma_next < sigma"),
+    (dict(sigma=1.2, sigma_next=0.5, sigma_at_one=0.9), "sigma must lie in"),
+    (dict(sigma=0.5, sigma_next=-0.1), "sigma_next must lie in"),
+    (dict(sigma=float("nan"), sigma_next=0.1), "sigma must lie in"),
+    (dict(sigma=0.5, sigma_next=0.4, noise_level=-0.1), "noise_level"),
+    (dict(sigma=0.5, sigma_next=0.4, noise_level=float("inf")), "noise_level"),
+    (dict(sigma=0.5, sigma_next=0.4, noise_level=1.5, sde_type="cps"), "noise_level of a CPS"),
+    (dict(sigma=0.5, sigma_next=0.4, noise_level=1e-30), "too small for a float32 log-density"),
+    (dict(sigma=torch.tensor([0.5, 0.3]), sigma_next=torch.tensor([0.4, 0.3])), "sigma_next < sigma"),  # per sample
+])
+def test_steps_that_would_be_inf_or_nan_are_refused(kwargs, match):
+    v, x = _latents(0, 1.0)
+    with pytest.raises(ValueError, match=match):
+        flow_sde_step(v, x, **{"noise_level": 0.7, **kwargs})
+
+
+def test_ode_step_accepts_what_the_sde_refuses_when_it_is_well_defined():
+    """sigma = 1 without a substitute and a zero-length step are fine for the deterministic step."""
+    v, x = _latents(0, 1.0)
+    assert _finite(flow_sde_step(v, x, 1.0, 0.9, sde_type="ode"))
+    assert torch.equal(flow_sde_step(v, x, 0.0, 0.0, noise_level=0.0).prev_sample, x)
+
+
+def test_entropy_merge_span_refuses_a_start_without_a_next_sigma():
+    sigmas = torch.linspace(1, 0, 5)
+    with pytest.raises(ValueError, match="start"):
+        entropy_merge_span(sigmas, 4, 0.5, noise_level=0.7, max_span=2)
+    with pytest.raises(ValueError, match="max_span"):
+        entropy_merge_span(sigmas, 1, 0.5, noise_level=0.7, max_span=0)

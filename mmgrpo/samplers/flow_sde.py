@@ -6,6 +6,11 @@ Flow-GRPO: https://arxiv.org/abs/2505.05470 ; coefficients-preserving sampling (
 Convention: sigmas fall from 1 (noise) to 0 (data); ``x_sigma = (1 - sigma) * x0 + sigma * noise``; the model
 predicts the velocity ``v = noise - x0``; a step goes from ``sigma`` to ``sigma_next < sigma``.
 All math runs in float32 whatever the input dtype.
+
+Inputs a step cannot take without an inf or NaN are refused with a `ValueError` naming the argument (see
+[`check_step`]): sigmas outside ``[0, 1]`` or rising, a stochastic step of zero length, a negative noise level, ``"sde"``
+at ``sigma == 1`` without `sigma_at_one`, or an SDE transition whose standard deviation underflows float32. Finite
+latents and velocities then give finite outputs and log-probabilities.
 """
 
 from __future__ import annotations
@@ -44,6 +49,64 @@ def _as_batch(value, like: torch.Tensor) -> torch.Tensor:
     return value.reshape(-1, *([1] * (like.dim() - 1)))
 
 
+def check_step(
+    sigma: float | torch.Tensor,
+    sigma_next: float | torch.Tensor,
+    *,
+    noise_level: float,
+    sde_type: str,
+    sigma_at_one: float | torch.Tensor | None = None,
+) -> None:
+    """Refuses a step that [`flow_sde_step`] cannot take without an inf or NaN.
+
+    Raises:
+        `ValueError` naming the argument and the fix: unknown `sde_type`; `noise_level` negative or not finite (above 1
+        for ``"cps"``, whose std is ``sigma_next * sin(noise_level * pi / 2)``); a sigma outside ``[0, 1]`` or not
+        finite; ``sigma_next > sigma``; ``sigma_next == sigma`` on a stochastic step (a zero-length transition has no
+        density); ``"sde"`` at ``sigma == 1`` without `sigma_at_one` in ``(0, 1)`` (``1 - sigma`` divides).
+    """
+    if sde_type not in SDE_TYPES:
+        raise ValueError(f"sde_type must be one of {SDE_TYPES}, got {sde_type!r}.")
+    eta = float(noise_level)
+    if not (math.isfinite(eta) and eta >= 0):
+        raise ValueError(f"noise_level must be a finite number >= 0 (0: the deterministic ODE step), got {eta}.")
+    if sde_type == "cps" and eta > 1:
+        raise ValueError(f"noise_level of a CPS step must be in [0, 1] (its std is sigma_next * sin(eta pi / 2)), got {eta}.")
+    s = torch.as_tensor(sigma, dtype=torch.float32).detach().cpu()
+    s_next = torch.as_tensor(sigma_next, dtype=torch.float32).detach().cpu()
+    for name, value in (("sigma", s), ("sigma_next", s_next)):
+        if not bool(((value >= 0) & (value <= 1)).all()):  # NaN fails too
+            raise ValueError(f"{name} must lie in [0, 1] (1: noise, 0: data), got {value.tolist()}.")
+    if bool((s_next > s).any()):
+        raise ValueError(
+            f"sigma_next {s_next.tolist()} exceeds sigma {s.tolist()}: sigmas must fall from 1 (noise) to 0 (data); "
+            "pass the schedule in decreasing order."
+        )
+    if sde_type == "ode" or eta == 0:
+        return
+    if bool((s_next == s).any()):
+        raise ValueError(
+            f"a stochastic step needs sigma_next < sigma (a zero-length transition has no density), got sigma "
+            f"{s.tolist()} -> {s_next.tolist()}: drop the repeated sigma, or use noise_level 0 for this step."
+        )
+    if sde_type == "sde" and bool((s == 1).any()):
+        one = None if sigma_at_one is None else torch.as_tensor(sigma_at_one, dtype=torch.float32).detach().cpu()
+        if one is None or not bool(((one > 0) & (one < 1)).all()):
+            raise ValueError(
+                f"the SDE step at sigma = 1 divides by 1 - sigma: pass sigma_at_one in (0, 1) (Flow-GRPO uses the "
+                f"schedule's second sigma, sigmas[1]), got {None if one is None else one.tolist()}."
+            )
+
+
+def _check_density(std: torch.Tensor, noise_level: float) -> None:
+    """Refuses an SDE transition whose variance underflows float32 (its log-density would be NaN or inf)."""
+    if bool((std.float() ** 2 < torch.finfo(torch.float32).tiny).any()):
+        raise ValueError(
+            f"the SDE step's standard deviation {float(std.min()):.3g} is too small for a float32 log-density: raise "
+            f"noise_level ({noise_level}) or the step's sigma - sigma_next, or use noise_level 0 (a deterministic step)."
+        )
+
+
 def flow_sde_step(
     velocity: torch.Tensor,
     sample: torch.Tensor,
@@ -76,9 +139,12 @@ def flow_sde_step(
     Returns:
         [`FlowStepOutput`]. ``"sde"``: exact Gaussian log-density averaged over elements. ``"cps"``: the CPS
         surrogate ``-mean((x' - mean)^2)`` (constants and the 1/(2 std^2) scale dropped, as its authors do).
+
+    Raises:
+        `ValueError`: for the inputs [`check_step`] refuses, and for an ``"sde"`` transition whose standard deviation
+        underflows float32.
     """
-    if sde_type not in SDE_TYPES:
-        raise ValueError(f"sde_type must be one of {SDE_TYPES}, got {sde_type!r}.")
+    check_step(sigma, sigma_next, noise_level=noise_level, sde_type=sde_type, sigma_at_one=sigma_at_one)
     x = sample.float()
     v = velocity.float()
     s = _as_batch(sigma, x)
@@ -93,6 +159,7 @@ def flow_sde_step(
         std_t = noise_level * torch.sqrt(s / (1 - s_safe))  # Flow-GRPO's sigma_t
         mean = x * (1 + std_t**2 / (2 * s) * dt) + v * (1 + std_t**2 * (1 - s) / (2 * s)) * dt
         std = std_t * torch.sqrt(-dt)
+        _check_density(std, noise_level)
     else:  # cps
         std = s_next * math.sin(noise_level * math.pi / 2)
         x0_hat = x - s * v
@@ -138,8 +205,7 @@ def flow_sde_std(
     Returns:
         `torch.FloatTensor` of shape `[]` (or the broadcast shape of the sigmas).
     """
-    if sde_type not in SDE_TYPES:
-        raise ValueError(f"sde_type must be one of {SDE_TYPES}, got {sde_type!r}.")
+    check_step(sigma, sigma_next, noise_level=noise_level, sde_type=sde_type, sigma_at_one=sigma_at_one)
     s = torch.as_tensor(sigma, dtype=torch.float32)
     s_next = torch.as_tensor(sigma_next, dtype=torch.float32)
     if sde_type == "ode" or noise_level == 0:
@@ -173,10 +239,15 @@ def entropy_merge_span(
         sigmas (`torch.FloatTensor` of shape `[S + 1]`): the noise levels, falling to 0.
         start (`int`): the SDE step.
     """
+    if not 0 <= start < len(sigmas) - 1 or max_span < 1:
+        raise ValueError(
+            f"entropy_merge_span needs 0 <= start < {len(sigmas) - 1} (a step with a next sigma) and max_span >= 1, got "
+            f"start {start} and max_span {max_span}."
+        )
     last = min(max_span, len(sigmas) - 1 - start)
     for m in range(1, last + 1):
         std = flow_sde_std(sigmas[start], sigmas[start + m], noise_level=noise_level, sde_type=sde_type,
                            sigma_at_one=sigmas[1])
         if float(gaussian_entropy(std)) >= min_entropy:
             return m
-    return max(1, last)
+    return last
