@@ -8,6 +8,10 @@ else masked ([`rebuild_state`]), so replay needs no copy of the intermediate sta
 
 References: LLaDA's low-confidence remasking and semi-autoregressive blocks (https://arxiv.org/abs/2502.09992);
 EOSER and ASS from CJ-GRPO (https://arxiv.org/abs/2509.23924).
+
+Inputs that cannot decode (no tokens, a step that commits none, block lengths that do not divide the completion, a
+negative or overflowing temperature...) are refused with a `ValueError` naming the argument, never decoded into a
+NaN probability or a completion that stays masked.
 """
 
 from __future__ import annotations
@@ -59,7 +63,7 @@ def make_schedule(gen_length: int, block_length: int, steps_per_block: int, kind
     """The decoding schedule of a `gen_length`-token completion in blocks of `block_length` (``== gen_length``: full
     diffusion), with ``kind = "fixed"`` (`steps_per_block` steps each, [`linear_sizes`]) or ``"ass"`` ([`ass_sizes`]
     in each block; `steps_per_block` ignored)."""
-    if block_length < 1 or gen_length % block_length:
+    if gen_length < 1 or block_length < 1 or gen_length % block_length:
         raise ValueError(
             f"gen_length {gen_length} must be a positive multiple of block_length {block_length} (use "
             f"block_length = gen_length for full-diffusion decoding)."
@@ -80,6 +84,10 @@ def eoser_gamma(step: int, num_steps: int, gamma_min: float, gamma_max: float, k
     """EOSER's factor on the confidence of EOS candidates at global step `step` of `num_steps`: rising from
     `gamma_min` to `gamma_max`, linearly (``kind="linear"``: ``i / (S - 1)``) or with the fraction decoded by ASS
     after the step (``kind="power"``: ``(2^(i+1) - 1) / 2^S``)."""
+    if not 0 <= step < num_steps:
+        raise ValueError(f"EOSER's step must be in [0, num_steps) = [0, {num_steps}), got {step}.")
+    if not all(math.isfinite(g) and g >= 0 for g in (gamma_min, gamma_max)):
+        raise ValueError(f"EOSER's gamma_min and gamma_max must be finite and >= 0, got {gamma_min} and {gamma_max}.")
     if kind == "linear":
         fraction = step / (num_steps - 1) if num_steps > 1 else 1.0
     elif kind == "power":
@@ -91,9 +99,27 @@ def eoser_gamma(step: int, num_steps: int, gamma_min: float, gamma_max: float, k
 
 def token_log_probs(logits: torch.Tensor, tokens: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
     """Log-probabilities `[n, T]` of `tokens` `[n, T]` under ``softmax(logits / temperature)``, `logits` `[n, T, V]`
-    (float32 inside; a temperature of 0, greedy decoding, scores at temperature 1)."""
-    scaled = logits.float() / (temperature if temperature > 0 else 1.0)
+    (float32 inside; a temperature of 0, greedy decoding, scores at temperature 1).
+
+    Raises:
+        `ValueError`: when `temperature` is negative or not finite, or the scaled logits hold NaN or +inf (or a
+        position has no finite logit).
+    """
+    scaled = _scaled(logits, temperature)  # [n, T, V]
     return torch.log_softmax(scaled, dim=-1).gather(-1, tokens.unsqueeze(-1)).squeeze(-1)  # [n, T]
+
+
+def _scaled(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """``logits / temperature`` in float32 (temperature 0: unscaled), refusing what softmax would turn into NaN."""
+    if not (math.isfinite(temperature) and temperature >= 0):
+        raise ValueError(f"temperature must be a finite number >= 0 (0: greedy decoding), got {temperature}.")
+    scaled = logits.float() / (temperature if temperature > 0 else 1.0)
+    if not bool(torch.isfinite(scaled.amax(dim=-1)).all()):  # NaN or +inf, or no finite logit (-inf: ruled out)
+        raise ValueError(
+            f"logits / temperature holds NaN or +inf (or a position has no finite logit): temperature {temperature} "
+            "is too small for these logits (use 0 for greedy decoding), or the model returned NaN / inf logits."
+        )
+    return scaled
 
 
 @dataclass
@@ -132,10 +158,21 @@ def unmask_step(
             tokens and their log-probabilities are unchanged).
         eos_gamma (`float`): EOSER's factor at this step (1: off).
         generator (`torch.Generator`, *optional*): on the logits' device; draws the tokens and random confidences.
+
+    Raises:
+        `ValueError`: for ``k < 1`` (the step would commit nothing), an unknown `remasking`, a negative or non-finite
+        `eos_gamma`, and the temperatures [`token_log_probs`] refuses.
     """
+    if k < 1:
+        raise ValueError(f"k, the tokens a step commits, must be >= 1 (0 would leave the completion masked), got {k}.")
+    if remasking not in ("low_confidence", "random"):
+        raise ValueError(f"remasking must be 'low_confidence' or 'random', got {remasking!r}.")
+    if not (math.isfinite(eos_gamma) and eos_gamma >= 0):
+        raise ValueError(f"eos_gamma must be finite and >= 0 (1: EOSER off), got {eos_gamma}.")
+    scaled = _scaled(logits, temperature)  # [n, T, V]
     logits = logits.float()  # [n, T, V]
     if temperature > 0:
-        probs = torch.softmax(logits / temperature, dim=-1)  # [n, T, V]
+        probs = torch.softmax(scaled, dim=-1)  # [n, T, V]
         flat = probs[candidates]  # [c, V]
         sampled = torch.argmax(logits, dim=-1)  # [n, T] placeholder outside the candidates
         if flat.shape[0]:
@@ -144,10 +181,8 @@ def unmask_step(
         sampled = torch.argmax(logits, dim=-1)  # [n, T]
     if remasking == "low_confidence":
         confidence = torch.softmax(logits, dim=-1).gather(-1, sampled.unsqueeze(-1)).squeeze(-1)  # [n, T]
-    elif remasking == "random":
+    else:  # random
         confidence = torch.rand(state.shape, generator=generator, device=state.device)  # [n, T]
-    else:
-        raise ValueError(f"remasking must be 'low_confidence' or 'random', got {remasking!r}.")
     if eos_ids and eos_gamma != 1.0:
         is_eos = torch.isin(sampled, torch.as_tensor(list(eos_ids), device=sampled.device))
         confidence = torch.where(is_eos, confidence * eos_gamma, confidence)
@@ -159,7 +194,7 @@ def unmask_step(
     return UnmaskStep(
         state=torch.where(committed, sampled, state),
         committed=committed,
-        log_prob=token_log_probs(logits, sampled, temperature),
+        log_prob=torch.log_softmax(scaled, dim=-1).gather(-1, sampled.unsqueeze(-1)).squeeze(-1),  # [n, T]
     )
 
 
