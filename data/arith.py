@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass
+from mmgrpo.validation import check_fields, check_range, check_seed, check_template
 
 
 def format_prompt(a: int, b: int, digits: int) -> str:
@@ -36,15 +37,16 @@ class ArithConfig:
     template: str | None = None
 
     def __post_init__(self):
+        check_fields(self)
+        check_seed("seed", self.seed)
+        check_range("n_train", self.n_train, 1)
+        check_range("n_eval", self.n_eval, 0, fix="0: no held-out items (then set eval.every=0)")
         if not 1 <= self.digits <= 6:
             raise ValueError(f"data.digits must be in 1..6, got {self.digits}.")
         if self.n_train + self.n_eval > (10**self.digits) ** 2 // 2:
             raise ValueError(f"data.n_train + n_eval too large for {self.digits}-digit pairs: use more digits.")
         if self.template is not None:
-            try:
-                self.template.format(a=1, b=2)
-            except (KeyError, IndexError, ValueError) as err:
-                raise ValueError(f"data.template {self.template!r} must use only the fields {{a}} and {{b}}: {err}.") from err
+            check_template("template", self.template, a=1, b=2)
 
 
 def addition_pairs(config: ArithConfig) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:

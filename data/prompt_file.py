@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from mmgrpo.validation import check_fields
 
 
 @dataclass
@@ -20,6 +21,7 @@ class PromptFileConfig:
     eval_file: str | None = None
 
     def __post_init__(self):
+        check_fields(self)
         for key in ("train_file", "eval_file"):
             value = getattr(self, key)
             if value is None:
@@ -27,7 +29,11 @@ class PromptFileConfig:
             path = Path(value).expanduser()
             if not path.is_file():
                 raise ValueError(f"data.{key}: {value!r} does not exist; give a .txt or .jsonl prompt file.")
-            if not read_items(path):
+            try:
+                items = read_items(path)
+            except ValueError as err:  # not UTF-8, a line that is not JSON
+                raise ValueError(f"data.{key}: {value!r} is not a valid prompt file: {err}") from None
+            if not items:
                 raise ValueError(f"data.{key}: {value!r} holds no prompt; add one prompt per line.")
 
 

@@ -20,6 +20,7 @@ from typing import Literal
 
 import numpy as np
 from PIL import Image, ImageDraw
+from mmgrpo.validation import check_fields, check_range, check_seed
 
 # Flat colours at the corners of the RGB cube: every pair (and the background) is >= 200 apart per channel.
 PALETTE: dict[str, tuple[int, int, int]] = {
@@ -243,6 +244,10 @@ class ShapesPrompts:
         train_kinds: tuple[str, ...] | None = None
 
         def __post_init__(self):
+            check_fields(self)
+            check_seed("seed", self.seed)
+            check_range("n_train", self.n_train, 1)
+            check_range("n_eval", self.n_eval, 0, fix="0: no held-out items (then set eval.every=0)")
             self.kinds = tuple(self.kinds)
             self.counts = tuple(self.counts)
             unknown = [k for k in self.kinds if k not in KINDS]

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from mmgrpo.types import as_list
+from mmgrpo.validation import check_fields, check_template, check_text
 
 R1_TEMPLATE = (
     "{question} Output the thinking process in <think> </think> and final answer in <answer> </answer> tags."
@@ -42,8 +43,14 @@ class VLMJsonlConfig:
     box_key: str = "boxes"
 
     def __post_init__(self):
+        check_fields(self)
+        check_text("question_key", self.question_key)
+        check_text("box_key", self.box_key)
         if "{question}" not in self.prompt_template:
             raise ValueError(f"data.prompt_template must contain '{{question}}', got {self.prompt_template!r}.")
+        check_template("prompt_template", self.prompt_template, question="q")
+        if self.image_root is not None and not Path(self.image_root).expanduser().is_dir():
+            raise ValueError(f"data.image_root: {self.image_root!r} is not a folder; give the folder of the images.")
         for key in ("train_file", "eval_file"):
             value = getattr(self, key)
             if value is not None and not Path(value).expanduser().is_file():

@@ -17,6 +17,7 @@ import random
 from dataclasses import dataclass, field
 
 from PIL import Image, ImageDraw
+from mmgrpo.validation import check_fields, check_range, check_seed, check_template
 
 COLOURS = {"red": (230, 25, 25), "green": (25, 230, 25), "blue": (25, 25, 230), "yellow": (230, 230, 25)}
 SHAPES = ("circle", "square", "triangle")
@@ -47,6 +48,12 @@ class VLMShapesConfig:
     seed: int = 0
 
     def __post_init__(self):
+        check_fields(self)
+        check_seed("seed", self.seed)
+        check_range("n_train", self.n_train, 1)
+        check_range("n_eval", self.n_eval, 0, fix="0: no held-out items (then set eval.every=0)")
+        check_range("size", self.size, 28, 4096)
+        check_template("prompt_template", self.prompt_template, question="q")
         unknown = set(self.tasks) - set(TASKS)
         if unknown or not self.tasks:
             raise ValueError(f"data.tasks must be a non-empty subset of {list(TASKS)}, got {self.tasks}.")

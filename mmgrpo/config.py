@@ -1,26 +1,30 @@
 """Experiment configuration: YAML plus ``key=value`` overrides, checked strictly against dataclasses before any
-model loads. Unknown keys and wrong types are errors that name the key and say what was expected."""
+model loads. Unknown keys, wrong types, non-finite numbers and out-of-range values are errors that name the key and
+say what was expected.
+
+YAML is read with the YAML 1.2 core scalars (see [`mmgrpo.config_yaml`]: ``no`` / ``on`` are strings, ``3e-4`` is a
+float, duplicate keys are errors). An override ``a.b.c=value`` gives a field that takes strings (``str``, a choice of
+strings, or an optional string) the text exactly as typed, so ``train.mixed_precision=no`` and
+``data.template=3`` are strings; ``null`` or ``~`` give None where the field is optional; a quoted value
+(``'...'`` / ``"..."``) is read as YAML. Any other field reads the value as YAML (numbers, ``true`` / ``false``,
+lists ``[a, b]``, mappings ``{a: 1}``).
+"""
 
 from __future__ import annotations
 
 import dataclasses
 import re
-import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-import yaml
-
 from . import registry
-
-
-_YAML_FLOAT = re.compile(r"^[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?$")
-
-
-class ConfigError(ValueError):
-    """A configuration problem, reported before anything heavy happens."""
+from .config_yaml import parse_yaml, read_yaml
+from .validation import (  # noqa: F401 (ConfigError and build_dataclass are imported from here by callers)
+    NULL_WORDS, ConfigError, build_dataclass, check_fields, check_range, check_seed, check_text, coerce, takes_none,
+    takes_text,
+)
 
 
 @dataclass
@@ -67,17 +71,22 @@ class TrainConfig:
     mixed_precision: Literal["no", "bf16", "fp16"] = "no"
 
     def __post_init__(self):
+        check_fields(self)
         for name in ("max_steps", "prompts_per_step", "group_size", "minibatch_size", "updates_per_step", "inner_epochs"):
-            if getattr(self, name) < 1:
-                raise ConfigError(f"train.{name} must be >= 1, got {getattr(self, name)}.")
-        if self.max_seconds < 0:
-            raise ConfigError(f"train.max_seconds must be >= 0 (0: no time limit), got {self.max_seconds}.")
+            check_range(f"train.{name}", getattr(self, name), 1)
+        check_range("train.max_seconds", self.max_seconds, 0, fix="0: no time limit")
         if self.group_size < 2:
             raise ConfigError("train.group_size must be >= 2: group-relative advantages need at least two samples.")
-        if not 0.0 <= self.min_lr_ratio <= 1.0:
-            raise ConfigError(f"train.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}.")
+        check_range("train.learning_rate", self.learning_rate, 0, low_open=True)
+        check_range("train.weight_decay", self.weight_decay, 0)
         if len(self.adam_betas) != 2:
             raise ConfigError(f"train.adam_betas must have two values, got {self.adam_betas}.")
+        for i, beta in enumerate(self.adam_betas):
+            check_range(f"train.adam_betas[{i}]", beta, 0, 1, high_open=True, fix="AdamW's betas are in [0, 1)")
+        check_range("train.adam_eps", self.adam_eps, 0, low_open=True)
+        check_range("train.warmup_steps", self.warmup_steps, 0, fix="0: no warm-up")
+        check_range("train.min_lr_ratio", self.min_lr_ratio, 0, 1)
+        check_range("train.max_grad_norm", self.max_grad_norm, 0, low_open=True, fix="1.0 is usual")
 
 
 @dataclass
@@ -106,10 +115,14 @@ class EvalConfig:
     seed: int = 1234
 
     def __post_init__(self):
-        if self.every < 0 or self.every_seconds < 0:
-            raise ConfigError(
-                f"eval.every and eval.every_seconds must be >= 0 (0 disables), got {self.every} and {self.every_seconds}."
-            )
+        check_fields(self)
+        check_range("eval.every", self.every, 0, fix="0 disables")
+        check_range("eval.every_seconds", self.every_seconds, 0, fix="0 disables")
+        check_range("eval.num_prompts", self.num_prompts, 1)
+        check_range("eval.grid_size", self.grid_size, 0, fix="0 draws no grid")
+        check_seed("eval.seed", self.seed)
+        if not self.metric.strip():
+            raise ConfigError("eval.metric must name a reward component, or 'score' for the reward itself; got ''.")
         if self.metric in ("prompt", "n", "reward"):  # the other columns of eval/step_*.json
             raise ConfigError(
                 f"eval.metric {self.metric!r} is a column name of eval/step_*.json: name a reward component, or "
@@ -130,6 +143,12 @@ class CheckpointConfig:
     every: int = 0
     keep_last: int = 2
     resume_from: str | None = None
+
+    def __post_init__(self):
+        check_fields(self)
+        check_range("checkpoint.every", self.every, 0, fix="0 saves only at the end")
+        check_range("checkpoint.keep_last", self.keep_last, 1, fix="the newest checkpoint is always kept")
+        check_text("checkpoint.resume_from", self.resume_from)
 
 
 @dataclass
@@ -155,6 +174,14 @@ class ExperimentConfig:
     checkpoint: CheckpointConfig
     log_every: int = 1
 
+    def __post_init__(self):
+        check_fields(self)
+        check_text("output_dir", self.output_dir)
+        check_seed("seed", self.seed)
+        check_range("log_every", self.log_every, 1, fix="1 logs every step")
+        if self.checkpoint.resume_from:
+            check_resume(self.checkpoint.resume_from, self.output_dir)
+
     def to_dict(self) -> dict:
         out = {"output_dir": self.output_dir, "seed": self.seed, "log_every": self.log_every}
         for kind in ("pipeline", "algorithm", "reward", "data"):
@@ -165,95 +192,34 @@ class ExperimentConfig:
         return out
 
 
-def _type_name(tp) -> str:
-    return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
+def check_resume(resume_from: str, output_dir: str) -> None:
+    """Refuses a `checkpoint.resume_from` that names no complete checkpoint (``latest``: none under `output_dir`)."""
+    from . import checkpoint  # torch: only when resuming
 
-
-def _coerce(value: Any, tp: Any, key: str) -> Any:
-    """Checks `value` against annotation `tp` (ints are accepted for floats); returns the converted value."""
-    origin = typing.get_origin(tp)
-    args = typing.get_args(tp)
-    if tp is Any:
-        return value
-    if origin in (typing.Union, types.UnionType):
-        if value is None and type(None) in args:
-            return None
-        errors = []
-        for arg in args:
-            if arg is type(None):
-                continue
-            try:
-                return _coerce(value, arg, key)
-            except ConfigError as err:
-                errors.append(str(err))
-        raise ConfigError(f"{key}: expected {' or '.join(_type_name(a) for a in args)}, got {value!r}.")
-    if origin is Literal:
-        if value not in args:
-            raise ConfigError(f"{key}: expected one of {list(args)}, got {value!r}.")
-        return value
-    if origin in (list, tuple):
-        if not isinstance(value, (list, tuple)):
-            raise ConfigError(f"{key}: expected a list, got {value!r}.")
-        inner = args[0] if args else Any
-        return [_coerce(v, inner, f"{key}[{i}]") for i, v in enumerate(value)]
-    if origin is dict:
-        if not isinstance(value, dict):
-            raise ConfigError(f"{key}: expected a mapping, got {value!r}.")
-        return dict(value)
-    if dataclasses.is_dataclass(tp):
-        return build_dataclass(tp, value, key)
-    if tp is float:
-        if isinstance(value, str) and _YAML_FLOAT.match(value.strip()):
-            return float(value)  # PyYAML reads "3e-4" (no dot) as a string
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise ConfigError(f"{key}: expected a number, got {value!r} ({type(value).__name__}).")
-        return float(value)
-    if tp is int:
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise ConfigError(f"{key}: expected an integer, got {value!r} ({type(value).__name__}).")
-        return value
-    if tp in (str, bool):
-        if not isinstance(value, tp):
-            raise ConfigError(f"{key}: expected {tp.__name__}, got {value!r} ({type(value).__name__}).")
-        return value
-    return value
-
-
-def build_dataclass(cls: type, values: dict | None, prefix: str) -> Any:
-    """Builds dataclass `cls` from a mapping, rejecting unknown keys and wrong types, naming `prefix.key`."""
-    values = {} if values is None else values
-    if not isinstance(values, dict):
-        raise ConfigError(f"{prefix}: expected a mapping of options, got {values!r}.")
-    hints = typing.get_type_hints(cls)
-    fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
-    unknown = sorted(set(values) - set(fields))
-    if unknown:
-        raise ConfigError(
-            f"Unknown config key {prefix}.{unknown[0]}" + (f" (and {unknown[1:]})" if len(unknown) > 1 else "")
-            + f". Valid keys of {prefix}: {', '.join(sorted(fields))}."
-        )
-    kwargs = {name: _coerce(value, hints[name], f"{prefix}.{name}") for name, value in values.items()}
-    missing = [
-        n for n, f in fields.items()
-        if n not in kwargs and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
-    ]
-    if missing:
-        raise ConfigError(f"Missing required config key {prefix}.{missing[0]}.")
     try:
-        return cls(**kwargs)
-    except ConfigError:
-        raise
-    except (ValueError, TypeError) as err:
-        message = str(err)
-        raise ConfigError(message if message.startswith(f"{prefix}.") else f"{prefix}: {message}") from err
+        checkpoint.resolve(resume_from, Path(output_dir) / "checkpoints")
+    except (OSError, ValueError) as err:
+        message = " ".join(str(err).split())
+        raise ConfigError(message if message.startswith("checkpoint.resume_from") else
+                          f"checkpoint.resume_from: {message}") from None
 
 
-def _plugin(kind: str, raw: Any) -> PluginSpec:
+PLUGIN_KINDS = ("pipeline", "algorithm", "reward", "data")
+SECTIONS = {"train": TrainConfig, "eval": EvalConfig, "checkpoint": CheckpointConfig}
+TOP_TYPES = {"output_dir": str, "seed": int, "log_every": int}
+TOP_LEVEL = set(TOP_TYPES) | set(PLUGIN_KINDS) | set(SECTIONS)
+
+
+def plugin_spec(kind: str, raw: Any) -> PluginSpec:
+    """The registry entry and checked options of one plugin section ``{name: ..., **options}``."""
+    choices = ", ".join(sorted(registry.available(kind)))
     if not isinstance(raw, dict) or "name" not in raw:
-        choices = ", ".join(sorted(registry.available(kind)))
         raise ConfigError(f"{kind}: expected a mapping with a 'name' key (one of: {choices}), got {raw!r}.")
     options = dict(raw)
     name = options.pop("name")
+    if not isinstance(name, str):
+        raise ConfigError(f"{kind}.name: expected one registered name (one of: {choices}), got {name!r} "
+                          f"({type(name).__name__}).")
     try:
         plugin = registry.get(kind, name)
     except ValueError as err:
@@ -261,43 +227,87 @@ def _plugin(kind: str, raw: Any) -> PluginSpec:
     return PluginSpec(name=name, options=build_dataclass(plugin.Config, options, kind))
 
 
+def field_type(raw: dict, parts: list[str]) -> Any:
+    """The annotation of the config field at key path `parts` in experiment mapping `raw`, or None when unknown (an
+    unknown key, a plugin not named yet, a free-form mapping)."""
+    head = parts[0]
+    if len(parts) == 1:
+        return TOP_TYPES.get(head)
+    if head in SECTIONS:
+        tp = SECTIONS[head]
+    elif head in PLUGIN_KINDS:
+        if parts[1:] == ["name"]:
+            return str
+        name = raw.get(head, {}).get("name") if isinstance(raw.get(head), dict) else None
+        if not isinstance(name, str) or name not in registry.available(head):
+            return None
+        tp = registry.get(head, name).Config
+    else:
+        return None
+    for part in parts[1:]:
+        hints = typing.get_type_hints(tp) if dataclasses.is_dataclass(tp) else {}
+        if part not in hints:
+            return None
+        tp = hints[part]
+    return tp
+
+
+def parse_override(text: str, tp: Any, key: str) -> Any:
+    """The value of override ``key=text`` for a field annotated `tp` (None: unknown); see the module docstring."""
+    stripped = text.strip()
+    if tp is not None and takes_text(tp) and not stripped.startswith(("'", '"')):
+        return None if takes_none(tp) and stripped in NULL_WORDS else text
+    return parse_yaml(text, f"override {key}")
+
+
+_KEY_PART = re.compile(r"^[A-Za-z_][\w-]*$")
+
+
 def apply_overrides(raw: dict, overrides: list[str]) -> dict:
-    """Applies ``a.b.c=value`` overrides (values parsed as YAML) to a nested mapping, in place."""
-    for item in overrides:
-        if "=" not in item:
-            raise ConfigError(f"Override {item!r} must look like key.subkey=value.")
-        key, text = item.split("=", 1)
+    """Applies ``a.b.c=value`` overrides to experiment mapping `raw`, in place (values as the module docstring says;
+    plugin names first, so an option is read with its plugin's types)."""
+    if not overrides:
+        return raw
+    if not isinstance(raw, dict):
+        raise ConfigError(f"A config must be a mapping at top level, got {type(raw).__name__}; overrides need one.")
+    names_first = sorted(overrides, key=lambda item: item.split("=", 1)[0].strip() not in
+                         {f"{kind}.name" for kind in PLUGIN_KINDS})
+    for item in names_first:
+        key, sep, text = item.partition("=")
+        parts = key.strip().split(".")
+        if not sep or not all(_KEY_PART.match(part) for part in parts):
+            raise ConfigError(f"Override {item!r} must look like key.subkey=value (e.g. train.learning_rate=1e-4).")
         node = raw
-        parts = key.split(".")
-        for part in parts[:-1]:
-            node = node.setdefault(part, {})
+        for depth, part in enumerate(parts[:-1]):
+            if node.get(part) is None:
+                node[part] = {}
+            node = node[part]
             if not isinstance(node, dict):
-                raise ConfigError(f"Override {item!r}: {part} is not a mapping.")
-        node[parts[-1]] = yaml.safe_load(text)
+                where = ".".join(parts[: depth + 1])
+                raise ConfigError(f"Override {item!r}: {where} is {node!r}, not a mapping of options; set {where}= "
+                                  "itself or a key that exists below a mapping.")
+        node[parts[-1]] = parse_override(text, field_type(raw, parts), ".".join(parts))
     return raw
-
-
-TOP_LEVEL = {"output_dir", "seed", "log_every", "pipeline", "algorithm", "reward", "data", "train", "eval", "checkpoint"}
 
 
 def from_dict(raw: dict) -> ExperimentConfig:
     """Validates a whole experiment mapping (plugins included); raises [`ConfigError`] naming the bad key."""
     if not isinstance(raw, dict):
         raise ConfigError(f"A config must be a mapping at top level, got {type(raw).__name__}.")
-    unknown = sorted(set(raw) - TOP_LEVEL)
+    unknown = sorted(set(raw) - TOP_LEVEL, key=str)
     if unknown:
         raise ConfigError(f"Unknown config key {unknown[0]}. Valid top-level keys: {', '.join(sorted(TOP_LEVEL))}.")
     for required in ("output_dir", "pipeline", "algorithm", "reward", "data"):
         if required not in raw:
             raise ConfigError(f"Missing required config key {required}.")
     return ExperimentConfig(
-        output_dir=_coerce(raw["output_dir"], str, "output_dir"),
-        seed=_coerce(raw.get("seed", 0), int, "seed"),
-        log_every=_coerce(raw.get("log_every", 1), int, "log_every"),
-        pipeline=_plugin("pipeline", raw["pipeline"]),
-        algorithm=_plugin("algorithm", raw["algorithm"]),
-        reward=_plugin("reward", raw["reward"]),
-        data=_plugin("data", raw["data"]),
+        output_dir=coerce(raw["output_dir"], str, "output_dir"),
+        seed=coerce(raw.get("seed", 0), int, "seed"),
+        log_every=coerce(raw.get("log_every", 1), int, "log_every"),
+        pipeline=plugin_spec("pipeline", raw["pipeline"]),
+        algorithm=plugin_spec("algorithm", raw["algorithm"]),
+        reward=plugin_spec("reward", raw["reward"]),
+        data=plugin_spec("data", raw["data"]),
         train=build_dataclass(TrainConfig, raw.get("train"), "train"),
         eval=build_dataclass(EvalConfig, raw.get("eval"), "eval"),
         checkpoint=build_dataclass(CheckpointConfig, raw.get("checkpoint"), "checkpoint"),
@@ -305,9 +315,5 @@ def from_dict(raw: dict) -> ExperimentConfig:
 
 
 def load(path: str | Path, overrides: list[str] = ()) -> ExperimentConfig:
-    """Reads a YAML experiment file, applies overrides and validates everything."""
-    path = Path(path)
-    if not path.is_file():
-        raise ConfigError(f"Config file {path} does not exist.")
-    raw = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
-    return from_dict(apply_overrides(raw, list(overrides)))
+    """Reads a YAML experiment file (see [`mmgrpo.config_yaml`]), applies overrides and validates everything."""
+    return from_dict(apply_overrides(read_yaml(path), list(overrides)))

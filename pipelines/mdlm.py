@@ -25,6 +25,7 @@ from mmgrpo.hub import resolve_pretrained
 from mmgrpo.reference import ReferenceSwitch
 from mmgrpo.samplers.masked_diffusion import eoser_gamma, make_schedule, rebuild_state, token_log_probs, unmask_step
 from mmgrpo.types import PromptBatch, Rollout, SamplingPlan
+from mmgrpo.validation import check_fields, check_range
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 ADAPTER_FILE = "adapter_model.safetensors"
@@ -97,8 +98,19 @@ class MDLMConfig:
     weights_dtype: Literal["float32", "bfloat16", "float16"] = "float32"
 
     def __post_init__(self):
+        check_fields(self)
         self.pretrained = resolve_pretrained(self.pretrained, "pipeline.pretrained")
+        check_range("gen_length", self.gen_length, 1, 65536, fix="completions longer than 65536 fit no model")
         self.block_length = self.block_length or self.gen_length
+        check_range("block_length", self.block_length, 1, self.gen_length, fix="it divides gen_length")
+        if self.schedule == "fixed":
+            check_range("steps_per_block", self.steps_per_block, 1, self.block_length,
+                        fix="a fixed schedule commits at least one token per step")
+        for i, token in enumerate(self.eos_token_ids or []):
+            check_range(f"eos_token_ids[{i}]", token, 0)
+        if self.mask_token_id is not None:
+            check_range("mask_token_id", self.mask_token_id, 0)
+        check_range("lora_alpha", self.lora_alpha, 1, fix="LoRA scales by lora_alpha / lora_rank")
         self.decoding = make_schedule(self.gen_length, self.block_length, self.steps_per_block, self.schedule)
         if self.temperature < 0 or self.eval_temperature < 0:
             raise ValueError(f"temperatures must be >= 0, got {self.temperature} and {self.eval_temperature}.")

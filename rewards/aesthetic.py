@@ -19,6 +19,7 @@ from torch import nn
 from mmgrpo.rewards import _clip
 from mmgrpo.rewards._common import frames, non_finite_samples
 from mmgrpo.types import PromptBatch, RewardResult
+from mmgrpo.validation import check_fields, check_text
 
 HEAD_FILE = "sac+logos+ava1-l14-linearMSE.pth"
 HEAD_URL = "https://github.com/christophschuhmann/improved-aesthetic-predictor"
@@ -83,6 +84,9 @@ class AestheticScore:
         device: str = "auto"
 
         def __post_init__(self):
+            check_fields(self)
+            check_text("model_name", self.model_name)
+            check_text("device", self.device)
             if not self.head_path or not os.path.isfile(os.path.expanduser(self.head_path)):
                 where = "is not set" if not self.head_path else f"={self.head_path!r} does not exist"
                 raise ValueError(

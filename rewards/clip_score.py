@@ -13,6 +13,7 @@ from typing import Any, Literal
 from mmgrpo.rewards import _clip
 from mmgrpo.rewards._common import frames, non_finite_samples
 from mmgrpo.types import PromptBatch, RewardResult
+from mmgrpo.validation import check_fields, check_text
 
 
 class ClipScore:
@@ -44,6 +45,9 @@ class ClipScore:
         device: str = "auto"
 
         def __post_init__(self):
+            check_fields(self)
+            check_text("model_name", self.model_name)
+            check_text("device", self.device)
             if self.scale <= 0:
                 raise ValueError(f"clip_score.scale must be > 0, got {self.scale}.")
             if self.batch_size < 1:

@@ -39,6 +39,7 @@ from mmgrpo import registry
 from mmgrpo.advantages import group_normalize
 from mmgrpo.config import build_dataclass
 from mmgrpo.types import PromptBatch, RewardResult
+from mmgrpo.validation import check_fields, coerce
 
 RESERVED = ("name", "weight")
 
@@ -68,6 +69,7 @@ class CompositeReward:
         eps: float = 1e-4
 
         def __post_init__(self):
+            check_fields(self)
             if not self.rewards:
                 raise ValueError("composite: reward.rewards is empty; name at least one reward, e.g. {format: {weight: 1.0}}.")
             if self.eps <= 0:
@@ -77,11 +79,10 @@ class CompositeReward:
                 if not isinstance(raw, dict):
                     raise ValueError(f"composite: reward.rewards.{key} must be a mapping of options, got {raw!r}.")
                 options = {k: v for k, v in raw.items() if k not in RESERVED}
-                name, weight = raw.get("name", key), raw.get("weight", 1.0)
-                if isinstance(weight, bool) or not isinstance(weight, (int, float)):
-                    raise ValueError(f"composite: reward.rewards.{key}.weight must be a number, got {weight!r}.")
+                name = coerce(raw.get("name", key), str, f"rewards.{key}.name")
+                weight = coerce(raw.get("weight", 1.0), float, f"rewards.{key}.weight")  # a finite number
                 plugin = registry.get("reward", name)
-                self.specs[key] = (name, float(weight), build_dataclass(plugin.Config, options, f"reward.rewards.{key}"))
+                self.specs[key] = (name, weight, build_dataclass(plugin.Config, options, f"reward.rewards.{key}"))
 
     modalities = frozenset()  # depends on the components; an instance holds the union of theirs
 

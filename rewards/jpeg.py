@@ -18,6 +18,7 @@ from PIL import Image
 
 from mmgrpo.rewards._common import frames, non_finite_samples
 from mmgrpo.types import PromptBatch, RewardResult
+from mmgrpo.validation import check_fields
 
 
 @dataclass
@@ -37,6 +38,7 @@ class JpegConfig:
     modality: Literal["image", "video"] = "image"
 
     def __post_init__(self):
+        check_fields(self)
         if not 1 <= self.quality <= 95:
             raise ValueError(f"jpeg.quality must be in [1, 95], got {self.quality}.")
 

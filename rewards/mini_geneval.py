@@ -29,6 +29,7 @@ import torch.nn.functional as F
 
 from mmgrpo.data.shapes import BACKGROUND, PALETTE
 from mmgrpo.types import PromptBatch, RewardResult
+from mmgrpo.validation import check_fields
 
 _COLORS = tuple(PALETTE)
 # every check a prompt can have; `components` always holds all of them (NaN where a prompt lacks one)
@@ -95,6 +96,7 @@ class MiniGenEval:
         exact_scene: bool = False
 
         def __post_init__(self):
+            check_fields(self)
             if self.score not in ("partial", "strict"):
                 raise ValueError(f"MiniGenEval.Config.score must be 'partial' or 'strict', got {self.score!r}.")
             if not 0.0 < self.color_threshold < 0.78:

@@ -17,6 +17,7 @@ from mmgrpo.hub import resolve_pretrained
 from mmgrpo.rewards._clip import resize_crop_normalize
 from mmgrpo.rewards._common import frames, non_finite_samples
 from mmgrpo.types import PromptBatch, RewardResult
+from mmgrpo.validation import check_fields, check_text
 
 
 class PickScore:
@@ -45,6 +46,8 @@ class PickScore:
         device: str = "auto"
 
         def __post_init__(self):
+            check_fields(self)
+            check_text("device", self.device)
             if self.divisor <= 0 or self.batch_size < 1:
                 raise ValueError(f"pickscore.divisor must be > 0 and batch_size >= 1, got {self.divisor}, {self.batch_size}.")
             resolve_pretrained(self.model, "pickscore.model")

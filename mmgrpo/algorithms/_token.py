@@ -15,6 +15,7 @@ import torch
 
 from ..losses import k3_kl
 from ..types import SamplingPlan
+from ..validation import check_range
 
 Aggregation = Literal["sequence_mean", "token_mean", "fixed_length"]
 
@@ -84,9 +85,6 @@ def ratio_metrics(log_ratio: torch.Tensor, mask: torch.Tensor, clipped: torch.Te
 
 def check_options(clip_low: float, clip_high: float, kl_beta: float) -> None:
     """The checks every token algorithm's Config shares: clip ranges and the KL weight."""
-    if not (0 < clip_low < 1 and clip_high > 0):
-        raise ValueError(
-            f"clip ranges must satisfy 0 < clip_low < 1 and clip_high > 0, got {clip_low} and {clip_high}."
-        )
-    if kl_beta < 0:
-        raise ValueError(f"kl_beta must be >= 0, got {kl_beta}.")
+    check_range("clip_low", clip_low, 0, 1, low_open=True, high_open=True, fix="the ratio is clipped at 1 - clip_low")
+    check_range("clip_high", clip_high, 0, low_open=True)
+    check_range("kl_beta", kl_beta, 0, fix="0 turns the KL term off")

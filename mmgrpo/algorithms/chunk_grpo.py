@@ -19,6 +19,7 @@ import torch
 from ..advantages import group_normalize
 from ..losses import clipped_surrogate, k3_kl, masked_mean
 from ..types import LossOutput, SamplingPlan
+from ..validation import check_fields, check_range
 
 
 @dataclass
@@ -56,6 +57,8 @@ class ChunkGRPOConfig:
     global_std: bool = False
 
     def __post_init__(self):
+        check_fields(self)
+        check_range("adv_clip_max", self.adv_clip_max, 0, low_open=True)
         if self.chunks is not None and (not self.chunks or any(c < 1 for c in self.chunks)):
             raise ValueError(f"chunks must be a non-empty list of positive lengths, got {self.chunks}.")
         if self.chunk_size < 1:

@@ -20,6 +20,7 @@ import torch
 from ..advantages import group_normalize
 from ..losses import clipped_surrogate, k3_kl, masked_mean
 from ..types import LossOutput, SamplingPlan
+from ..validation import check_fields, check_range
 
 
 @dataclass
@@ -43,6 +44,9 @@ class CJGRPOConfig:
     adv_clip_max: float | None = None
 
     def __post_init__(self):
+        check_fields(self)
+        if self.adv_clip_max is not None:
+            check_range("adv_clip_max", self.adv_clip_max, 0, low_open=True)
         if self.clip_range <= 0 or (self.clip_range_high is not None and self.clip_range_high <= 0):
             raise ValueError(f"clip_range and clip_range_high must be > 0, got {self.clip_range}, {self.clip_range_high}.")
         if self.kl_beta < 0:

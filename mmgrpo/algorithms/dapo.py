@@ -19,6 +19,7 @@ from ..advantages import group_normalize
 from ..losses import clipped_objective
 from ..types import LossOutput, SamplingPlan
 from ._token import add_kl, aggregate, check_options, ratio_metrics, token_mask, token_plan
+from ..validation import check_fields, check_range
 
 
 @dataclass
@@ -40,7 +41,9 @@ class DAPOConfig:
     adv_eps: float = 1e-4
 
     def __post_init__(self):
+        check_fields(self)
         check_options(self.clip_low, self.clip_high, self.kl_beta)
+        check_range("adv_eps", self.adv_eps, 0, low_open=True, fix="1e-4 is usual")
 
 
 class DAPO:

@@ -35,6 +35,7 @@ import torch
 from ..advantages import group_normalize
 from ..ema import ParameterEMA
 from ..types import LossOutput, SamplingPlan
+from ..validation import check_fields, check_range
 
 
 @dataclass
@@ -82,6 +83,9 @@ class DGPOConfig:
     solver: Literal["dpm", "euler"] = "dpm"
 
     def __post_init__(self):
+        check_fields(self)
+        check_range("adv_clip_max", self.adv_clip_max, 0, low_open=True)
+        check_range("trunc_steps", self.trunc_steps, 0)
         if self.beta_dpo <= 0 or self.kl_beta < 0 or self.clip_range < 0:
             raise ValueError(
                 f"beta_dpo must be > 0 and clip_range and kl_beta >= 0 (clip_range 0: no clip), got {self.beta_dpo}, "

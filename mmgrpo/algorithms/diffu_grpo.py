@@ -16,6 +16,7 @@ import torch
 from ..advantages import group_normalize
 from ..types import LossOutput, SamplingPlan
 from .cj_grpo import token_step_loss
+from ..validation import check_fields
 
 
 @dataclass
@@ -37,6 +38,7 @@ class DiffuGRPOConfig:
     scale_rewards: bool = False
 
     def __post_init__(self):
+        check_fields(self)
         if self.draws < 1:
             raise ValueError(f"draws must be >= 1, got {self.draws}.")
         if self.clip_range <= 0 or self.kl_beta < 0:

@@ -15,6 +15,7 @@ from ..advantages import group_normalize
 from ..losses import clipped_objective
 from ..types import LossOutput, SamplingPlan
 from ._token import add_kl, aggregate, check_options, ratio_metrics, token_mask, token_plan
+from ..validation import check_fields, check_range
 
 
 @dataclass
@@ -31,6 +32,7 @@ class DrGRPOConfig:
     kl_beta: float = 0.0
 
     def __post_init__(self):
+        check_fields(self)
         check_options(self.clip_low, self.clip_high, self.kl_beta)
 
 

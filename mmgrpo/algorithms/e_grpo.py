@@ -21,6 +21,7 @@ import torch
 from ..advantages import group_normalize
 from ..losses import clipped_surrogate
 from ..types import LossOutput, SamplingPlan
+from ..validation import check_fields, check_range
 
 
 @dataclass
@@ -56,6 +57,10 @@ class EGRPOConfig:
     global_std: bool = False
 
     def __post_init__(self):
+        check_fields(self)
+        check_range("adv_clip_max", self.adv_clip_max, 0, low_open=True)
+        if self.entropy_threshold is not None:
+            check_range("entropy_threshold", self.entropy_threshold, 0, low_open=True)
         if not self.sde_steps or len(set(self.sde_steps)) != len(self.sde_steps) or min(self.sde_steps) < 0:
             raise ValueError(f"sde_steps must be distinct step indices >= 0, got {self.sde_steps}.")
         if self.merge_steps is not None:

@@ -12,6 +12,7 @@ import torch
 
 from ..advantages import group_normalize
 from ..types import LossOutput, SamplingPlan
+from ..validation import check_fields, check_range
 
 
 @dataclass
@@ -42,6 +43,13 @@ class FlowGRPOConfig:
     global_std: bool = False
 
     def __post_init__(self):
+        check_fields(self)
+        check_range("adv_clip_max", self.adv_clip_max, 0, low_open=True)
+        check_range("kl_beta", self.kl_beta, 0, fix="0 turns the KL term off")
+        if self.sde_window_range is not None and len(self.sde_window_range) == 2:
+            check_range("sde_window_range[0]", self.sde_window_range[0], 0)
+            check_range("sde_window_range[1]", self.sde_window_range[1], self.sde_window_range[0] + 1,
+                        fix="the window start is drawn from [lo, hi)")
         if self.clip_range <= 0:
             raise ValueError(f"clip_range must be > 0, got {self.clip_range}.")
         if self.noise_level <= 0:

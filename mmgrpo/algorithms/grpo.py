@@ -17,6 +17,7 @@ from ..advantages import group_normalize
 from ..losses import clipped_objective
 from ..types import LossOutput, SamplingPlan
 from ._token import add_kl, check_options, aggregate, ratio_metrics, token_mask, token_plan
+from ..validation import check_fields, check_range
 
 
 @dataclass
@@ -37,7 +38,9 @@ class GRPOConfig:
     adv_eps: float = 1e-4
 
     def __post_init__(self):
+        check_fields(self)
         check_options(self.clip_low, self.clip_high, self.kl_beta)
+        check_range("adv_eps", self.adv_eps, 0, low_open=True, fix="1e-4 is usual")
         if self.scale_rewards not in ("group", "batch", "none"):
             raise ValueError(f"scale_rewards must be 'group', 'batch' or 'none', got {self.scale_rewards!r}.")
 

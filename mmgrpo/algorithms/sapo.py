@@ -16,6 +16,7 @@ import torch
 from ..advantages import group_normalize
 from ..types import LossOutput, SamplingPlan
 from ._token import add_kl, aggregate, ratio_metrics, token_mask, token_plan
+from ..validation import check_fields, check_range
 
 
 @dataclass
@@ -34,10 +35,11 @@ class SAPOConfig:
     adv_eps: float = 1e-4
 
     def __post_init__(self):
-        if self.tau_pos <= 0 or self.tau_neg <= 0:
-            raise ValueError(f"tau_pos and tau_neg must be > 0, got {self.tau_pos} and {self.tau_neg}.")
-        if self.kl_beta < 0:
-            raise ValueError(f"kl_beta must be >= 0, got {self.kl_beta}.")
+        check_fields(self)
+        check_range("tau_pos", self.tau_pos, 0, low_open=True)
+        check_range("tau_neg", self.tau_neg, 0, low_open=True)
+        check_range("kl_beta", self.kl_beta, 0, fix="0 turns the KL term off")
+        check_range("adv_eps", self.adv_eps, 0, low_open=True, fix="1e-4 is usual")
 
 
 class SAPO:

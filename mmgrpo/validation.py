@@ -1,0 +1,198 @@
+"""Checks shared by every configuration dataclass: values against their annotations (types, finite numbers), ranges,
+seeds, and the building of a dataclass from a mapping. Errors are [`ConfigError`]s that start with the key.
+
+A plugin's ``Config.__post_init__`` calls [`check_fields`] first (types and finiteness of every field, so the checks
+after it compare numbers with numbers), then [`check_range`] for each bound::
+
+    def __post_init__(self):
+        check_fields(self)
+        check_range("clip_range", self.clip_range, low=0, low_open=True)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+import types
+import typing
+from typing import Any, Literal
+
+# PyYAML (YAML 1.1) reads "3e-4" (no dot) as a string; a float field accepts it
+_FLOAT_TEXT = re.compile(r"^[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?$")
+SEED_LIMIT = 2**32  # accelerate's set_seed seeds numpy's RandomState, which takes 0 <= seed < 2**32
+NULL_WORDS = ("null", "Null", "NULL", "~")
+
+
+class ConfigError(ValueError):
+    """A configuration problem, reported before anything heavy happens."""
+
+
+def type_name(tp: Any) -> str:
+    """A readable name of annotation `tp` (``int``, ``list[str]``, ``Literal['a', 'b']``)."""
+    return getattr(tp, "__name__", None) if not typing.get_args(tp) else str(tp).replace("typing.", "")
+
+
+def takes_text(tp: Any) -> bool:
+    """Whether annotation `tp` accepts a string (``str``, a ``Literal`` of strings, or a union holding one): such a
+    field takes a command-line override's text as written (``no`` stays ``"no"``, ``3`` stays ``"3"``)."""
+    if tp is str:
+        return True
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin is Literal:
+        return all(isinstance(a, str) for a in args)
+    if origin in (typing.Union, types.UnionType):
+        return any(takes_text(a) for a in args)
+    return False
+
+
+def takes_none(tp: Any) -> bool:
+    """Whether annotation `tp` is optional (a union with ``None``)."""
+    return typing.get_origin(tp) in (typing.Union, types.UnionType) and type(None) in typing.get_args(tp)
+
+
+def _union(value: Any, args: tuple, key: str) -> Any:
+    if value is None and type(None) in args:
+        return None
+    for arg in args:
+        if arg is type(None):
+            continue
+        try:
+            return coerce(value, arg, key)
+        except ConfigError:
+            continue
+    names = " or ".join("null" if a is type(None) else type_name(a) for a in args)
+    raise ConfigError(f"{key}: expected {names}, got {value!r} ({type(value).__name__}).")
+
+
+def _number(value: Any, key: str) -> float:
+    if isinstance(value, str) and _FLOAT_TEXT.match(value.strip()):
+        value = float(value)
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ConfigError(f"{key}: expected a number, got {value!r} ({type(value).__name__}).")
+    try:
+        value = float(value)
+    except OverflowError:
+        raise ConfigError(f"{key}: {value} is too large for a float; give a finite number.") from None
+    if not math.isfinite(value):
+        raise ConfigError(f"{key}: must be a finite number, got {value}; NaN and infinities are not usable values.")
+    return value
+
+
+def coerce(value: Any, tp: Any, key: str) -> Any:
+    """Checks `value` against annotation `tp` and returns it converted (ints are accepted for floats, lists for
+    tuples; floats must be finite); raises [`ConfigError`] naming `key`."""
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if tp is Any:
+        return value
+    if origin in (typing.Union, types.UnionType):
+        return _union(value, args, key)
+    if origin is Literal:
+        if not any(value == a and type(value) is type(a) for a in args):
+            raise ConfigError(f"{key}: expected one of {list(args)}, got {value!r}.")
+        return value
+    if origin in (list, tuple):
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{key}: expected a list, got {value!r} ({type(value).__name__}).")
+        inner = args[0] if args else Any
+        return [coerce(v, inner, f"{key}[{i}]") for i, v in enumerate(value)]
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"{key}: expected a mapping, got {value!r} ({type(value).__name__}).")
+        return dict(value)
+    if dataclasses.is_dataclass(tp):
+        return value if isinstance(value, tp) else build_dataclass(tp, value, key)
+    if tp is float:
+        return _number(value, key)
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{key}: expected an integer, got {value!r} ({type(value).__name__}).")
+        return value
+    if tp in (str, bool):
+        if not isinstance(value, tp):
+            hint = " (quote it in YAML: '...')" if tp is str and isinstance(value, (int, float, bool)) else ""
+            raise ConfigError(f"{key}: expected {tp.__name__}, got {value!r} ({type(value).__name__}){hint}.")
+        return value
+    return value
+
+
+def check_fields(config: Any) -> None:
+    """Checks (and converts, see [`coerce`]) every field of dataclass instance `config` against its annotation; the
+    first thing a ``Config.__post_init__`` does. Errors name the field."""
+    hints = typing.get_type_hints(type(config))
+    for f in dataclasses.fields(config):
+        if f.init:
+            setattr(config, f.name, coerce(getattr(config, f.name), hints[f.name], f.name))
+
+
+def check_range(key: str, value: float, low: float | None = None, high: float | None = None, *,
+                low_open: bool = False, high_open: bool = False, fix: str = "") -> None:
+    """Raises [`ConfigError`] unless ``low <= value <= high`` (``<`` where `low_open` / `high_open`; a bound of None
+    is no bound). The message starts with `key`, states the range and ends with `fix` when given."""
+    too_low = low is not None and (value <= low if low_open else value < low)
+    too_high = high is not None and (value >= high if high_open else value > high)
+    if not (too_low or too_high):
+        return
+    if high is None:
+        wanted = f"{'>' if low_open else '>='} {low}"
+    elif low is None:
+        wanted = f"{'<' if high_open else '<='} {high}"
+    else:
+        wanted = f"in {'(' if low_open else '['}{low}, {high}{')' if high_open else ']'}"
+    raise ConfigError(f"{key} must be {wanted}, got {value!r}" + (f"; {fix}" if fix else "") + ".")
+
+
+def check_seed(key: str, value: int) -> None:
+    """A seed every RNG of a run accepts: ``0 <= seed < 2**32`` (numpy's limit; Python's and torch's are wider)."""
+    check_range(key, value, 0, SEED_LIMIT, high_open=True, fix="numpy's RandomState takes seeds below 2**32")
+
+
+def check_text(key: str, value: str | None) -> None:
+    """Refuses an empty or blank string (a name, a path) where one is required."""
+    if value is not None and not value.strip():
+        raise ConfigError(f"{key} must not be empty; give a value or leave the key out for its default.")
+
+
+def check_template(key: str, template: str, **fields: Any) -> None:
+    """Refuses a ``str.format`` template that fails with exactly `fields` (another field name, a stray brace)."""
+    try:
+        template.format(**fields)
+    except (KeyError, IndexError, ValueError) as err:
+        names = ", ".join("{" + name + "}" for name in fields)
+        raise ConfigError(f"{key} {template!r} may use only the fields {names} (double other braces: '{{{{'): "
+                          f"{type(err).__name__} {err}.") from None
+
+
+def _prefixed(message: str, prefix: str, fields: typing.Iterable[str]) -> str:
+    """`message` starting with ``prefix.`` (when it starts with one of `fields`) or ``prefix: ``."""
+    if message.startswith((f"{prefix}.", f"{prefix}:", f"{prefix} ")):
+        return message
+    head = re.split(r"[\s:\[=]", message, maxsplit=1)[0]
+    return f"{prefix}.{message}" if head in fields else f"{prefix}: {message}"
+
+
+def build_dataclass(cls: type, values: dict | None, prefix: str) -> Any:
+    """Builds dataclass `cls` from a mapping, rejecting unknown keys and wrong types, naming `prefix.key`."""
+    values = {} if values is None else values
+    if not isinstance(values, dict):
+        raise ConfigError(f"{prefix}: expected a mapping of options, got {values!r} ({type(values).__name__}).")
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
+    unknown = sorted(set(values) - set(fields), key=str)
+    if unknown:
+        raise ConfigError(
+            f"Unknown config key {prefix}.{unknown[0]}" + (f" (and {unknown[1:]})" if len(unknown) > 1 else "")
+            + f". Valid keys of {prefix}: {', '.join(sorted(fields))}."
+        )
+    kwargs = {name: coerce(value, hints[name], f"{prefix}.{name}") for name, value in values.items()}
+    missing = [
+        n for n, f in fields.items()
+        if n not in kwargs and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+    ]
+    if missing:
+        raise ConfigError(f"Missing required config key {prefix}.{missing[0]}.")
+    try:
+        return cls(**kwargs)
+    except (ValueError, TypeError, OverflowError) as err:
+        message = " ".join(str(err).split())  # one line
+        raise ConfigError(_prefixed(message, prefix, fields)) from err
