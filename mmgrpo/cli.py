@@ -1,4 +1,4 @@
-"""Command line: ``mmgrpo train CONFIG [key=value ...]``, ``mmgrpo eval CONFIG [--checkpoint DIR] [--split train]``,
+"""Command line: ``mmgrpo check CONFIG [key=value ...]``, ``mmgrpo train CONFIG [key=value ...]``, ``mmgrpo eval CONFIG [--checkpoint DIR] [--split train]``,
 ``mmgrpo list``, ``mmgrpo serve-reward CONFIG [--port P]``."""
 
 from __future__ import annotations
@@ -10,6 +10,8 @@ import sys
 
 from . import registry
 from .config import ConfigError, load
+from .config_yaml import dump_yaml
+from .preflight import preflight
 
 
 def _list() -> int:
@@ -23,6 +25,9 @@ def _list() -> int:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="mmgrpo", description="Group-relative RL for multimodal generative models.")
     sub = parser.add_subparsers(dest="command", required=True)
+    p_check = sub.add_parser("check", help="validate a config without loading weights and print it resolved")
+    p_check.add_argument("config")
+    p_check.add_argument("overrides", nargs="*", help="key.subkey=value overrides")
     p_train = sub.add_parser("train", help="train from a YAML config")
     p_train.add_argument("config")
     p_train.add_argument("overrides", nargs="*", help="key.subkey=value overrides (values parsed as YAML)")
@@ -54,10 +59,15 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "eval" and args.checkpoint:
         overrides.append(f"checkpoint.resume_from={args.checkpoint}")
     try:
-        config = load(args.config, overrides)  # every key and type checked before any model loads
-    except (ConfigError, ValueError, FileNotFoundError) as err:
-        print(f"mmgrpo: config error: {err}", file=sys.stderr)
+        config = load(args.config, overrides)  # every key, type, range and local path checked
+        preflight(config, getattr(args, "split", "eval"))  # what else can be checked before any model loads
+    except (ConfigError, ValueError, OSError) as err:
+        print(f"mmgrpo: config error: {' '.join(str(err).split())}", file=sys.stderr)
         return 2
+    if args.command == "check":
+        print(dump_yaml(json.loads(json.dumps(config.to_dict()))), end="")
+        print("ok")
+        return 0
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     from .trainer import Trainer, train
 

@@ -1,5 +1,6 @@
 """Configs are validated strictly, before any model loads, with errors that name the key."""
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -166,3 +167,137 @@ def test_shipped_configs_schedule_on_their_pipeline(path, monkeypatch):
     assert plan.features() <= set(getattr(registry.get("pipeline", cfg.pipeline.name), "plan_features", ()))
     if plan.branch:  # whole sub-groups of at least 2 samples per branch
         assert cfg.train.group_size % len(plan.sde_steps) == 0 and cfg.train.group_size // len(plan.sde_steps) >= 2
+
+
+# ------------------------------------------------------------------ every accepted value is usable (issue classes)
+@pytest.mark.parametrize("section, key, value", [
+    ("train", "learning_rate", 0.0), ("train", "learning_rate", float("nan")), ("train", "learning_rate", float("inf")),
+    ("train", "adam_betas", [0.9, 1.0]), ("train", "adam_betas", [-0.1, 0.999]), ("train", "adam_eps", 0.0),
+    ("train", "weight_decay", -1e-4), ("train", "max_grad_norm", 0.0), ("train", "max_grad_norm", float("inf")),
+    ("train", "warmup_steps", -1), ("checkpoint", "keep_last", -1), ("checkpoint", "keep_last", 0),
+    ("checkpoint", "every", -1), ("eval", "num_prompts", 0), ("eval", "grid_size", -1), ("eval", "metric", " "),
+    ("eval", "seed", -1), ("eval", "every_seconds", float("nan")),
+])
+def test_out_of_range_values_are_refused_with_the_key(tmp_path, section, key, value):
+    with pytest.raises(ConfigError, match=rf"{section}\.{key}"):
+        config_mod.from_dict(base_config(tmp_path, **{section: {key: value}}))
+
+
+@pytest.mark.parametrize("key, value", [("seed", -1), ("seed", 2**32), ("log_every", 0), ("output_dir", "")])
+def test_top_level_values_are_checked(tmp_path, key, value):
+    with pytest.raises(ConfigError, match=rf"^{key}"):
+        config_mod.from_dict(base_config(tmp_path, **{key: value}))
+    config_mod.from_dict(base_config(tmp_path, seed=2**32 - 1))  # numpy's largest seed is usable
+
+
+def test_resume_path_must_be_a_checkpoint(tmp_path):
+    for resume in (str(tmp_path / "nowhere"), "latest", str(tmp_path)):
+        with pytest.raises(ConfigError, match="checkpoint.resume_from"):
+            config_mod.from_dict(base_config(tmp_path, checkpoint={"resume_from": resume}))
+
+
+def test_plugin_values_are_finite_and_typed(tmp_path):
+    raw = base_config(tmp_path)
+    raw["algorithm"]["clip_range"] = float("nan")
+    with pytest.raises(ConfigError, match=r"algorithm\.clip_range: must be a finite number"):
+        config_mod.from_dict(raw)
+    from mmgrpo.algorithms.grpo import GRPOConfig  # the Python API checks the same, without the YAML path
+
+    with pytest.raises(ConfigError, match="adv_eps must be > 0"):
+        GRPOConfig(adv_eps=0.0)
+    with pytest.raises(ConfigError, match="kl_beta: expected a number, got True"):
+        GRPOConfig(kl_beta=True)
+
+
+def write(tmp_path, text, name="exp.yaml"):
+    path = tmp_path / name
+    path.write_text(text)
+    return path
+
+
+def test_yaml_errors_name_file_line_and_column(tmp_path):
+    path = write(tmp_path, "output_dir: out\ntrain: {group_size: 4\n")
+    with pytest.raises(ConfigError, match=r"exp\.yaml:3:1: YAML error"):
+        config_mod.load(path)
+    path = write(tmp_path, "output_dir: out\nseed: 1\ntrain:\n  group_size: 4\nseed: 2\n")
+    with pytest.raises(ConfigError, match=r"exp\.yaml:5:1: YAML error: duplicate key 'seed' \(first at line 2\)"):
+        config_mod.load(path)
+    with pytest.raises(ConfigError, match="mapping at top level, got list"):
+        config_mod.load(write(tmp_path, "- a\n- b\n"))
+
+
+def test_yaml_12_scalars_and_string_overrides(tmp_path):
+    raw = base_config(tmp_path)
+    raw["train"] = {"mixed_precision": "PLACEHOLDER", "learning_rate": 1e-4}
+    text = yaml.safe_dump(raw).replace("PLACEHOLDER", "no")  # a plain `no`, which YAML 1.1 reads as false
+    path = write(tmp_path, text)
+    assert config_mod.load(path).train.mixed_precision == "no"
+    cfg = config_mod.load(path, ["train.mixed_precision=no", "eval.metric=3", "train.learning_rate=3e-4",
+                                 "checkpoint.resume_from=null", "data.eval_file=~"])
+    assert cfg.train.mixed_precision == "no" and cfg.eval.metric == "3" and cfg.train.learning_rate == 3e-4
+    assert cfg.checkpoint.resume_from is None and cfg.data.options.eval_file is None
+    assert config_mod.load(path, ["eval.metric=yes"]).eval.metric == "yes"
+    assert config_mod.load(path, ["train.adam_betas=[0.8, 0.9]"]).train.adam_betas == [0.8, 0.9]
+
+
+@pytest.mark.parametrize("name", [["sd3", "flux"], {"sd3": 1}, 3])
+def test_plugin_name_must_be_one_string(tmp_path, name):
+    raw = base_config(tmp_path)
+    raw["pipeline"]["name"] = name
+    with pytest.raises(ConfigError, match=r"pipeline\.name: expected one registered name"):
+        config_mod.from_dict(raw)
+
+
+@pytest.mark.parametrize("override, fragment", [
+    ("train..learning_rate=1", "must look like key.subkey=value"), ("=3", "must look like"),
+    ("output_dir.x=1", "output_dir is"), ("train.adam_betas=[0.9,", "override train.adam_betas:1:6: YAML error"),
+    ("train.group_size", "must look like"),
+])
+def test_bad_overrides_are_named(tmp_path, override, fragment):
+    with pytest.raises(ConfigError, match=re.escape(fragment)):
+        config_mod.apply_overrides(base_config(tmp_path), [override])
+
+
+@pytest.mark.parametrize("text, overrides, fragment", [
+    ("output_dir: [\n", [], "exp.yaml:2:1: YAML error"),
+    ("output_dir: a\noutput_dir: b\n", [], "duplicate key 'output_dir'"),
+    ("- a\n", [], "mapping at top level"),
+    (None, ["checkpoint.keep_last=-1"], "checkpoint.keep_last must be >= 1"),
+    (None, ["pipeline.name=[sd3]"], "Unknown pipeline '[sd3]'"),
+    (None, ["train.learning_rate=.nan"], "train.learning_rate: must be a finite number"),
+    (None, ["train.mixed_precision=fp8"], "train.mixed_precision: expected one of"),
+])
+@pytest.mark.parametrize("command", ["train", "eval", "check"])
+def test_cli_refuses_with_one_line_and_exit_2(tmp_path, capsys, command, text, overrides, fragment):
+    from mmgrpo.cli import main
+
+    path = write(tmp_path, text if text is not None else yaml.safe_dump(base_config(tmp_path)))
+    assert main([command, str(path), *overrides]) == 2
+    err = capsys.readouterr().err
+    assert fragment in err and err.count("\n") == 1 and "Traceback" not in err
+    assert not (tmp_path / "out").exists()
+
+
+def test_check_prints_the_resolved_config_and_ok(capsys, monkeypatch):
+    from mmgrpo.cli import main
+
+    monkeypatch.chdir(ROOT)
+    assert main(["check", "configs/tiny/mdlm_arith.yaml", "train.mixed_precision=no", "eval.metric=3"]) == 0
+    out = capsys.readouterr().out
+    assert out.endswith("ok\n")
+    resolved = yaml.safe_load(out[: -len("ok\n")])  # also what PyYAML's own loader reads: 'no' stays a string
+    assert resolved["train"]["mixed_precision"] == "no" and resolved["eval"]["metric"] == "3"
+    assert resolved["data"]["name"] == "arith" and resolved["train"]["learning_rate"] > 0
+
+
+@pytest.mark.parametrize("changes, fragment", [
+    ({"reward": {"name": "accuracy"}, "eval": {"every": 0}}, "reward.name: reward 'accuracy' scores ['text']"),
+    ({"algorithm": {"name": "cj_grpo"}, "eval": {"every": 0}}, "algorithm.name: algorithm 'cj_grpo' needs"),
+    ({"eval": {"every": 5}}, "eval.every: prompt source 'prompt_file' has no held-out items"),
+])
+def test_check_runs_the_compatibility_checks_before_any_model_loads(tmp_path, capsys, changes, fragment):
+    from mmgrpo.cli import main
+
+    path = write(tmp_path, yaml.safe_dump(base_config(tmp_path, **changes)))
+    assert main(["check", str(path)]) == 2
+    assert fragment in capsys.readouterr().err

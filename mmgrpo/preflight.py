@@ -1,0 +1,96 @@
+"""What can be checked of a validated experiment without loading any weights: the output folder, the reward's
+modalities against the pipeline's, the algorithm's sampling plan against the pipeline's features, branch sub-groups,
+and the prompt source's items. `mmgrpo check`, `train` and `eval` run [`preflight`] before any model loads.
+
+The field checks (types, ranges, local paths, registry names, the resume checkpoint) run earlier, when the config is
+built ([`mmgrpo.config.from_dict`]).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from . import registry
+from .config import ExperimentConfig
+from .validation import ConfigError
+
+
+def reward_modalities(name: str, options) -> frozenset[str]:
+    """The modalities reward `name` scores with `options`, read from its Config (``modality`` / ``modalities``; a
+    composite's components), else the reward class's own."""
+    specs = getattr(options, "specs", None)  # a composite: component -> (registry name, weight, options)
+    if isinstance(specs, dict):
+        return frozenset().union(*(reward_modalities(n, o) for n, _, o in specs.values()))
+    if isinstance(getattr(options, "modality", None), str):
+        return frozenset({options.modality})
+    if isinstance(getattr(options, "modalities", None), (list, tuple)):
+        return frozenset(options.modalities)
+    return frozenset(registry.get("reward", name).modalities)
+
+
+def check_modalities(config: ExperimentConfig) -> None:
+    """The reward scores only what the pipeline produces."""
+    produced = frozenset(registry.get("pipeline", config.pipeline.name).modalities)
+    scored = reward_modalities(config.reward.name, config.reward.options)
+    if scored - produced:
+        raise ConfigError(
+            f"reward.name: reward {config.reward.name!r} scores {sorted(scored)} but pipeline "
+            f"{config.pipeline.name!r} produces {sorted(produced)}: choose a matching reward (or its modality option)."
+        )
+
+
+def check_plan(config: ExperimentConfig) -> None:
+    """The algorithm's plan fits the pipeline's steps and asks only for features and a scoring method the pipeline
+    implements; a branching plan splits each group into sub-groups of at least two samples."""
+    from .trainer import SCORING_METHODS  # what the trainer calls for each Algorithm.scoring
+
+    policy_cls = registry.get("pipeline", config.pipeline.name)
+    algorithm = registry.get("algorithm", config.algorithm.name)(config.algorithm.options)
+    try:
+        plan = algorithm.schedule(config.pipeline.options.num_steps, torch.Generator().manual_seed(0))
+    except ValueError as err:
+        message = " ".join(str(err).split())
+        raise ConfigError(message if message.startswith("algorithm.") else f"algorithm: {message}") from None
+    missing = plan.features() - set(getattr(policy_cls, "plan_features", ()))
+    if missing or not hasattr(policy_cls, SCORING_METHODS[algorithm.scoring]):
+        raise ConfigError(
+            f"algorithm.name: algorithm {config.algorithm.name!r} needs {sorted(missing) or [algorithm.scoring + ' scoring']}, "
+            f"which pipeline {config.pipeline.name!r} does not implement: choose another pipeline or algorithm."
+        )
+    branches, group = len(plan.sde_steps), config.train.group_size
+    if plan.branch and (group % branches or group // branches < 2):
+        raise ConfigError(
+            f"train.group_size {group} does not split into {branches} branch sub-groups (one per "
+            f"algorithm.sde_steps entry) of at least 2 samples: make it a multiple of {branches}, >= {2 * branches}."
+        )
+
+
+def check_items(config: ExperimentConfig, split: str = "eval") -> None:
+    """The prompt source has training items, and held-out items when the run evaluates them."""
+    data = registry.get("data", config.data.name)(config.data.options)
+    if not data.train_items():
+        raise ConfigError(f"data: prompt source {config.data.name!r} has no training items; check its options.")
+    evaluating = bool(config.eval.every or config.eval.every_seconds)
+    if evaluating and split == "eval" and not data.eval_items():
+        raise ConfigError(
+            f"eval.every: prompt source {config.data.name!r} has no held-out items to evaluate: give it some "
+            "(e.g. data.eval_file, data.n_eval) or set eval.every=0 and eval.every_seconds=0."
+        )
+
+
+def check_output_dir(config: ExperimentConfig) -> None:
+    """The output folder is a folder (or does not exist yet)."""
+    path = Path(config.output_dir).expanduser()
+    if path.exists() and not path.is_dir():
+        raise ConfigError(f"output_dir: {config.output_dir!r} is a file, not a folder; choose another output_dir.")
+
+
+def preflight(config: ExperimentConfig, split: str = "eval") -> None:
+    """Every check of this module; raises [`ConfigError`] naming the key. `split` is the evaluated split of
+    ``mmgrpo eval`` (``"train"`` needs no held-out items)."""
+    check_output_dir(config)
+    check_modalities(config)
+    check_plan(config)
+    check_items(config, split)
