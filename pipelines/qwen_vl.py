@@ -19,8 +19,11 @@ policy (as TRL and verl do), so the importance ratio is exactly 1 on-policy.
 **Inputs** (per prompt, from the prompt source's items): ``prompt`` (text), ``images`` (one image or a list: PIL
 images, local paths, ``file://`` URIs, base64), ``video`` (one video: a path or a list of frames) or ``videos`` (a
 list of them). Each prompt's messages are rendered with the processor's chat template (optional system prompt).
-When a prompt has images and its metadata has ``image_size`` but no ``input_size``, `sample` writes ``input_size`` =
-the first image's resized ``[width, height]`` (the frame Qwen2.5-VL answers boxes in; see `rewards/box_iou.py`).
+Each image (each video frame) is resized once, by qwen-vl-utils, within one pixel budget per modality: the configured
+``min_pixels`` / ``max_pixels`` (``video_min_pixels`` / ``video_max_pixels``), an unset one taken from the processor's
+saved budget; the processor does not resize again, and its saved budget becomes this one (see `_qwen_vl_inputs.py`).
+When a prompt has images and its metadata has ``image_size``, `sample` writes ``input_size`` = the first image's
+``[width, height]`` as the model saw it (the frame Qwen2.5-VL answers boxes in; see `rewards/box_iou.py`).
 """
 
 from __future__ import annotations
@@ -34,7 +37,8 @@ import torch
 
 from mmgrpo.hub import resolve_pretrained
 from mmgrpo.pipelines._qwen_vl_forward import GroupForward, collate_prompts, unique_rows
-from mmgrpo.types import PromptBatch, Rollout, SamplingPlan, as_list
+from mmgrpo.pipelines._qwen_vl_inputs import PromptEncoder, vision_inputs
+from mmgrpo.types import PromptBatch, Rollout, SamplingPlan
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 MODEL_CLASSES = {"qwen2_vl": "Qwen2VLForConditionalGeneration", "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration"}
@@ -56,9 +60,11 @@ class QwenVLConfig:
         temperature (`float`): sampling temperature; also the temperature of the scored policy.
         top_p (`float`), top_k (`int`): nucleus / top-k truncation of sampling only (1.0 / 0 disable them).
         system_prompt (`str`, *optional*): a system message put before every prompt.
-        min_pixels (`int`, *optional*), max_pixels (`int`, *optional*): per-image pixel budget (``qwen_vl_utils``).
+        min_pixels (`int`, *optional*), max_pixels (`int`, *optional*): per-image pixel budget: each image is resized
+            once to a multiple of 28 pixels with an area in ``[min_pixels, max_pixels]``; unset: the processor's saved
+            value.
         video_fps (`float`): frames per second of video inputs given as frame lists (temporal M-RoPE spacing).
-        video_min_pixels (`int`, *optional*), video_max_pixels (`int`, *optional*): per-frame pixel budget.
+        video_min_pixels (`int`, *optional*), video_max_pixels (`int`, *optional*): per-frame pixel budget, likewise.
         lora_rank (`int`): LoRA rank on the language model; 0 trains the whole language model (and the vision
             tower unless `freeze_vision`), with a frozen copy as the reference.
         lora_alpha (`int`), lora_dropout (`float`): LoRA scaling numerator and dropout.
@@ -132,11 +138,12 @@ class QwenVLPolicy:
                 f"pipeline.pretrained {config.pretrained!r} is a {model_type!r} model; the qwen_vl pipeline takes "
                 f"{sorted(MODEL_CLASSES)} (Qwen2-VL or Qwen2.5-VL)."
             )
+        self.processor = AutoProcessor.from_pretrained(config.pretrained)
+        self.inputs = PromptEncoder(self.processor, config)  # resolves the pixel budgets before the weights load
         model_cls = getattr(transformers, MODEL_CLASSES[model_type])
         self.model = model_cls.from_pretrained(
             config.pretrained, dtype=DTYPES[config.weights_dtype], attn_implementation=config.attn_implementation
         ).eval()
-        self.processor = AutoProcessor.from_pretrained(config.pretrained)
         tok = self.processor.tokenizer
         self.pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
         vocab = tok.get_vocab()
@@ -229,40 +236,13 @@ class QwenVLPolicy:
 
     # -------------------------------------------------------------------------------------------------- prompts
     def messages(self, prompt: str, images: list, videos: list) -> list[dict]:
-        """The chat messages of one prompt: optional system prompt, then the vision blocks and the text."""
-        c = self.config
-        image_opts = {k: v for k, v in (("min_pixels", c.min_pixels), ("max_pixels", c.max_pixels)) if v is not None}
-        video_opts = {k: v for k, v in (("min_pixels", c.video_min_pixels), ("max_pixels", c.video_max_pixels)) if v}
-        content = [{"type": "image", "image": image, **image_opts} for image in images]
-        content += [{"type": "video", "video": video, "fps": c.video_fps, **video_opts} for video in videos]
-        content.append({"type": "text", "text": prompt})
-        system = [{"role": "system", "content": c.system_prompt}] if c.system_prompt else []
-        return system + [{"role": "user", "content": content}]
+        """The chat messages of one prompt (see [`PromptEncoder.messages`])."""
+        return self.inputs.messages(prompt, images, videos)
 
     def encode_prompt(self, prompt: str, images: list, videos: list) -> dict[str, torch.Tensor]:
-        """One prompt through the chat template, ``process_vision_info`` and the processor: ``input_ids`` `[L]`,
-        ``mm_token_type_ids`` `[L]` and the vision tensors (``pixel_values`` `[patches, D]`, ``image_grid_thw``
-        `[images, 3]`, video counterparts, ``second_per_grid_ts`` `[videos]`), on the CPU."""
-        from qwen_vl_utils import process_vision_info
-
-        messages = self.messages(prompt, images, videos)
-        text = self.processor.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        image_inputs, video_inputs, video_kwargs = process_vision_info(messages, return_video_kwargs=True)
-        kwargs = dict(video_kwargs or {}) if video_inputs else {}
-        if kwargs.get("fps"):  # qwen-vl-utils gives one fps per video; the processor takes one number
-            kwargs["fps"] = kwargs["fps"][0]
-        if video_inputs:  # qwen-vl-utils already applied the per-frame pixel budget: same behaviour, no warning
-            kwargs["cap_pixels_per_frame"] = True
-        inputs = self.processor(text=[text], images=image_inputs, videos=video_inputs, return_tensors="pt", **kwargs)
-        out = {"input_ids": inputs["input_ids"][0], "mm_token_type_ids": inputs["mm_token_type_ids"][0]}
-        for key in ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw", "second_per_grid_ts"):
-            if key in inputs:
-                out[key] = torch.as_tensor(inputs[key])
-        if "pixel_values" in out:
-            out["pixel_values"] = out["pixel_values"].to(self.model.dtype)
-        if "pixel_values_videos" in out:
-            out["pixel_values_videos"] = out["pixel_values_videos"].to(self.model.dtype)
-        return out
+        """One prompt's model inputs on the CPU, resized once within the pixel budgets (see
+        [`PromptEncoder.encode`]): ``input_ids`` `[L]`, ``mm_token_type_ids`` `[L]` and the vision tensors."""
+        return self.inputs.encode(prompt, images, videos, self.model.dtype)
 
     def _encode_batch(self, batch: PromptBatch) -> list[dict]:
         """Encoded prompts, one entry per sample; the samples of one group share one entry (the same object)."""
@@ -271,19 +251,13 @@ class QwenVLPolicy:
         out = []
         for i, gid in enumerate(group_ids):
             if gid not in encoded:
-                images, videos = _vision_inputs(batch.conditions, i)
+                images, videos = vision_inputs(batch.conditions, i)
                 encoded[gid] = self.encode_prompt(batch.prompts[i], images, videos)
-                self._record_input_size(batch.metadata[i], encoded[gid])
+                self.inputs.record_input_size(batch.metadata[i], encoded[gid])
             elif batch.prompts[i] != batch.prompts[group_ids.index(gid)]:
                 raise ValueError(f"Samples of group {gid} have different prompts; a group must share its prompt.")
             out.append(encoded[gid])
         return out
-
-    def _record_input_size(self, metadata: dict, encoded: dict) -> None:
-        if "image_grid_thw" in encoded and "image_size" in metadata and "input_size" not in metadata:
-            patch = self.processor.image_processor.patch_size
-            _, h, w = encoded["image_grid_thw"][0].tolist()
-            metadata["input_size"] = [w * patch, h * patch]
 
     # ------------------------------------------------------------------------------------------------- sampling
     @torch.no_grad()
@@ -405,19 +379,6 @@ class QwenVLPolicy:
 
             loaded = getattr(transformers, type(self.model).__name__).from_pretrained(path, dtype=torch.float32)
             self.model.load_state_dict(loaded.state_dict())
-
-
-def _vision_inputs(conditions: dict[str, list], i: int) -> tuple[list, list]:
-    """Images and videos of prompt `i`: ``images`` (one or a list), ``video`` (one: a path or a frame list) and
-    ``videos`` (a list of videos)."""
-    images = as_list(conditions.get("images", [None] * (i + 1))[i])
-    videos = as_list(conditions.get("videos", [None] * (i + 1))[i])
-    if "video" in conditions and conditions["video"][i] is not None:
-        videos.append(conditions["video"][i])
-    unknown = set(conditions) - {"images", "video", "videos"}
-    if unknown:
-        raise ValueError(f"qwen_vl: unknown prompt conditions {sorted(unknown)}; use 'images', 'video' or 'videos'.")
-    return images, videos
 
 
 PLUGIN = QwenVLPolicy
