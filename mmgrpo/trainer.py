@@ -5,6 +5,23 @@ Per step: next prompt batch repeated `G` times with global group ids -> this pro
 -> for each inner epoch and minibatch, each trained unit is scored (``policy.log_prob`` or ``policy.likelihood``, as
 ``algorithm.scoring`` says; see [`score_unit`]), passed to ``algorithm.loss`` and back-propagated, then clipped and
 stepped. Distribution is accelerate's.
+
+Skip rules (decided on the batch gathered from every process, so all processes agree):
+
+- A sample whose reward is NaN or infinite is left out of its group's statistics (advantage 0) and is never scored:
+  it adds nothing to the loss, KL term included (it keeps its place in the minibatch mean, like a zero-advantage one).
+- No sample of the step has a finite reward: no update. Nothing is scored; the weights, the optimizer state, the
+  learning-rate schedule and the algorithm's state (e.g. DGPO's old model) stay as they are, KL term or not.
+- Every advantage is exactly 0 and the algorithm reads no reference (no KL term): no update, as above (a step would
+  only apply weight decay). With a KL term the step is taken: it pulls the policy towards the reference.
+- The algorithm declares ``zero_advantage_is_inert``: members of groups whose advantages are all 0 are not scored
+  either (the gradient is unchanged); a step with no sample left to score is not taken.
+- No process scores a sample of one optimizer update (it holds only samples without reward): that update is not taken.
+- The loss or the gradient of an update is NaN or infinite: that update is not taken, its gradient is discarded.
+
+Each update not taken adds 1 to ``train/skipped_updates`` (a step not taken adds every update it would have taken).
+The learning-rate schedule counts only the updates taken; both are checkpointed, so resume is exact. ``reward/invalid``
+counts the samples without a finite reward and ``train/unscored_share`` is the share of the batch not scored.
 """
 
 from __future__ import annotations
@@ -217,7 +234,8 @@ class Trainer:
         result = self.reward(rollout.outputs, local)
         local_adv, all_scores, all_groups, advantages = self.global_advantages(result.scores, rollout.group_ids)
         metrics = self._reward_metrics(all_scores, all_groups, result.components)
-        metrics.update(self._update(rollout, plan, local_adv, groups_with_signal(advantages, all_groups), generator))
+        with_signal, rewarded = groups_with_signal(advantages, all_groups), torch.isfinite(all_scores)  # [N], [N]
+        metrics.update(self._update(rollout, plan, local_adv, with_signal, generator, rewarded))
         metrics["lr"] = self.lr_scheduler.get_last_lr()[0]
         metrics["samples_seen"] = self.step * len(all_scores)
         return metrics
@@ -236,53 +254,43 @@ class Trainer:
         """This process's slice `[n]` of a batch gathered from every process `[N]`."""
         return values[self.rank * n : (self.rank + 1) * n]
 
-    def _update(self, rollout, plan: SamplingPlan, advantages, with_signal, generator) -> dict[str, float]:
-        """Optimizer updates on one rollout batch. `advantages` `[n]` is this process's slice; `with_signal` `[N]`
-        (whether a sample's group has a non-zero advantage) covers the global batch, so every process decides alike
-        whether to skip or step.
+    def _update(self, rollout, plan: SamplingPlan, advantages, with_signal, generator, rewarded=None) -> dict:
+        """Optimizer updates on one rollout batch, under the skip rules of the module docstring.
+
+        Args:
+            advantages (`torch.FloatTensor` of shape `[n]`): this process's slice.
+            with_signal (`torch.BoolTensor` of shape `[N]`): whether a sample's group has a non-zero advantage, over
+                the global batch, so every process decides alike whether to skip or step.
+            rewarded (`torch.BoolTensor` of shape `[N]`, *optional*): whether a sample's reward is finite (default:
+                every sample). A sample without a reward is never scored: it adds nothing to the loss, KL included.
 
         When the algorithm declares ``zero_advantage_is_inert`` (such samples add exactly nothing to its loss's
-        gradient, e.g. no KL term), the members of groups without signal are not scored at all; the others keep their
-        weight in the minibatch mean, so the gradient is the same as scoring everything.
+        gradient, e.g. no KL term), the members of groups without signal are not scored either. Samples not scored
+        keep their weight in the minibatch mean, so the gradient is the one of scoring them with advantage 0 and no KL.
         """
-        cfg, acc = self.config.train, self.accelerator
-        units = plan.train_units
-        sums: dict[str, float] = {}
-        counts = 0
-        grad_norms = []
-        inert = getattr(self.algorithm, "zero_advantage_is_inert", False)
-        if not units:
+        cfg = self.config.train
+        if not plan.train_units:
             return {}
-        if not with_signal.any() and not self.algorithm.needs_reference:
-            self.skipped_updates += 1  # every advantage is 0: a step would only apply weight decay
-            return {"train/skipped_updates": self.skipped_updates}
-        mine = self._this_process(with_signal, len(advantages))  # [n]
+        rewarded = torch.ones_like(with_signal) if rewarded is None else rewarded
+        inert = getattr(self.algorithm, "zero_advantage_is_inert", False)
+        scored = rewarded & with_signal if inert else rewarded  # [N] samples whose loss is computed
+        if not scored.any() or (not with_signal.any() and not self.algorithm.needs_reference):
+            # no reward at all, or nothing but weight decay to apply: no update, and the schedule does not advance
+            self.skipped_updates += self._planned_updates(len(rollout))
+            return {"train/skipped_updates": self.skipped_updates, "train/unscored_share": 1.0}
+        mine = self._this_process(scored, len(advantages))  # [n]
+        passes, grad_norms = [], []  # the loss metrics of each weighted backward pass; the norm of each update
         for _ in range(cfg.inner_epochs):
             order = torch.randperm(len(rollout), generator=generator)
             minibatches = list(order.split(cfg.minibatch_size))
             per_update = math.ceil(len(minibatches) / cfg.updates_per_step)
             for u in range(0, len(minibatches), per_update):
                 group = minibatches[u : u + per_update]
-                total = sum(len(m) for m in group)
-                for j, index in enumerate(group):
-                    kept = index[mine[index]] if inert else index
-                    weight = len(kept)
-                    if weight == 0:  # a zero-weight pass still runs every process's backward (DDP) and the update
-                        kept = index[:1]
-                    sub = rollout.select(kept)
-                    for k, unit in enumerate(units):
-                        last = j == len(group) - 1 and k == len(units) - 1
-                        out = self._unit_loss(sub, unit, advantages[kept])
-                        with contextlib.ExitStack() as stack:
-                            if not last:
-                                for module in self.wrapped:
-                                    stack.enter_context(acc.no_sync(module))
-                            acc.backward(out.loss * (weight / total / len(units)))
-                        if weight:
-                            for key, value in out.metrics.items():
-                                sums[key] = sums.get(key, 0.0) + value
-                            counts += 1
-                grad_norm = acc.clip_grad_norm_(self.policy.trainable_parameters(), cfg.max_grad_norm)
+                if not self._any_scored(mine, group):
+                    self.skipped_updates += 1  # no sample of this update is scored on any process
+                    continue
+                passes += self._accumulate(rollout, plan.train_units, group, mine, advantages)
+                grad_norm = self.accelerator.clip_grad_norm_(self.policy.trainable_parameters(), cfg.max_grad_norm)
                 if not torch.isfinite(torch.as_tensor(grad_norm)):
                     self.skipped_updates += 1  # a NaN/inf loss or gradient never reaches the weights
                     self.optimizer.zero_grad(set_to_none=True)
@@ -293,13 +301,49 @@ class Trainer:
                 if hasattr(self.algorithm, "after_update"):
                     self.algorithm.after_update(self.policy)  # e.g. DGPO's fast-EMA old model follows the weights
                 grad_norms.append(float(grad_norm))
-        metrics = {f"train/{k}": v / max(1, counts) for k, v in sums.items()}
+        keys = dict.fromkeys(key for metrics in passes for key in metrics)
+        metrics = {f"train/{k}": sum(p.get(k, 0.0) for p in passes) / len(passes) for k in keys}
         if grad_norms:
             metrics["train/grad_norm"] = sum(grad_norms) / len(grad_norms)
         metrics["train/skipped_updates"] = self.skipped_updates
-        if inert:
-            metrics["train/unscored_share"] = 1.0 - with_signal.float().mean().item()  # of the global batch
+        metrics["train/unscored_share"] = 1.0 - scored.float().mean().item()  # of the global batch
         return metrics
+
+    def _planned_updates(self, n: int) -> int:
+        """The optimizer updates a rollout batch of `n` samples per process gives (what a skipped step skips)."""
+        cfg = self.config.train
+        minibatches = math.ceil(n / cfg.minibatch_size)
+        return cfg.inner_epochs * math.ceil(minibatches / math.ceil(minibatches / cfg.updates_per_step))
+
+    def _any_scored(self, mine: torch.Tensor, group: list[torch.Tensor]) -> bool:
+        """Whether any process scores a sample in the minibatches `group` of one update (`mine` `[n]`)."""
+        count = torch.tensor([float(sum(int(mine[index].sum()) for index in group))])
+        if self.world > 1:
+            count = self.accelerator.gather(count.to(self.accelerator.device)).cpu()
+        return bool(count.sum() > 0)
+
+    def _accumulate(self, rollout, units, group, mine, advantages) -> list[dict[str, float]]:
+        """Backward passes of one update: each minibatch of `group`, each unit, its scored samples (`mine` `[n]`)
+        weighted by their share of the update's samples. Returns the loss metrics of each pass that had weight."""
+        acc, passes = self.accelerator, []
+        total = sum(len(m) for m in group)
+        for j, index in enumerate(group):
+            kept = index[mine[index]]
+            weight = len(kept)
+            if weight == 0:  # another process scores samples of this update: a zero-weight pass keeps DDP in step
+                kept = index[:1]
+            sub = rollout.select(kept)
+            for k, unit in enumerate(units):
+                last = j == len(group) - 1 and k == len(units) - 1
+                out = self._unit_loss(sub, unit, advantages[kept])
+                with contextlib.ExitStack() as stack:
+                    if not last:
+                        for module in self.wrapped:
+                            stack.enter_context(acc.no_sync(module))
+                    acc.backward(out.loss * (weight / total / len(units)))
+                if weight:
+                    passes.append(out.metrics)
+        return passes
 
     def _unit_loss(self, sub, unit: list[int], advantages):
         device = self.accelerator.device
