@@ -39,7 +39,11 @@ from mmgrpo.hub import resolve_pretrained
 from mmgrpo.pipelines._qwen_vl_forward import GroupForward, collate_prompts, unique_rows
 from mmgrpo.pipelines._qwen_vl_inputs import PromptEncoder, vision_inputs
 from mmgrpo.types import PromptBatch, Rollout, SamplingPlan
+from mmgrpo.validation import ConfigError, check_fields, check_range
 
+# transformers' attention backends (besides hub kernels "org/name")
+ATTENTION = ("sdpa", "eager", "flash_attention_2", "flash_attention_3", "flash_attention_4", "flex_attention",
+             "paged|eager")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 MODEL_CLASSES = {"qwen2_vl": "Qwen2VLForConditionalGeneration", "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration"}
 VISION_TOKENS = ("<|image_pad|>", "<|video_pad|>", "<|vision_start|>", "<|vision_end|>", "<|vision_pad|>")
@@ -62,9 +66,10 @@ class QwenVLConfig:
         system_prompt (`str`, *optional*): a system message put before every prompt.
         min_pixels (`int`, *optional*), max_pixels (`int`, *optional*): per-image pixel budget: each image is resized
             once to a multiple of 28 pixels with an area in ``[min_pixels, max_pixels]``; unset: the processor's saved
-            value.
+            value. At least 784 (28 x 28).
         video_fps (`float`): frames per second of video inputs given as frame lists (temporal M-RoPE spacing).
-        video_min_pixels (`int`, *optional*), video_max_pixels (`int`, *optional*): per-frame pixel budget, likewise.
+        video_min_pixels (`int`, *optional*), video_max_pixels (`int`, *optional*): per-frame pixel budget, likewise
+            (``video_max_pixels`` at least 3136: qwen-vl-utils first resizes frame lists on a 56-pixel grid).
         lora_rank (`int`): LoRA rank on the language model; 0 trains the whole language model (and the vision
             tower unless `freeze_vision`), with a frozen copy as the reference.
         lora_alpha (`int`), lora_dropout (`float`): LoRA scaling numerator and dropout.
@@ -108,15 +113,32 @@ class QwenVLConfig:
         return self.max_new_tokens
 
     def __post_init__(self):
+        check_fields(self)  # types and finiteness of every field
+        check_range("max_new_tokens", self.max_new_tokens, 1)
+        if self.eval_max_new_tokens is not None:
+            check_range("eval_max_new_tokens", self.eval_max_new_tokens, 1, fix="or leave it unset (max_new_tokens)")
+        check_range("temperature", self.temperature, 0, low_open=True, fix="e.g. 1.0; evaluation decodes greedily")
+        check_range("top_p", self.top_p, 0, 1, low_open=True, fix="1 disables nucleus truncation")
+        check_range("top_k", self.top_k, 0, fix="0 disables top-k truncation")
+        for prefix, cell in (("", 28), ("video_", 56)):  # qwen-vl-utils' resize grid (frame lists: 56 first)
+            low, high = getattr(self, f"{prefix}min_pixels"), getattr(self, f"{prefix}max_pixels")
+            if low is not None:
+                check_range(f"{prefix}min_pixels", low, 1, fix="or leave it unset (the processor's saved value)")
+            if high is not None:
+                check_range(f"{prefix}max_pixels", high, cell**2, fix=f"qwen-vl-utils resizes to {cell}-pixel cells")
+            if low is not None and high is not None:
+                check_range(f"{prefix}min_pixels", low, high=high, fix=f"lower it or raise {prefix}max_pixels")
+        check_range("video_fps", self.video_fps, 0, low_open=True, fix="the frame rate of frame-list videos, e.g. 2.0")
+        check_range("lora_rank", self.lora_rank, 0, fix="0 fine-tunes the whole language model")
+        check_range("lora_alpha", self.lora_alpha, 1, fix="LoRA scales by lora_alpha / lora_rank")
+        check_range("lora_dropout", self.lora_dropout, 0, 1, high_open=True, fix="e.g. 0.05, or 0 for none")
+        if not self.lora_targets or not all(self.lora_targets):
+            raise ConfigError(f"lora_targets must be a non-empty list of layer names (e.g. ['q_proj', 'v_proj']), "
+                              f"got {self.lora_targets!r}.")
+        if self.attn_implementation not in ATTENTION and "/" not in self.attn_implementation:
+            raise ConfigError(f"attn_implementation must be one of {list(ATTENTION)} or a hub kernel ('org/name'), "
+                              f"got {self.attn_implementation!r}.")
         self.pretrained = resolve_pretrained(self.pretrained, "pipeline.pretrained")
-        if self.max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}.")
-        if self.temperature <= 0:
-            raise ValueError(f"temperature must be > 0 (greedy decoding is what evaluation does), got {self.temperature}.")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}.")
-        if self.top_k < 0 or self.lora_rank < 0:
-            raise ValueError(f"top_k and lora_rank must be >= 0, got {self.top_k} and {self.lora_rank}.")
 
 
 class QwenVLPolicy:

@@ -1,7 +1,10 @@
 """One pixel budget decides what a Qwen-VL model sees (tiny real-class models saved and reloaded with
 `from_pretrained`): qwen-vl-utils resizes each image (or video frame) once, within the configured budget or, when it
 is unset, within the processor's saved one; the processor does not resize again, the vision tower receives that grid,
-the recorded ``input_size`` is that frame, and a saved processor carries the budget."""
+the recorded ``input_size`` is that frame, and a saved processor carries the budget. Also the validation of every
+value of the pipeline's Config."""
+
+import math
 
 import pytest
 import torch
@@ -99,12 +102,70 @@ def test_video_frames_are_resized_once_within_the_configured_budget(request, bud
     assert low <= height * width <= high
 
 
+@pytest.mark.parametrize("key", ["max_new_tokens", "min_pixels", "max_pixels", "video_min_pixels", "lora_rank"])
+@pytest.mark.parametrize("value", [0, -3, 2.5, True, "12"])
+def test_config_refuses_non_positive_or_non_integer_counts(tmp_path, key, value):
+    if key == "lora_rank" and value == 0:
+        return  # rank 0 means full fine-tuning
+    with pytest.raises(ValueError, match=rf"^{key}\b"):
+        QwenVLConfig(pretrained=str(tmp_path), **{key: value})
+
+
+@pytest.mark.parametrize("options, key", [
+    ({"min_pixels": 5000, "max_pixels": 4000}, "min_pixels"),
+    ({"video_min_pixels": 5000, "video_max_pixels": 4000}, "video_min_pixels"),
+    ({"temperature": float("nan")}, "temperature"),
+    ({"temperature": float("inf")}, "temperature"),
+    ({"temperature": 0.0}, "temperature"),
+    ({"top_p": 0.0}, "top_p"),
+    ({"top_p": 1.5}, "top_p"),
+    ({"top_p": float("nan")}, "top_p"),
+    ({"top_k": -1}, "top_k"),
+    ({"eval_max_new_tokens": 0}, "eval_max_new_tokens"),
+    ({"video_fps": 0.0}, "video_fps"),
+    ({"video_fps": math.inf}, "video_fps"),
+    ({"lora_alpha": 0}, "lora_alpha"),
+    ({"lora_dropout": 1.0}, "lora_dropout"),
+    ({"lora_dropout": -0.1}, "lora_dropout"),
+    ({"lora_targets": []}, "lora_targets"),
+    ({"lora_targets": "q_proj"}, "lora_targets"),
+    ({"weights_dtype": "fp8"}, "weights_dtype"),
+    ({"attn_implementation": "fast"}, "attn_implementation"),
+    ({"system_prompt": 3}, "system_prompt"),
+    ({"freeze_vision": "no"}, "freeze_vision"),
+    ({"prefix_sharing": 1}, "prefix_sharing"),
+])
+def test_config_refuses_out_of_range_values_naming_the_key(tmp_path, options, key):
+    with pytest.raises(ValueError, match=rf"^{key}\b"):
+        QwenVLConfig(pretrained=str(tmp_path), **options)
+
+
+def test_config_errors_name_the_pipeline_key_when_read_from_a_config_file(tmp_path):
+    from mmgrpo.validation import build_dataclass
+
+    with pytest.raises(ValueError, match=r"^pipeline\.min_pixels must be <= 4000, got 5000; lower it or raise max"):
+        build_dataclass(QwenVLConfig, {"pretrained": str(tmp_path), "min_pixels": 5000, "max_pixels": 4000}, "pipeline")
+
+
+def test_config_accepts_its_defaults_and_a_full_budget(tmp_path):
+    config = QwenVLConfig(pretrained=str(tmp_path), min_pixels=3136, max_pixels=3136, video_min_pixels=784,
+                          video_max_pixels=5000, top_p=1.0, top_k=5, lora_rank=0, lora_dropout=0.1)
+    assert (config.min_pixels, config.max_pixels) == (3136, 3136)
+
+
 def test_a_budget_too_small_for_an_image_shape_names_the_key(request):
     """qwen-vl-utils floors a downscaled side to a multiple of 28 without a lower bound: a clear error, not PIL's."""
     pol = make_policy(request, min_pixels=784, max_pixels=2000)
     batch = PromptBatch(["where?"], metadata=[{}], conditions={"images": [Image.new("RGB", (300, 10))]})
     with pytest.raises(ValueError, match=r"zero pixels.*pipeline\.max_pixels=2000"):
         pol.sample(batch, SamplingPlan.deterministic(1))
+
+
+def test_budget_below_one_cell_of_the_resize_grid_is_refused(tmp_path):
+    with pytest.raises(ValueError, match=r"^max_pixels must be >= 784"):
+        QwenVLConfig(pretrained=str(tmp_path), min_pixels=500, max_pixels=700)
+    with pytest.raises(ValueError, match=r"^video_max_pixels must be >= 3136"):
+        QwenVLConfig(pretrained=str(tmp_path), video_max_pixels=3000)
 
 
 def test_a_configured_bound_beyond_the_saved_other_bound_is_refused_at_load(request):
