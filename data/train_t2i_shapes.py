@@ -36,6 +36,7 @@ from PIL import Image, ImageDraw, ImageFont
 from mmgrpo.data.shapes import KINDS, VOCABULARY, ShapesPrompts, prompt_from_metadata, render
 from mmgrpo.data.tiny_components import tiny_sd3_pipeline
 from mmgrpo.rewards.mini_geneval import MiniGenEval
+from mmgrpo.state_io import load_state, save_state
 from mmgrpo.types import PromptBatch
 
 
@@ -85,7 +86,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="strict-accuracy range: training stops once the mean of the last two evals is in it")
     parser.add_argument("--eval-steps", type=int, default=10)
     parser.add_argument("--checkpoint-every", type=int, default=250,
-                        help="steps between resumable checkpoints (<output>/resume.pt, deleted at the end)")
+                        help="steps between resumable checkpoints (<output>/resume.safetensors, deleted at the end)")
     return parser.parse_args(argv)
 
 
@@ -372,8 +373,11 @@ def main(argv=None) -> None:
     log(f"parameters {sizes}")
 
     os.makedirs(args.output, exist_ok=True)
-    resume_path = os.path.join(args.output, "resume.pt")
-    state = torch.load(resume_path, weights_only=False) if os.path.isfile(resume_path) else None
+    resume_path = os.path.join(args.output, "resume.safetensors")  # tensors + JSON (state_io): no pickle is read
+    if os.path.isfile(os.path.join(args.output, "resume.pt")) and not os.path.isfile(resume_path):
+        raise SystemExit(f"{args.output}/resume.pt is a pickled state of an older version of this script, which is not "
+                         "loaded (it could run code): delete it to start over.")
+    state = load_state(resume_path) if os.path.isfile(resume_path) else None
     elapsed_before = state["seconds"] if state else 0.0
 
     # ---- (1) VAE
@@ -393,8 +397,7 @@ def main(argv=None) -> None:
     def save(flow_state: dict) -> None:
         flow_state.update(vae=pipe.vae.state_dict(), shift=shift, scale=scale, vae_accuracy=vae_accuracy,
                           seconds=elapsed_before + time.time() - start)
-        torch.save(flow_state, resume_path + ".tmp")
-        os.replace(resume_path + ".tmp", resume_path)
+        save_state(flow_state, resume_path)  # atomic: a kill leaves the previous state whole
 
     # ---- (2) text encoders + transformer, rectified flow; keeps the selected EMA weights
     chosen, history = train_flow(pipe, source.train_pools, select_items, reward, args, rng, log, (state, save))

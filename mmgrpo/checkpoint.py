@@ -1,10 +1,17 @@
-"""Atomic, resumable checkpoints.
+"""Atomic, resumable checkpoints that hold no pickles.
 
-A checkpoint is a folder ``<output_dir>/checkpoints/step_XXXXXXX`` holding the trainable weights (written by the
-policy's ``save_pretrained``), ``optimizer.pt``, ``lr_scheduler.pt``, one ``rng_rank{r}.pt`` per process and
-``trainer_state.json``, plus ``algorithm.pt`` when the algorithm has state of its own (``state_dict`` /
-``load_state_dict``, e.g. DGPO's fast-EMA old model). It is written under a temporary name and renamed when
-complete, so a crash while saving leaves the previous checkpoint intact and loadable.
+A checkpoint is a folder ``<output_dir>/checkpoints/step_XXXXXXX`` holding the trainable weights (``weights/``,
+written by the policy's ``save_pretrained`` as safetensors), ``optimizer.safetensors``, ``lr_scheduler.safetensors``,
+one ``rng_rank{r}.safetensors`` per process, ``algorithm.safetensors`` when the algorithm has state of its own
+(``state_dict`` / ``load_state_dict``, e.g. DGPO's fast-EMA old model) and ``trainer_state.json``. Each state file is
+written by [`~mmgrpo.state_io.save_state`]: tensors as safetensors, everything else as JSON, nothing that can carry
+code. The folder is written under a temporary name and renamed when complete, so a crash while saving leaves the
+previous checkpoint intact and loadable.
+
+Checkpoints of older versions stored the same state as pickles (``optimizer.pt``, ``lr_scheduler.pt``,
+``algorithm.pt``, ``rng_rank{r}.pt``), which can run arbitrary code when loaded: they are refused, with the command
+that converts them ([`convert_legacy`], ``mmgrpo convert-checkpoint DIR --trust-pickles``). Their weights are
+safetensors already, so ``mmgrpo eval --checkpoint`` (weights only, [`load_weights`]) reads them as they are.
 """
 
 from __future__ import annotations
@@ -18,9 +25,19 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from . import state_io
+from .state_io import load_state, save_state
+
 STATE_FILE = "trainer_state.json"
-ALGORITHM_FILE = "algorithm.pt"
+WEIGHTS = "weights"
+FORMAT = 2  # trainer_state.json's "format": 2 = pickle-free state files; absent = the older pickle layout
+OPTIMIZER_FILE, SCHEDULER_FILE = "optimizer.safetensors", "lr_scheduler.safetensors"
+ALGORITHM_FILE = "algorithm.safetensors"
 PREFIX = "step_"
+
+
+def rng_file(rank: int) -> str:
+    return f"rng_rank{rank}.safetensors"
 
 
 def rng_state() -> dict:
@@ -31,6 +48,18 @@ def set_rng_state(state: dict) -> None:
     random.setstate(state["python"])
     np.random.set_state(state["numpy"])
     torch.set_rng_state(state["torch"])
+
+
+def read_metadata(path: str | Path) -> dict | None:
+    """The ``trainer_state.json`` of checkpoint folder `path`, or `None` when it is missing, torn or not a record with
+    an integer ``step`` (such a folder is incomplete)."""
+    try:
+        meta = json.loads((Path(path) / STATE_FILE).read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError):
+        return None
+    if not isinstance(meta, dict) or type(meta.get("step")) is not int:
+        return None
+    return meta
 
 
 def complete_checkpoints(root: str | Path) -> list[Path]:
@@ -53,14 +82,14 @@ def save(
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
     accelerator.wait_for_everyone()
-    torch.save(rng_state(), tmp / f"rng_rank{accelerator.process_index}.pt")
+    save_state(rng_state(), tmp / rng_file(accelerator.process_index))
     if accelerator.is_main_process:
-        policy.save_pretrained(str(tmp / "weights"))
-        torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
-        torch.save(lr_scheduler.state_dict(), tmp / "lr_scheduler.pt")
+        policy.save_pretrained(str(tmp / WEIGHTS))
+        save_state(optimizer.state_dict(), tmp / OPTIMIZER_FILE)
+        save_state(lr_scheduler.state_dict(), tmp / SCHEDULER_FILE)
         if hasattr(algorithm, "state_dict"):
-            torch.save(algorithm.state_dict(), tmp / ALGORITHM_FILE)
-        (tmp / STATE_FILE).write_text(json.dumps({"step": step, **state}, indent=2), encoding="utf-8")
+            save_state(algorithm.state_dict(), tmp / ALGORITHM_FILE)
+        _write_json(tmp / STATE_FILE, {"step": step, "format": FORMAT, **state})
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
         if final.exists():
@@ -72,6 +101,16 @@ def save(
     return final
 
 
+def _write_json(path: Path, record: dict) -> None:
+    """Writes `record` to `path` atomically (temporary file, flushed, renamed)."""
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write(json.dumps(record, indent=2))
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
 def resolve(resume_from: str, root: str | Path) -> Path:
     """``"latest"`` -> newest complete checkpoint under `root`; otherwise the given folder, checked."""
     if resume_from == "latest":
@@ -81,21 +120,132 @@ def resolve(resume_from: str, root: str | Path) -> Path:
         return found[-1]
     path = Path(resume_from)
     if not (path / STATE_FILE).is_file():
-        raise FileNotFoundError(f"checkpoint.resume_from: {path} is not a complete checkpoint (no {STATE_FILE}).")
+        raise FileNotFoundError(f"checkpoint {path} is not a complete checkpoint (no {STATE_FILE}): name a folder "
+                                f"{PREFIX}XXXXXXX written by `mmgrpo train`, or use latest.")
     return path
+
+
+class LegacyCheckpointError(RuntimeError):
+    """A checkpoint in the older layout, whose state files are pickles (see [`convert_legacy`])."""
+
+
+def legacy_files(path: str | Path) -> list[Path]:
+    """The pickle state files of the older layout in checkpoint folder `path` (none in a current checkpoint)."""
+    path = Path(path)
+    names = ["optimizer.pt", "lr_scheduler.pt", "algorithm.pt"]
+    return [path / n for n in names if (path / n).is_file()] + sorted(path.glob("rng_rank*.pt"))
+
+
+def check_format(path: Path) -> dict:
+    """The checkpoint's metadata, after checking that its state files are in the current, pickle-free layout.
+
+    Raises:
+        `LegacyCheckpointError`: an older checkpoint (pickles); the message names a file and the conversion command.
+    """
+    meta = read_metadata(path)
+    if meta is None:
+        raise ValueError(f"checkpoint {path} is incomplete: {STATE_FILE} is missing or torn.")
+    if meta.get("format") == FORMAT:
+        return meta
+    old = legacy_files(path)
+    if not old:
+        raise ValueError(f"checkpoint {path} has format {meta.get('format')!r}, which this mmgrpo cannot read "
+                         f"(expected {FORMAT}): use the mmgrpo version that wrote it.")
+    raise LegacyCheckpointError(
+        f"checkpoint {path} stores its training state as pickles ({old[0].name}...), which can run arbitrary code "
+        f"when loaded, so mmgrpo no longer reads them. If you trust where it came from, convert it once with "
+        f"`mmgrpo convert-checkpoint {path} --trust-pickles`, then resume. (`mmgrpo eval --checkpoint` needs only "
+        "its weights and works without conversion.)"
+    )
 
 
 def load(accelerator, path: Path, policy, optimizer, lr_scheduler, algorithm=None) -> dict:
     """Restores weights, optimizer, LR schedule, the algorithm's own state and RNG states; returns the trainer state
-    (step, data position)."""
-    policy.load_trainable(str(path / "weights"))
+    (step, data position). Reads safetensors and JSON only."""
+    meta = check_format(path)
+    if hasattr(algorithm, "load_state_dict") and not (path / ALGORITHM_FILE).is_file():
+        raise FileNotFoundError(f"{path} has no {ALGORITHM_FILE}: it was written by a run of another algorithm.")
+    policy.load_trainable(str(path / WEIGHTS))
     if hasattr(algorithm, "load_state_dict"):
-        if not (path / ALGORITHM_FILE).is_file():
-            raise FileNotFoundError(f"{path} has no {ALGORITHM_FILE}: it was written by a run of another algorithm.")
-        algorithm.load_state_dict(torch.load(path / ALGORITHM_FILE, weights_only=False))
-    optimizer.load_state_dict(torch.load(path / "optimizer.pt", weights_only=False))
-    lr_scheduler.load_state_dict(torch.load(path / "lr_scheduler.pt", weights_only=False))
-    rng_file = path / f"rng_rank{accelerator.process_index}.pt"
-    if rng_file.is_file():
-        set_rng_state(torch.load(rng_file, weights_only=False))
-    return json.loads((path / STATE_FILE).read_text(encoding="utf-8"))
+        algorithm.load_state_dict(load_state(path / ALGORITHM_FILE))
+    optimizer.load_state_dict(load_state(path / OPTIMIZER_FILE))
+    lr_scheduler.load_state_dict(load_state(path / SCHEDULER_FILE))
+    rng = path / rng_file(accelerator.process_index)
+    if rng.is_file():
+        set_rng_state(load_state(rng))
+    return meta
+
+
+def load_weights(path: Path, policy) -> dict:
+    """Loads only the trainable weights of checkpoint `path` (current or older layout: both store weights as
+    safetensors) into `policy`; returns its metadata (``step``...). What evaluation needs, nothing more."""
+    meta = read_metadata(path)
+    if meta is None:
+        raise ValueError(f"checkpoint {path} is incomplete: {STATE_FILE} is missing or torn.")
+    policy.load_trainable(str(path / WEIGHTS))
+    return meta
+
+
+def _numpy_globals() -> list:
+    """What a pickled numpy RNG state needs beyond tensors and builtins (under numpy 1 and 2 names)."""
+    core = getattr(np, "_core", None) or np.core
+    rebuild = core.multiarray._reconstruct
+    return [np.ndarray, np.dtype, rebuild, (rebuild, "numpy.core.multiarray._reconstruct"),
+            (rebuild, "numpy._core.multiarray._reconstruct"),
+            *(t for t in vars(np.dtypes).values() if isinstance(t, type) and issubclass(t, np.dtype))]
+
+
+def _load_legacy_pickle(file: Path):
+    """Loads one state pickle of the older layout with torch's restricted unpickler (``weights_only=True``), which
+    builds tensors, containers, numbers and numpy arrays only; anything else is refused, never run."""
+    try:
+        with torch.serialization.safe_globals(_numpy_globals()):
+            return torch.load(file, map_location="cpu", weights_only=True)
+    except Exception as err:  # the unpickler's errors are of several types; none is recoverable here
+        lines = [line for line in str(err).splitlines() if line.strip()]
+        reason = next((line for line in lines if "GLOBAL" in line or "Unsupported" in line), lines[-1] if lines else "")
+        raise ValueError(f"{file} holds objects that an mmgrpo checkpoint never contains, so it was not converted "
+                         f"and nothing in it was run ({reason.strip()}).") from None
+
+
+def _same(a, b) -> bool:
+    """Whether two states are identical, bit for bit (NaNs included)."""
+    (sa, ta), (sb, tb) = state_io.flatten(a), state_io.flatten(b)
+
+    def bits(t: torch.Tensor) -> torch.Tensor:
+        return t.reshape(-1).view(torch.uint8) if t.numel() else t
+
+    return sa == sb and ta.keys() == tb.keys() and all(
+        ta[k].dtype == tb[k].dtype and ta[k].shape == tb[k].shape and torch.equal(bits(ta[k]), bits(tb[k])) for k in ta
+    )
+
+
+def convert_legacy(path: str | Path) -> list[tuple[str, str]]:
+    """Converts a checkpoint of the older layout in place: each pickle state file (``optimizer.pt``...) is loaded with
+    torch's restricted unpickler, written as ``.safetensors`` and read back to check that it is identical; then
+    ``trainer_state.json`` is marked with the current format (the moment the checkpoint switches layout, atomically)
+    and the pickles are deleted. An interrupted conversion leaves a checkpoint in the older layout; run it again.
+
+    Returns:
+        `list[tuple[str, str]]`: the ``(old, new)`` file names converted (empty if there was nothing to convert).
+    """
+    path = Path(path)
+    meta = read_metadata(path)
+    if meta is None:
+        raise ValueError(f"{path} is not a complete checkpoint ({STATE_FILE} missing or torn): nothing to convert.")
+    if meta.get("format") == FORMAT:
+        return []
+    done = []
+    for old in legacy_files(path):
+        state = _load_legacy_pickle(old)
+        new = old.with_suffix(".safetensors")
+        save_state(state, new)
+        if not _same(state, load_state(new)):
+            raise RuntimeError(f"{new} does not read back identical to {old}; the checkpoint was left unconverted.")
+        done.append((old.name, new.name))
+    if not done:
+        raise ValueError(f"{path} has neither the current format nor the older pickle files: nothing to convert.")
+    _write_json(path / STATE_FILE, {**meta, "format": FORMAT})
+    for old, _ in done:
+        (path / old).unlink()
+    return done

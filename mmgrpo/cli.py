@@ -1,5 +1,5 @@
 """Command line: ``mmgrpo check CONFIG [key=value ...]``, ``mmgrpo train CONFIG [key=value ...]``, ``mmgrpo eval CONFIG [--checkpoint DIR] [--split train]``,
-``mmgrpo list``, ``mmgrpo serve-reward CONFIG [--port P]``."""
+``mmgrpo list``, ``mmgrpo serve-reward CONFIG [--port P]``, ``mmgrpo convert-checkpoint DIR... --trust-pickles``."""
 
 from __future__ import annotations
 
@@ -22,6 +22,42 @@ def _list() -> int:
     return 0
 
 
+def _convert_checkpoints(folders: list[str], trust_pickles: bool) -> int:
+    """``mmgrpo convert-checkpoint DIR... --trust-pickles``: older checkpoints' pickled state to safetensors + JSON."""
+    if not trust_pickles:
+        print("mmgrpo: convert-checkpoint reads pickle files, which can run arbitrary code: add --trust-pickles if you "
+              "trust where these checkpoints came from.", file=sys.stderr)
+        return 2
+    from . import checkpoint
+
+    print("mmgrpo: warning: loading pickled checkpoint state (torch's restricted unpickler; only do this for "
+          "checkpoints you trust).", file=sys.stderr)
+    for folder in folders:
+        try:
+            done = checkpoint.convert_legacy(folder)
+        except (OSError, ValueError, RuntimeError) as err:
+            print(f"mmgrpo: {err}", file=sys.stderr)
+            return 2
+        converted = ", ".join(f"{old} -> {new}" for old, new in done)
+        print(f"{folder}: {'converted ' + converted + ' (pickles deleted)' if done else 'already pickle-free'}")
+    return 0
+
+
+def _evaluate(config, split: str) -> dict:
+    """``mmgrpo eval``: a trainer built without resuming, then the trainable weights only of the checkpoint
+    (``checkpoint.resume_from``, which ``--checkpoint`` sets), so no optimizer, schedule, RNG or algorithm state is
+    read; one evaluation."""
+    from .trainer import Trainer
+
+    source, config.checkpoint.resume_from = config.checkpoint.resume_from, None
+    trainer = Trainer(config)
+    if source:
+        trainer.load_weights(source)
+    if split == "train":  # the same evaluation (sampler, noise, count) on the first train items
+        trainer.eval_items = trainer.data.train_items()  # `evaluate` takes the first eval.num_prompts
+    return trainer.evaluate(trainer.step)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="mmgrpo", description="Group-relative RL for multimodal generative models.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -34,11 +70,17 @@ def main(argv: list[str] | None = None) -> int:
     p_eval = sub.add_parser("eval", help="evaluate a checkpoint on the held-out prompts")
     p_eval.add_argument("config")
     p_eval.add_argument("--checkpoint", help="a checkpoint folder written by `mmgrpo train` (default: the config's "
-                        "pretrained model as it is, i.e. the base of a run)")
+                        "checkpoint.resume_from if set, else its pretrained model as it is, i.e. the base of a run); "
+                        "only its weights are read")
     p_eval.add_argument("--split", choices=["eval", "train"], default="eval",
                         help="score the held-out prompts (default) or the train prompts (is a gap over-fitting?)")
     p_eval.add_argument("overrides", nargs="*")
     sub.add_parser("list", help="list registered pipelines, algorithms, rewards and prompt sources")
+    p_convert = sub.add_parser("convert-checkpoint", help="convert checkpoints of older mmgrpo versions (pickled "
+                               "training state) to the pickle-free format, in place")
+    p_convert.add_argument("folders", nargs="+", metavar="DIR", help="checkpoint folders (step_XXXXXXX)")
+    p_convert.add_argument("--trust-pickles", action="store_true",
+                           help="required: you trust the checkpoints' source (their pickles are loaded)")
     p_serve = sub.add_parser("serve-reward", help="serve the config's reward over HTTP (for the `remote` reward)")
     p_serve.add_argument("config", help="an experiment YAML (its reward section) or a YAML with the reward's name")
     p_serve.add_argument("--host", default="127.0.0.1", help="interface to listen on (loopback by default)")
@@ -46,18 +88,20 @@ def main(argv: list[str] | None = None) -> int:
     p_serve.add_argument("overrides", nargs="*")
     args, extra = parser.parse_known_args(argv)
     unknown = [item for item in extra if "=" not in item or item.startswith("-")]
-    if unknown or (extra and args.command == "list"):
+    if unknown or (extra and args.command in ("list", "convert-checkpoint")):
         parser.error(f"unrecognized arguments: {' '.join(unknown or extra)}")
 
     if args.command == "list":
         return _list()
+    if args.command == "convert-checkpoint":
+        return _convert_checkpoints(args.folders, args.trust_pickles)
     overrides = list(args.overrides) + extra  # key=value overrides may also follow --checkpoint DIR
     if args.command == "serve-reward":
         from .reward_server import serve
 
         return serve(args.config, overrides, args.host, args.port)
     if args.command == "eval" and args.checkpoint:
-        overrides.append(f"checkpoint.resume_from={args.checkpoint}")
+        overrides.append(f"checkpoint.resume_from={args.checkpoint}")  # checked with the config; eval reads weights
     try:
         config = load(args.config, overrides)  # every key, type, range and local path checked
         preflight(config, getattr(args, "split", "eval"))  # what else can be checked before any model loads
@@ -69,15 +113,12 @@ def main(argv: list[str] | None = None) -> int:
         print("ok")
         return 0
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    from .trainer import Trainer, train
+    from .trainer import train
 
     if args.command == "train":
         summary = train(config)
     else:
-        trainer = Trainer(config)
-        if args.split == "train":  # the same evaluation (sampler, noise, count) on the first train items
-            trainer.eval_items = trainer.data.train_items()  # `evaluate` takes the first eval.num_prompts
-        summary = trainer.evaluate(trainer.step)
+        summary = _evaluate(config, args.split)
     if summary:
         print(json.dumps(summary, indent=2))
     return 0

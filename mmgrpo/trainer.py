@@ -427,6 +427,12 @@ class Trainer:
         self.train_seconds = self._eval_mark = state.get("train_seconds", 0.0)  # absent in older checkpoints
         self.log.truncate_after(self.step)
 
+    def load_weights(self, checkpoint_dir: str) -> None:
+        """Loads only the trainable weights of a checkpoint (a folder, or ``"latest"`` under this run's output_dir)
+        and takes its step: what [`evaluate`] needs. Optimizer, schedule, RNG and algorithm states are not read."""
+        path = checkpoint.resolve(checkpoint_dir, self.output_dir / "checkpoints")
+        self.step = checkpoint.load_weights(path, self.policy)["step"]
+
     def _finish(self) -> dict:
         summary = {"steps": self.step, "skipped_updates": self.skipped_updates, "train_seconds": round(self.train_seconds, 3)}
         metrics_file = self.output_dir / "metrics.jsonl"

@@ -12,9 +12,11 @@ processor resizes the same way elsewhere. The frame the model sees is ``image_gr
 size, which is what `record_input_size` writes.
 
 The resized area lies in ``[min_pixels, max_pixels]`` except where rounding to the 28-pixel grid cannot: a budget
-narrower than one grid step for the image's shape. qwen-vl-utils also caps the per-frame budget of long videos by its
-total-video budget (90% of 128k tokens over the frames). It floors a downscaled side to a multiple of 28 (of 56 for
-the frames of a frame-list video) without a lower bound, so `PromptEncoder` refuses budgets below one such cell.
+narrower than one grid step for the image's shape. For videos, qwen-vl-utils lowers the per-frame maximum further, to
+768 tokens' worth (602112 pixels) and to an even share of its total-video budget (90% of 128k tokens), never below
+``1.05 * min_pixels``. It floors a downscaled side to a multiple of 28 (of 56 for the frames of a frame-list video)
+without a lower bound: `PromptEncoder` refuses a budget below one such cell, and `encode` turns a side floored to 0
+(a budget too small for an image's aspect ratio) into an error that names the key.
 
 Not a plugin: the name starts with an underscore and it defines no ``PLUGIN``.
 """

@@ -129,7 +129,7 @@ def test_training_script_runs_and_resumes_exactly(tmp_path, monkeypatch):
     assert set(metrics["heldout"]) >= {"strict", "partial", "strict_single"}
     assert metrics["sampling"]["max_sequence_length"] == 4
     assert [h["step"] for h in metrics["selection_history"]] == [3, 4]
-    assert (straight / "samples.png").is_file() and not (straight / "resume.pt").exists()
+    assert (straight / "samples.png").is_file() and not (straight / "resume.safetensors").exists()
     pipe = load_sd3_pipeline(str(straight))
     assert pipe.vae.config.scaling_factor != 1.0  # calibrated latents
     assert pipe.tokenizer.tokenize("magenta triangle") == ["magenta</w>", "triangle</w>"]
@@ -145,7 +145,7 @@ def test_training_script_runs_and_resumes_exactly(tmp_path, monkeypatch):
     monkeypatch.setattr(train_t2i_shapes, "learning_rate", crash_at_step_3)
     with pytest.raises(KeyboardInterrupt):
         train_t2i_shapes.main(["--output", str(resumed), *TRAIN_ARGS])
-    assert (resumed / "resume.pt").is_file()
+    assert (resumed / "resume.safetensors").is_file()
     monkeypatch.setattr(train_t2i_shapes, "learning_rate", real_rate)
     train_t2i_shapes.main(["--output", str(resumed), *TRAIN_ARGS])
     for name in ("transformer/diffusion_pytorch_model", "text_encoder/model", "vae/diffusion_pytorch_model"):
