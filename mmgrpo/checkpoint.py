@@ -6,7 +6,8 @@ one ``rng_rank{r}.safetensors`` per process, ``algorithm.safetensors`` when the 
 (``state_dict`` / ``load_state_dict``, e.g. DGPO's fast-EMA old model) and ``trainer_state.json``. Each state file is
 written by [`~mmgrpo.state_io.save_state`]: tensors as safetensors, everything else as JSON, nothing that can carry
 code. The folder is written under a temporary name and renamed when complete, so a crash while saving leaves the
-previous checkpoint intact and loadable.
+previous checkpoint intact and loadable; a folder whose ``trainer_state.json`` is missing or not valid JSON is
+incomplete and never loaded.
 
 Checkpoints of older versions stored the same state as pickles (``optimizer.pt``, ``lr_scheduler.pt``,
 ``algorithm.pt``, ``rng_rank{r}.pt``), which can run arbitrary code when loaded: they are refused, with the command
@@ -19,6 +20,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 import shutil
 from pathlib import Path
 
@@ -34,6 +36,7 @@ FORMAT = 2  # trainer_state.json's "format": 2 = pickle-free state files; absent
 OPTIMIZER_FILE, SCHEDULER_FILE = "optimizer.safetensors", "lr_scheduler.safetensors"
 ALGORITHM_FILE = "algorithm.safetensors"
 PREFIX = "step_"
+_NAME = re.compile(rf"{PREFIX}(\d+)")
 
 
 def rng_file(rank: int) -> str:
@@ -63,18 +66,20 @@ def read_metadata(path: str | Path) -> dict | None:
 
 
 def complete_checkpoints(root: str | Path) -> list[Path]:
-    """Complete checkpoints under `root`, oldest first (temporary folders of interrupted saves are ignored)."""
+    """Complete checkpoints under `root`, oldest first: folders ``step_<digits>`` with valid metadata (temporary
+    folders of interrupted saves and folders with torn metadata are ignored)."""
     root = Path(root)
     if not root.is_dir():
         return []
-    found = [p for p in root.glob(f"{PREFIX}*") if p.is_dir() and not p.name.endswith(".tmp") and (p / STATE_FILE).is_file()]
+    found = [p for p in root.iterdir() if _NAME.fullmatch(p.name) and p.is_dir() and read_metadata(p) is not None]
     return sorted(found, key=lambda p: int(p.name[len(PREFIX):]))
 
 
 def save(
     accelerator, root: str | Path, step: int, policy, optimizer, lr_scheduler, state: dict, keep_last: int, algorithm=None
 ) -> Path:
-    """Writes checkpoint `step` atomically from every process (rank 0 writes the shared parts)."""
+    """Writes checkpoint `step` atomically from every process (rank 0 writes the shared parts), then deletes all but
+    the newest `keep_last` complete checkpoints (at least one is always kept: the one just written)."""
     root = Path(root)
     final = root / f"{PREFIX}{step:07d}"
     tmp = root / f"{PREFIX}{step:07d}.tmp"
@@ -95,8 +100,9 @@ def save(
         if final.exists():
             shutil.rmtree(final)
         os.replace(tmp, final)
-        for old in complete_checkpoints(root)[:-keep_last]:
-            shutil.rmtree(old, ignore_errors=True)
+        for old in complete_checkpoints(root)[: -max(1, keep_last)]:
+            if old != final:
+                shutil.rmtree(old, ignore_errors=True)
     accelerator.wait_for_everyone()
     return final
 
@@ -122,6 +128,9 @@ def resolve(resume_from: str, root: str | Path) -> Path:
     if not (path / STATE_FILE).is_file():
         raise FileNotFoundError(f"checkpoint {path} is not a complete checkpoint (no {STATE_FILE}): name a folder "
                                 f"{PREFIX}XXXXXXX written by `mmgrpo train`, or use latest.")
+    if read_metadata(path) is None:
+        raise ValueError(f"checkpoint {path} is incomplete: its {STATE_FILE} is torn or not a record with an integer "
+                         "step (a write was interrupted?); resume from an earlier checkpoint.")
     return path
 
 

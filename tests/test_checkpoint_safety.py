@@ -1,6 +1,6 @@
 """Checkpoints run no code: state files are safetensors + JSON, planted pickles are never loaded (resume, eval),
 older pickle checkpoints are refused with the conversion command, and ``mmgrpo convert-checkpoint --trust-pickles``
-converts a genuine one exactly."""
+converts a genuine one exactly. Plus: torn checkpoint metadata and ``keep_last`` below 1 lose no checkpoint."""
 
 import json
 import random
@@ -179,6 +179,37 @@ def test_eval_reads_only_the_weights_and_matches_a_full_resume(trained, tmp_path
     assert json.loads(capsys.readouterr().out) == want
     assert (tmp_path / "run" / "eval" / "step_00002.json").read_text() == want_file
     assert metrics.read_text().count("step") == 3  # eval no longer truncates the run's log as a resume did
+
+
+def write_checkpoint(root, step, meta):
+    folder = root / f"step_{step:07d}"
+    folder.mkdir(parents=True)
+    (folder / checkpoint.STATE_FILE).write_text(meta)
+    return folder
+
+
+def test_torn_metadata_makes_a_checkpoint_incomplete(tmp_path):
+    root = tmp_path / "checkpoints"
+    good = write_checkpoint(root, 2, json.dumps({"step": 2, "format": checkpoint.FORMAT}))
+    torn = write_checkpoint(root, 4, '{"step": 4, "data_posi')
+    write_checkpoint(root, 6, '["not", "a", "record"]')
+    write_checkpoint(root, 8, json.dumps({"step": "8"}))
+    (root / "step_junk").mkdir()
+    assert checkpoint.complete_checkpoints(root) == [good]
+    assert checkpoint.resolve("latest", root) == good
+    with pytest.raises(ValueError, match="incomplete.*torn"):
+        checkpoint.resolve(str(torn), root)
+
+
+@pytest.mark.parametrize("keep_last", [0, -1, -5])
+def test_keep_last_below_one_keeps_the_checkpoint_just_written(trained, tmp_path, keep_last):
+    _, trainer, _ = trained
+    root = tmp_path / "checkpoints"
+    for step in (1, 2, 3):
+        final = checkpoint.save(trainer.accelerator, root, step, trainer.policy, trainer.optimizer,
+                                trainer.lr_scheduler, {"data_position": 0, "skipped_updates": 0}, keep_last,
+                                algorithm=trainer.algorithm)
+    assert checkpoint.complete_checkpoints(root) == [final] and final.name == "step_0000003"
 
 
 def test_state_round_trip_is_exact_and_refuses_code():
