@@ -36,6 +36,8 @@ import sys
 import time
 from pathlib import Path
 
+from mmgrpo.metrics_log import read_records
+
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = {
     "flow_grpo": "configs/tiny/t2i_shapes_flow_grpo.yaml",
@@ -133,7 +135,7 @@ def read_run(run_dir: str | Path) -> dict:
         "seed": config["seed"], "budget_s": config["train"].get("max_seconds"), "eval_prompts": config["eval"]["num_prompts"],
         "eval_every_s": config["eval"].get("every_seconds"), "pretrained": _short(config["pipeline"].get("pretrained")),
     }
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text(encoding="utf-8").splitlines() if line.strip()]
+    records = read_records(run_dir / "metrics.jsonl")  # a torn last line (a run killed mid-write) is skipped
     curve, train_s, samples, step = [], 0.0, 0, 0
     for record in records:
         step = record["step"]

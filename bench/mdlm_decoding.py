@@ -27,6 +27,8 @@ from pathlib import Path
 
 import torch
 
+from mmgrpo.metrics_log import read_records
+
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = "configs/tiny/mdlm_arith.yaml"
 VARIANTS = {  # name -> pipeline options on top of the embedded config's (gen_length 4)
@@ -71,7 +73,7 @@ def run_curve(algorithm: str, args) -> list[tuple[float, float]]:
     command = [sys.executable, "-m", "mmgrpo.cli", "train", CONFIG, f"output_dir={out}", f"train.max_seconds={args.budget_s}",
                f"eval.every_seconds={args.budget_s / 6:.3f}", "train.max_steps=100000", *ALGORITHMS[algorithm]]
     subprocess.run(command, cwd=ROOT, check=True, env={**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"})
-    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    records = read_records(out / "metrics.jsonl")  # a torn last line (a run killed mid-write) is skipped
     return [(r.get("time/train_s", 0.0), r["eval/score"]) for r in records if "eval/score" in r]
 
 

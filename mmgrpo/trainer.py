@@ -39,7 +39,7 @@ from tqdm.auto import tqdm
 from . import checkpoint, registry
 from .advantages import groups_with_signal
 from .config import ExperimentConfig
-from .metrics_log import MetricsLog
+from .metrics_log import MetricsLog, read_records
 from .optim import build_optimizer
 from .prompt_stream import PromptStream, items_to_batch
 from .types import SamplingPlan, as_list
@@ -438,7 +438,7 @@ class Trainer:
         metrics_file = self.output_dir / "metrics.jsonl"
         if self.accelerator.is_main_process and metrics_file.is_file():
             metric = self.config.eval.metric
-            evals = [r for r in map(json.loads, metrics_file.read_text().splitlines()) if f"eval/{metric}" in r]
+            evals = [r for r in read_records(metrics_file) if f"eval/{metric}" in r]  # a torn last line is skipped
             if evals:
                 summary.update({f"eval_{metric}_first": evals[0][f"eval/{metric}"], f"eval_{metric}_last": evals[-1][f"eval/{metric}"]})
             plot_reward_curve(metrics_file, self.output_dir / "reward_curve.png", metric)

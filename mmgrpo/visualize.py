@@ -14,6 +14,8 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import torch  # noqa: E402
 
+from .metrics_log import read_records  # noqa: E402
+
 
 def save_image_grid(images: torch.Tensor, captions: list[str], path: str | Path, columns: int = 4) -> None:
     """Saves images `[N, 3, H, W]` in [0, 1] as a PNG grid, each with its caption."""
@@ -33,7 +35,7 @@ def save_image_grid(images: torch.Tensor, captions: list[str], path: str | Path,
 
 def plot_reward_curve(metrics_file: str | Path, path: str | Path, eval_metric: str) -> None:
     """Plots training reward per step and held-out `eval_metric` per evaluation from ``metrics.jsonl``."""
-    records = [json.loads(line) for line in Path(metrics_file).read_text(encoding="utf-8").splitlines() if line.strip()]
+    records = read_records(metrics_file)  # a torn last line (a crash mid-write) is skipped
     train = [(r["step"], r["reward/mean"]) for r in records if "reward/mean" in r]
     evals = [(r["step"], r[f"eval/{eval_metric}"]) for r in records if f"eval/{eval_metric}" in r]
     fig, ax = plt.subplots(figsize=(6, 3.6))

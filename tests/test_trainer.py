@@ -92,10 +92,16 @@ def test_crash_while_saving_keeps_previous_checkpoint(tmp_path, tiny_sd3_dir, mo
     root = tmp_path / "run" / "checkpoints"
     assert [p.name for p in checkpoint.complete_checkpoints(root)] == ["step_0000002"]
     assert (root / "step_0000004.tmp").is_dir()  # the half-written one is never taken for a checkpoint
+    metrics = tmp_path / "run" / "metrics.jsonl"
+    metrics.write_text(metrics.read_text() + '{"step": 5, "reward/mean": 0.4, "eval/jp')  # killed mid-write, too
     raw = make_config(tmp_path, tiny_sd3_dir)
     raw["checkpoint"]["resume_from"] = "latest"
     resumed = Trainer(config_mod.from_dict(raw))
     assert resumed.step == 2 and resumed.stream.position == 4
+    assert [r["step"] for r in read_metrics(tmp_path / "run")] == [0, 1, 2]  # later steps and the torn line dropped
+    last_eval = read_metrics(tmp_path / "run")[-1]["eval/jpeg_kb"]
+    metrics.write_text(metrics.read_text() + '{"step": 3, "rew')
+    assert resumed._finish()["eval_jpeg_kb_last"] == last_eval  # the summary and the curve skip a torn last line
 
 
 def test_nan_reward_never_reaches_weights(tmp_path, tiny_sd3_dir):
