@@ -81,10 +81,16 @@ def main(argv: list[str] | None = None) -> int:
     p_convert.add_argument("folders", nargs="+", metavar="DIR", help="checkpoint folders (step_XXXXXXX)")
     p_convert.add_argument("--trust-pickles", action="store_true",
                            help="required: you trust the checkpoints' source (their pickles are loaded)")
-    p_serve = sub.add_parser("serve-reward", help="serve the config's reward over HTTP (for the `remote` reward)")
+    p_serve = sub.add_parser("serve-reward", help="serve the config's reward over HTTP (for the `remote` reward)",
+                             allow_abbrev=False)  # `--token SECRET` must not pass for `--token-file`
     p_serve.add_argument("config", help="an experiment YAML (its reward section) or a YAML with the reward's name")
     p_serve.add_argument("--host", default="127.0.0.1", help="interface to listen on (loopback by default)")
     p_serve.add_argument("--port", type=int, default=8000, help="port (0: any free port, printed at start)")
+    p_serve.add_argument("--token-file", help="file holding the shared secret (default: $MMGRPO_REWARD_TOKEN); "
+                         "required off loopback")
+    p_serve.add_argument("--max-body-mb", type=float, default=256.0, help="largest request body in MiB (413 beyond)")
+    p_serve.add_argument("--channel-timeout", type=int, default=60, help="seconds before an inactive connection closes")
+    p_serve.add_argument("--threads", type=int, default=4, help="worker threads (batches are scored one at a time)")
     p_serve.add_argument("overrides", nargs="*")
     args, extra = parser.parse_known_args(argv)
     unknown = [item for item in extra if "=" not in item or item.startswith("-")]
@@ -99,7 +105,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "serve-reward":
         from .reward_server import serve
 
-        return serve(args.config, overrides, args.host, args.port)
+        return serve(args.config, overrides, args.host, args.port, args.token_file, max_body_mb=args.max_body_mb,
+                     channel_timeout=args.channel_timeout, threads=args.threads)
     if args.command == "eval" and args.checkpoint:
         overrides.append(f"checkpoint.resume_from={args.checkpoint}")  # checked with the config; eval reads weights
     try:

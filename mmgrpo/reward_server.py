@@ -2,154 +2,48 @@
 
 A reward model with heavy or conflicting dependencies (GenEval's detector, an OCR stack, a large VLM judge) runs in its
 own process, as the diffusion-RL peers serve GenEval and OCR; training talks to it through `mmgrpo.rewards.remote`.
-Standard library only (``http.server``, ``json``): JSON over HTTP, with no authentication, so it listens on loopback.
+The HTTP layer is [waitress](https://docs.pylonsproject.org/projects/waitress/) (a pure-Python production WSGI server):
+it parses requests, buffers bodies up to `max_body_mb` (a larger ``Content-Length`` or body gets 413, a malformed one
+400, before the reward sees it), closes connections idle for `channel_timeout` seconds (a client that stalls halfway
+through a request) and serves on `threads` worker threads; batches are still scored one at a time.
 
-Protocol:
+Authentication: with a token (see `mmgrpo.reward_codec.read_token`), every request needs
+``Authorization: Bearer <token>`` (compared in constant time) or gets 401. Off loopback the server refuses to start
+without one. The token travels in clear over HTTP: on an untrusted network, reach the server through an SSH tunnel or a
+TLS-terminating proxy (the client accepts ``https://`` addresses).
 
-- ``GET /info`` -> ``{"reward": name, "modalities": [...], "config": {...}}``.
+Protocol (payload codec in `mmgrpo.reward_codec`):
+
+- ``GET /info`` -> ``{"reward": name, "modalities": [...], "config": {...}, "max_body_bytes": n}``.
 - ``POST /score`` with ``{"outputs": ..., "batch": {"prompts", "metadata", "group_ids", "member_ids", "conditions"}}``
-  -> ``{"scores": [...], "components": {name: [...]}}`` (NaN written as null), or ``{"error": message}`` with status 400
-  (undecodable request) or 500 (the reward raised). One batch per request; requests are scored one at a time.
-
-Values are JSON, with three tagged forms: a tensor ``{"__tensor__": {"dtype", "shape", "data"}}`` (raw little-endian
-bytes, base64: exact), images ``{"__png__": {"shape", "frames"}}`` (a float tensor `[..., 3, H, W]` in [0, 1] as 8-bit
-PNGs, base64: ~10x smaller, quantised to 1/255) and a PIL image ``{"__pil__": base64 PNG}``.
+  -> ``{"scores": [...], "components": {name: [...]}}`` (NaN written as null).
+- Errors: ``{"error": message}`` with status 400 (undecodable request), 401 (missing or wrong token), 404 (unknown
+  path), 405 (wrong method) or 500 (the reward raised); waitress itself answers 400 (malformed HTTP, e.g. a bad
+  ``Content-Length``) and 413 (body over the limit) in plain text.
 """
 
 from __future__ import annotations
 
-import base64
 import dataclasses
-import io
+import hmac
 import json
-import math
 import sys
 import threading
 import traceback
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http import HTTPStatus
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-import torch
+import waitress
 import yaml
-from PIL import Image
+from waitress import wasyncore
 
 from . import registry
 from .config import ConfigError, apply_overrides, build_dataclass
-from .types import PromptBatch, RewardResult
+from .reward_codec import (TOKEN_ENV, TOKEN_HINT, check_token, decode_request, encode_result, is_loopback,
+                           read_token)
 
-PNG_KEYS = ("images", "videos")  # output keys sent as PNG when the client asks for it
-
-
-# ------------------------------------------------------------------------------------------------------- payload codec
-
-
-def _png_frames(tensor: torch.Tensor) -> dict:
-    pixels = (tensor.detach().float().nan_to_num(0.0).clamp(0, 1) * 255).round().to(torch.uint8).cpu()
-    flat = pixels.reshape(-1, *pixels.shape[-3:]).permute(0, 2, 3, 1).numpy()  # [M, H, W, 3]
-    encoded = []
-    for frame in flat:
-        buffer = io.BytesIO()
-        Image.fromarray(np.ascontiguousarray(frame)).save(buffer, format="PNG")
-        encoded.append(base64.b64encode(buffer.getvalue()).decode("ascii"))
-    return {"__png__": {"shape": list(tensor.shape), "frames": encoded}}
-
-
-def encode(value: Any, png_keys: tuple[str, ...] = (), key: str | None = None) -> Any:
-    """A JSON-ready form of `value` (tensors, arrays, PIL images, nested lists and dicts); tensors under a key in
-    `png_keys` with shape `[..., 3, H, W]` become PNGs."""
-    if isinstance(value, np.ndarray):
-        value = torch.from_numpy(value)
-    if isinstance(value, torch.Tensor):
-        if key in png_keys and value.dim() >= 3 and value.shape[-3] == 3 and value.is_floating_point():
-            return _png_frames(value)
-        value = value.detach().cpu()
-        array = (value.float() if value.dtype == torch.bfloat16 else value).contiguous().numpy()
-        data = base64.b64encode(array.astype(array.dtype.newbyteorder("<"), copy=False).tobytes()).decode("ascii")
-        return {"__tensor__": {"dtype": str(array.dtype), "shape": list(array.shape), "data": data}}
-    if isinstance(value, Image.Image):
-        buffer = io.BytesIO()
-        value.save(buffer, format="PNG")
-        return {"__pil__": base64.b64encode(buffer.getvalue()).decode("ascii")}
-    if isinstance(value, dict):
-        return {str(k): encode(v, png_keys, str(k)) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [encode(v, png_keys, key) for v in value]
-    if isinstance(value, (np.integer, np.floating, np.bool_)):
-        return value.item()
-    return value
-
-
-def decode(value: Any) -> Any:
-    """Inverse of [`encode`]: tensors come back as CPU tensors, PNG images as float tensors in [0, 1]."""
-    if isinstance(value, dict):
-        if "__tensor__" in value:
-            spec = value["__tensor__"]
-            array = np.frombuffer(base64.b64decode(spec["data"]), dtype=np.dtype(spec["dtype"]).newbyteorder("<"))
-            return torch.from_numpy(array.astype(np.dtype(spec["dtype"])).reshape(spec["shape"]))
-        if "__png__" in value:
-            spec = value["__png__"]
-            frames = [np.asarray(Image.open(io.BytesIO(base64.b64decode(f))).convert("RGB")) for f in spec["frames"]]
-            stacked = torch.from_numpy(np.stack(frames)).permute(0, 3, 1, 2).float() / 255  # [M, 3, H, W]
-            return stacked.reshape(spec["shape"])
-        if "__pil__" in value:
-            return Image.open(io.BytesIO(base64.b64decode(value["__pil__"]))).copy()
-        return {k: decode(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [decode(v) for v in value]
-    return value
-
-
-def encode_request(outputs: dict[str, Any], batch: PromptBatch, png: bool) -> bytes:
-    """The ``/score`` request body for `outputs` and `batch`."""
-    payload = {
-        "outputs": encode(outputs, PNG_KEYS if png else ()),
-        "batch": {
-            "prompts": list(batch.prompts),
-            "metadata": encode(batch.metadata),
-            "group_ids": None if batch.group_ids is None else batch.group_ids.tolist(),
-            "member_ids": None if batch.member_ids is None else batch.member_ids.tolist(),
-            "conditions": encode(batch.conditions),
-        },
-    }
-    return json.dumps(payload).encode("utf-8")
-
-
-def decode_request(body: bytes) -> tuple[dict[str, Any], PromptBatch]:
-    payload = json.loads(body.decode("utf-8"))
-    raw = payload["batch"]
-    batch = PromptBatch(
-        prompts=list(raw["prompts"]),
-        metadata=decode(raw.get("metadata") or []),
-        group_ids=None if raw.get("group_ids") is None else torch.tensor(raw["group_ids"], dtype=torch.long),
-        conditions=decode(raw.get("conditions") or {}),
-        member_ids=None if raw.get("member_ids") is None else torch.tensor(raw["member_ids"], dtype=torch.long),
-    )
-    return decode(payload["outputs"]), batch
-
-
-def _floats(values: torch.Tensor) -> list[float | None]:
-    return [None if not math.isfinite(v) else v for v in values.detach().float().cpu().tolist()]
-
-
-def encode_result(result: RewardResult) -> bytes:
-    payload = {"scores": _floats(result.scores), "components": {k: _floats(v) for k, v in result.components.items()}}
-    return json.dumps(payload).encode("utf-8")
-
-
-def decode_result(body: bytes) -> RewardResult:
-    payload = json.loads(body.decode("utf-8"))
-
-    def tensor(values: list) -> torch.Tensor:
-        return torch.tensor([float("nan") if v is None else v for v in values], dtype=torch.float32)
-
-    return RewardResult(
-        scores=tensor(payload["scores"]), components={k: tensor(v) for k, v in payload["components"].items()}
-    )
-
-
-# ------------------------------------------------------------------------------------------------------- server
+ROUTES = {"/info": "GET", "/score": "POST"}
 
 
 def load_reward(path: str | Path, overrides: list[str] = ()) -> tuple[str, Any]:
@@ -175,6 +69,49 @@ def load_reward(path: str | Path, overrides: list[str] = ()) -> tuple[str, Any]:
     return spec["name"], cls(build_dataclass(cls.Config, options, "reward"))
 
 
+def require_token_off_loopback(host: str, token: str | None) -> None:
+    """Raises `ValueError` (saying how to set a token) if `host` is not loopback and there is no token."""
+    if token is None and not is_loopback(host):
+        raise ValueError(
+            f"refusing to serve on {host!r} (not loopback) without a token: anyone who reaches the port could use the "
+            f"reward. Set a shared secret in ${TOKEN_ENV} or a file passed with --token-file, {TOKEN_HINT}; the "
+            f"`remote` reward reads the same variable (or reward.token_file) and sends it."
+        )
+
+
+@dataclasses.dataclass
+class ServerLimits:
+    """What the server accepts.
+
+    Args:
+        max_body_mb (`float`, defaults to 256): largest request body in MiB (about 120 PNG-encoded 1024x1024 images,
+            ~2 MiB each in base64).
+        channel_timeout (`int`, defaults to 60): seconds after which a connection with no activity (a client that
+            stalled halfway through a request, or an idle one) is closed. Not applied while a batch is being scored.
+        threads (`int`, defaults to 4): worker threads (``/info`` and refusals are answered while a batch is scored).
+        connection_limit (`int`, defaults to 32): open connections beyond which new ones wait in the backlog.
+    """
+
+    max_body_mb: float = 256.0
+    channel_timeout: int = 60
+    threads: int = 4
+    connection_limit: int = 32
+
+    def __post_init__(self):
+        mb = self.max_body_mb
+        if isinstance(mb, bool) or not isinstance(mb, (int, float)) or not 0 < mb < 2**20:
+            raise ValueError(f"max_body_mb must be a number of MiB in (0, 1048576), got {mb!r} (e.g. --max-body-mb 256)"
+                             ".")
+        for key in ("channel_timeout", "threads", "connection_limit"):
+            value = getattr(self, key)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{key} must be an integer >= 1, got {value!r}.")
+
+    @property
+    def max_body_bytes(self) -> int:
+        return int(self.max_body_mb * 2**20)
+
+
 class RewardServer:
     """An HTTP server scoring batches with one reward instance (see the module docstring for the protocol).
 
@@ -182,91 +119,124 @@ class RewardServer:
         reward: any `RewardFn`.
         name (`str`): its registry name, reported by ``/info``.
         host (`str`, defaults to `"127.0.0.1"`), port (`int`, defaults to 0: a free port).
+        token (`str`, *optional*): the shared secret every request must carry; required off loopback.
+        limits ([`ServerLimits`], *optional*): body size, timeout, threads.
     """
 
-    def __init__(self, reward, name: str, host: str = "127.0.0.1", port: int = 0):
-        self.reward, self.name = reward, name
+    def __init__(self, reward, name: str, host: str = "127.0.0.1", port: int = 0, token: str | None = None,
+                 limits: ServerLimits | None = None):
+        require_token_off_loopback(host, token)
+        self.reward, self.name, self.limits = reward, name, limits or ServerLimits()
+        self._token = None if token is None else check_token(token, "the token argument").encode("ascii")
         self.lock = threading.Lock()
-        self.httpd = ThreadingHTTPServer((host, port), self._handler())
-        self.httpd.daemon_threads = True
+        self._map: dict = {}  # waitress's socket map: closing everything in it stops the server
+        self.server = waitress.create_server(
+            self._app, map=self._map, host="127.0.0.1" if host == "localhost" else host, port=port,
+            threads=self.limits.threads, channel_timeout=self.limits.channel_timeout,
+            cleanup_interval=max(1, min(30, self.limits.channel_timeout // 2)),
+            max_request_body_size=self.limits.max_body_bytes, connection_limit=self.limits.connection_limit,
+            ident="mmgrpo-reward", expose_tracebacks=False,
+        )
+        if not hasattr(self.server, "effective_port"):  # a name that resolves to several addresses: one socket each
+            wasyncore.close_all(self._map)
+            self.server.task_dispatcher.shutdown(timeout=5)
+            raise ValueError(f"host {host!r} resolves to several addresses; pass one address (e.g. 0.0.0.0 for every "
+                             f"IPv4 interface, or this machine's address on the training network).")
         self.thread: threading.Thread | None = None
 
     @property
     def url(self) -> str:
-        host, port = self.httpd.server_address[:2]
-        return f"http://{host}:{port}"
+        host, port = self.server.effective_host, self.server.effective_port
+        return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
     def info(self) -> dict:
         config = getattr(self.reward, "config", None)
         options = dataclasses.asdict(config) if dataclasses.is_dataclass(config) else {}
-        return {"reward": self.name, "modalities": sorted(self.reward.modalities), "config": options}
+        return {"reward": self.name, "modalities": sorted(self.reward.modalities), "config": options,
+                "max_body_bytes": self.limits.max_body_bytes}
 
-    def _handler(self):
-        server = self
+    def _authorized(self, header: str) -> bool:
+        scheme, _, value = header.strip().partition(" ")
+        given = value.strip().encode("latin-1")  # WSGI headers are latin-1 strings
+        return scheme.lower() == "bearer" and hmac.compare_digest(given, self._token)
 
-        class Handler(BaseHTTPRequestHandler):
-            def _send(self, status: int, body: bytes) -> None:
-                self.send_response(status)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
+    def _respond(self, environ: dict) -> tuple[int, Any, list[tuple[str, str]]]:
+        """Status, JSON-ready body and extra headers for one request."""
+        if self._token is not None and not self._authorized(environ.get("HTTP_AUTHORIZATION", "")):
+            error = "wrong token" if environ.get("HTTP_AUTHORIZATION") else "missing token"
+            return 401, {"error": f"{error}: send the server's token as 'Authorization: Bearer <token>'"}, [
+                ("WWW-Authenticate", 'Bearer realm="mmgrpo-reward"')]
+        path, method = environ.get("PATH_INFO", "").rstrip("/"), environ["REQUEST_METHOD"]
+        if path not in ROUTES:
+            return 404, {"error": f"no such path {path or '/'!r}: GET /info or POST /score"}, []
+        if method != ROUTES[path]:
+            return 405, {"error": f"{path} takes {ROUTES[path]}, not {method}"}, [("Allow", ROUTES[path])]
+        if path == "/info":
+            return 200, self.info(), []
+        body = environ["wsgi.input"].read(int(environ.get("CONTENT_LENGTH") or 0))  # waitress checked the length
+        try:
+            outputs, batch = decode_request(body)
+        except Exception as err:  # a malformed request: the client's fault
+            return 400, {"error": f"undecodable request: {err!r}"}, []
+        try:
+            with self.lock:  # one batch at a time: reward models are rarely thread-safe
+                return 200, encode_result(self.reward(outputs, batch)), []
+        except Exception as err:
+            traceback.print_exc()
+            return 500, {"error": f"reward {self.name!r} raised {err!r}"}, []
 
-            def do_GET(self):
-                if self.path.rstrip("/") != "/info":
-                    return self._send(404, json.dumps({"error": "GET /info or POST /score"}).encode())
-                self._send(200, json.dumps(server.info(), default=str).encode())
-
-            def do_POST(self):
-                if self.path.rstrip("/") != "/score":
-                    return self._send(404, json.dumps({"error": "POST /score"}).encode())
-                body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
-                try:
-                    outputs, batch = decode_request(body)
-                except Exception as err:  # a malformed request: the client's fault
-                    return self._send(400, json.dumps({"error": f"undecodable request: {err!r}"}).encode())
-                try:
-                    with server.lock:  # one batch at a time: reward models are rarely thread-safe
-                        result = server.reward(outputs, batch)
-                    self._send(200, encode_result(result))
-                except Exception as err:
-                    traceback.print_exc()
-                    self._send(500, json.dumps({"error": f"reward {server.name!r} raised {err!r}"}).encode())
-
-            def log_message(self, format, *args):  # quiet: one line per request is noise in training logs
-                pass
-
-        return Handler
+    def _app(self, environ: dict, start_response) -> list[bytes]:
+        """The WSGI application."""
+        status, payload, headers = self._respond(environ)
+        body = payload if isinstance(payload, bytes) else json.dumps(payload, default=str).encode("utf-8")
+        start_response(f"{status} {HTTPStatus(status).phrase}",
+                       [("Content-Type", "application/json"), ("Content-Length", str(len(body))), *headers])
+        return [body]
 
     def start(self) -> "RewardServer":
         """Serves in a background thread (for tests and notebooks); returns self."""
-        self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
         self.thread.start()
         return self
 
+    def run(self) -> None:
+        """Serves in this thread until interrupted (Ctrl-C), then closes every socket and worker thread."""
+        try:
+            self.server.run()  # returns on KeyboardInterrupt
+        finally:
+            wasyncore.close_all(self._map)
+            self.server.task_dispatcher.shutdown(timeout=5)
+
     def stop(self) -> None:
-        """Stops serving and closes the socket."""
-        self.httpd.shutdown()
-        self.httpd.server_close()
-        if self.thread is not None:
+        """Stops serving: closes the listening socket and every connection, then the worker threads."""
+        if self.thread is not None and self.thread.is_alive():
+            self.server.trigger.pull_trigger(lambda: wasyncore.close_all(self._map))  # runs in the serving thread
             self.thread.join(timeout=5)
+        else:
+            wasyncore.close_all(self._map)
+        self.server.task_dispatcher.shutdown(timeout=5)
 
 
-def serve(config: str, overrides: list[str], host: str, port: int) -> int:
-    """``mmgrpo serve-reward``: loads the reward, prints its address and serves until interrupted."""
+def serve(config: str, overrides: list[str], host: str, port: int, token_file: str | None = None, **limits) -> int:
+    """``mmgrpo serve-reward``: reads the token, loads the reward, prints its address and serves until interrupted.
+    `limits` are [`ServerLimits`] fields."""
     try:
+        server_limits = ServerLimits(**limits)
+        token = read_token(token_file)
+        require_token_off_loopback(host, token)  # before loading a (possibly large) reward model
         name, reward = load_reward(config, overrides)
     except (ConfigError, ValueError, RuntimeError) as err:  # RuntimeError: weights that cannot be loaded
         print(f"mmgrpo: config error: {err}", file=sys.stderr)
         return 2
-    if host not in ("127.0.0.1", "localhost"):
-        print(f"mmgrpo: warning: serving on {host}, not loopback; the server has no authentication.", file=sys.stderr)
-    server = RewardServer(reward, name, host, port)
-    print(f"serving reward {name!r} on {server.url} (POST /score, GET /info); Ctrl-C stops", flush=True)
     try:
-        server.httpd.serve_forever()
-    except KeyboardInterrupt:
-        pass
-    finally:
-        server.httpd.server_close()
+        server = RewardServer(reward, name, host, port, token, server_limits)
+    except (OSError, ValueError) as err:  # port taken, unknown interface, a name with several addresses
+        print(f"mmgrpo: cannot listen on {host}:{port}: {err}", file=sys.stderr)
+        return 1
+    auth = "token required" if token else "no token (loopback only)"
+    try:
+        print(f"serving reward {name!r} on {server.url} (POST /score, GET /info; {auth}); Ctrl-C stops", flush=True)
+        server.run()
+    except KeyboardInterrupt:  # before the loop started
+        server.stop()
     return 0

@@ -1,8 +1,11 @@
 """The reward server and the `remote` client: same scores as in-process, clear errors when the server is down, hangs or
-fails; the payload codec; ``mmgrpo serve-reward`` and ``mmgrpo list``."""
+fails; the payload codec; ``mmgrpo serve-reward`` and ``mmgrpo list``. The HTTP layer is probed with raw sockets on
+loopback (bad lengths, bodies over the limit, a stalled client, tokens), every loop bounded in count and time."""
 
+import json
 import math
 import os
+import select
 import socket
 import subprocess
 import sys
@@ -12,7 +15,8 @@ import pytest
 import torch
 
 from mmgrpo import cli, registry
-from mmgrpo.reward_server import RewardServer, decode, encode, load_reward
+from mmgrpo.reward_codec import decode, encode, is_loopback
+from mmgrpo.reward_server import RewardServer, ServerLimits, load_reward, require_token_off_loopback
 from mmgrpo.rewards.accuracy import AccuracyReward
 from mmgrpo.rewards.jpeg import JpegReward
 from mmgrpo.rewards.remote import RemoteReward, RemoteRewardError
@@ -103,20 +107,25 @@ def test_load_reward_reads_an_experiment_config_or_a_reward_file(tmp_path):
 
 
 def test_serve_reward_command(tmp_path):
-    config = tmp_path / "reward.yaml"
+    config, token_file = tmp_path / "reward.yaml", tmp_path / "token"
     config.write_text("name: jpeg\n")
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    token_file.write_text(TOKEN + "\n")
+    env = {k: v for k, v in os.environ.items() if k != "MMGRPO_REWARD_TOKEN"} | {"PYTHONUNBUFFERED": "1"}
     process = subprocess.Popen(
-        [sys.executable, "-m", "mmgrpo.cli", "serve-reward", str(config), "--port", "0", "quality=80"],
+        [sys.executable, "-m", "mmgrpo.cli", "serve-reward", str(config), "--port", "0", "quality=80",
+         "--token-file", str(token_file), "--max-body-mb", "2"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
     )
     try:
         line = process.stdout.readline()
-        assert "serving reward 'jpeg' on http://127.0.0.1:" in line, process.stderr.read()
+        assert "serving reward 'jpeg' on http://127.0.0.1:" in line and "token required" in line, process.stderr.read()
         url = line.split(" on ")[1].split()[0]
+        status, body = exchange(int(url.rsplit(":", 1)[1]), request("GET", "/info", token=TOKEN))
+        assert status == 200 and json.loads(body)["max_body_bytes"] == 2 * 2**20
         images = torch.rand(2, 3, 16, 16, generator=torch.Generator().manual_seed(1))
         expected = JpegReward(JpegReward.Config(quality=80))({"images": images}, PromptBatch(["a", "b"]))
-        result = remote(url, encoding="float32")({"images": images}, PromptBatch(["a", "b"]))
+        reward = remote(url, encoding="float32", token_file=str(token_file))
+        result = reward({"images": images}, PromptBatch(["a", "b"]))
         torch.testing.assert_close(result.scores, expected.scores, rtol=0, atol=0)
     finally:
         process.terminate()
@@ -132,3 +141,171 @@ def test_list_shows_every_reward_on_one_line(capsys):
     expected = {"accuracy", "aesthetic", "box_iou", "clip_score", "composite", "format", "jpeg", "mask_iou", "pickscore",
                 "remote"}
     assert expected <= set(registry.available("reward"))
+
+
+# ------------------------------------------------------------------------------------------------------- HTTP layer
+
+TOKEN = "test-token-0123456789abcdef"
+LIMIT = 2**20  # the guarded server's body limit (1 MiB)
+
+
+def request(method, path, body=b"", token=None, headers=()):
+    """Raw HTTP/1.1 request bytes (``Connection: close``: the server closes once it has answered)."""
+    lines = [f"{method} {path} HTTP/1.1", "Host: 127.0.0.1", "Connection: close", *headers]
+    lines += [f"Authorization: Bearer {token}"] * (token is not None) + [f"Content-Length: {len(body)}"] * bool(body)
+    return ("\r\n".join(lines) + "\r\n\r\n").encode() + body
+
+
+def exchange(port, data, timeout=5.0):
+    """Sends `data` on a fresh loopback connection and reads until the server closes it (at most `timeout` s and 200
+    reads). Returns the status (`None`: no response at all) and the body."""
+    received, deadline = b"", time.monotonic() + timeout
+    with socket.create_connection(("127.0.0.1", port), timeout=timeout) as conn:
+        conn.sendall(data)
+        for _ in range(200):
+            conn.settimeout(max(0.01, deadline - time.monotonic()))
+            try:
+                chunk = conn.recv(65536)
+            except (TimeoutError, ConnectionResetError):
+                break
+            if not chunk:
+                break
+            received += chunk
+    head, _, body = received.partition(b"\r\n\r\n")
+    return (int(head.split()[1]) if head.startswith(b"HTTP/1.") else None), body
+
+
+def score_body(outputs, prompts=("a",)):
+    return json.dumps({"outputs": encode(outputs), "batch": {"prompts": list(prompts)}}).encode()
+
+
+@pytest.fixture(scope="module")
+def guarded():
+    """A `jpeg` server with a token, a 1 MiB body limit and a 1 s channel timeout."""
+    server = RewardServer(JpegReward(), "jpeg", token=TOKEN, limits=ServerLimits(max_body_mb=1, channel_timeout=1))
+    server.start()
+    yield server
+    server.stop()
+
+
+def port_of(server):
+    return int(server.url.rsplit(":", 1)[1])
+
+
+@pytest.mark.parametrize("length, status", [("abc", 400), ("-5", 400), ("12x", 400), (str(LIMIT + 1), 413),
+                                            ("99999999999999999999", 413)])
+def test_bad_or_huge_content_length_gets_a_4xx_answer(guarded, length, status):
+    data = request("POST", "/score", token=TOKEN, headers=[f"Content-Length: {length}"]) + b'{"outputs"'
+    assert exchange(port_of(guarded), data)[0] == status  # the old http.server closed without answering, or hung
+
+
+def test_a_body_over_the_limit_gets_413(guarded):
+    # chunked, so no Content-Length announces the size: the server counts the bytes; the body is exactly the limit
+    # (framing included), so the server has read everything when it answers
+    size = LIMIT - len(b"00000000\r\n")
+    data = request("POST", "/score", token=TOKEN, headers=["Transfer-Encoding: chunked"])
+    status, body = exchange(port_of(guarded), data + f"{size:08x}\r\n".encode() + b"x" * size)
+    assert status == 413, body
+
+
+@pytest.mark.parametrize("n", [24, 240])  # 1.5 MiB: the 413 reaches the client; 15 MiB: the upload is cut short
+def test_the_client_says_a_batch_is_too_large(guarded, monkeypatch, n):
+    monkeypatch.setenv("MMGRPO_REWARD_TOKEN", TOKEN)
+    reward = remote(guarded.url, encoding="float32", retries=3, retry_wait=5.0)
+    started = time.monotonic()
+    with pytest.raises(RemoteRewardError, match=r"batch \(\d+\.\d MiB\) is too large .* --max-body-mb"):
+        reward({"images": torch.rand(n, 3, 64, 64)}, PromptBatch(["a"] * n))  # base64 float32
+    assert time.monotonic() - started < 4.0  # not retried
+
+
+def test_a_stalled_client_is_cut_off_while_others_are_served(guarded):
+    with socket.create_connection(("127.0.0.1", port_of(guarded)), timeout=8.0) as stalled:
+        stalled.sendall(request("POST", "/score", token=TOKEN, headers=["Content-Length: 100"]) + b'{"outputs":')
+        started = time.monotonic()
+        status, body = exchange(port_of(guarded), request("GET", "/info", token=TOKEN))
+        assert status == 200 and json.loads(body)["reward"] == "jpeg" and time.monotonic() - started < 2.0
+        assert select.select([stalled], [], [], 8.0)[0], "the stalled connection was never closed"
+        assert stalled.recv(1024) == b"" and time.monotonic() - started < 8.0  # closed after the 1 s timeout
+
+
+@pytest.mark.parametrize("method, path, body, status, message", [
+    ("POST", "/score", b"{not json", 400, "undecodable request"),
+    ("POST", "/score", b'{"batch": 3}', 400, "expected a JSON object"),
+    ("POST", "/score", b'{"outputs": {"images": {"__tensor__": {"dtype": "object", "shape": [1], "data": ""}}}, '
+                       b'"batch": {"prompts": ["a"]}}', 400, "not a number type"),
+    ("POST", "/score", score_body({"texts": ["not an image"]}), 500, "reward 'jpeg' raised"),
+    ("GET", "/nowhere", b"", 404, "GET /info or POST /score"),
+    ("GET", "/score", b"", 405, "/score takes POST"),
+    ("POST", "/info", b"{}", 405, "/info takes GET"),
+])
+def test_bad_requests_get_a_json_error(guarded, method, path, body, status, message):
+    got, answer = exchange(port_of(guarded), request(method, path, body, token=TOKEN))
+    assert got == status and message in json.loads(answer)["error"]
+
+
+@pytest.mark.parametrize("token, status", [(None, 401), ("wrong-token-0123456789", 401), (TOKEN[:-1], 401),
+                                           ("", 401), (TOKEN, 200)])
+def test_every_request_needs_the_token(guarded, token, status):
+    valid = score_body({"images": torch.rand(1, 3, 8, 8)})
+    for data in (request("GET", "/info", token=token), request("POST", "/score", valid, token=token)):
+        got, body = exchange(port_of(guarded), data)
+        assert got == status and (status == 200 or "token" in json.loads(body)["error"])
+
+
+def test_the_client_sends_its_token_and_explains_a_refusal(guarded, monkeypatch, tmp_path):
+    images, batch = torch.rand(2, 3, 8, 8), PromptBatch(["a", "b"])
+    for env, match in ((None, "requires a token and none was sent"), ("wrong-token-0123456789", "is not the server's")):
+        if env is None:
+            monkeypatch.delenv("MMGRPO_REWARD_TOKEN", raising=False)
+        else:
+            monkeypatch.setenv("MMGRPO_REWARD_TOKEN", env)
+        started = time.monotonic()
+        with pytest.raises(RemoteRewardError, match=f"answered 401 .*{match}"):
+            remote(guarded.url, retries=3, retry_wait=5.0)({"images": images}, batch)
+        assert time.monotonic() - started < 4.0  # not retried
+    (tmp_path / "token").write_text(TOKEN)
+    result = remote(guarded.url, token_file=str(tmp_path / "token"))({"images": images}, batch)
+    assert result.scores.shape == (2,) and torch.isfinite(result.scores).all()
+
+
+def test_off_loopback_the_server_refuses_to_start_without_a_token(tmp_path, monkeypatch, capsys):
+    assert all(map(is_loopback, ["127.0.0.1", "127.3.2.1", "::1", "[::1]", "localhost"]))
+    assert not any(map(is_loopback, ["0.0.0.0", "", "::", "10.0.0.1", "192.168.1.2", "reward-node"]))
+    with pytest.raises(ValueError, match="refusing to serve on '0.0.0.0'.*MMGRPO_REWARD_TOKEN.*--token-file"):
+        require_token_off_loopback("0.0.0.0", None)
+    require_token_off_loopback("0.0.0.0", TOKEN)
+    with pytest.raises(ValueError, match="refusing"):  # raised before any socket is bound
+        RewardServer(JpegReward(), "jpeg", host="0.0.0.0")
+    monkeypatch.delenv("MMGRPO_REWARD_TOKEN", raising=False)
+    (tmp_path / "reward.yaml").write_text("name: jpeg\n")
+    assert cli.main(["serve-reward", str(tmp_path / "reward.yaml"), "--host", "0.0.0.0"]) == 2
+    assert "refusing to serve" in capsys.readouterr().err
+    monkeypatch.setenv("MMGRPO_REWARD_TOKEN", "short")  # a token too short to be a secret is refused too
+    assert cli.main(["serve-reward", str(tmp_path / "reward.yaml"), "--host", "0.0.0.0"]) == 2
+    assert "at least 16" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("options, message", [
+    ({"url": "http://10.1.2.3:8000"}, "not on loopback.*MMGRPO_REWARD_TOKEN"),
+    ({"url": "ftp://127.0.0.1"}, "reward.url must be http"),
+    ({"url": "http://127.0.0.1:99999"}, "reward.url .* not a valid address"),
+    ({"url": "http://"}, "reward.url must be http"),
+    ({"timeout": float("nan")}, "reward.timeout"), ({"timeout": 0}, "reward.timeout"),
+    ({"retries": -1}, "reward.retries"), ({"retries": True}, "reward.retries"),
+    ({"retry_wait": float("inf")}, "reward.retry_wait"), ({"encoding": "jpeg"}, "reward.encoding"),
+    ({"modalities": []}, "reward.modalities"), ({"token_env": ""}, "reward.token_env"),
+    ({"token_file": "no/such/file"}, "reward.token_file"),
+])
+def test_remote_config_names_the_bad_key(options, message, monkeypatch):
+    monkeypatch.delenv("MMGRPO_REWARD_TOKEN", raising=False)
+    with pytest.raises(ValueError, match=message):
+        RemoteReward.Config(**options)
+
+
+def test_a_valid_request_still_succeeds_after_the_abuse(guarded):
+    # runs after the tests above in file order; the server's thread is alive and it still scores
+    images = torch.rand(3, 3, 16, 16, generator=torch.Generator().manual_seed(2))
+    status, body = exchange(port_of(guarded), request("POST", "/score", score_body({"images": images}, "abc"), TOKEN))
+    expected = JpegReward()({"images": images}, PromptBatch(list("abc")))
+    assert status == 200 and guarded.thread.is_alive()
+    torch.testing.assert_close(torch.tensor(json.loads(body)["scores"]), expected.scores, rtol=0, atol=0)
