@@ -14,10 +14,10 @@ from mmgrpo.trainer import Trainer
 from mmgrpo.types import RewardResult
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "data" / "examples" / "vlm"
-KL = {"flow_grpo": 0.5, "grpo": 0.04, "cj_grpo": 0.04}
+KL = {"flow_grpo": 0.5, "grpo": 0.04, "cj_grpo": 0.04, "dgpo": 0.02}
 
 
-def make_config(tmp_path, family: str, model_dir: str, kl_beta: float) -> dict:
+def make_config(tmp_path, family: str, model_dir: str, kl_beta: float, algorithm: str) -> dict:
     """Tiny real components whose configured reward scores nothing: mini_geneval on prompts without a scene, and the
     accuracy reward looking for a ground truth the data does not carry (both NaN, "not applicable")."""
     no_answer = {"name": "accuracy", "mode": "numeric", "answer_key": "no_such_key"}
@@ -26,7 +26,8 @@ def make_config(tmp_path, family: str, model_dir: str, kl_beta: float) -> dict:
         prompts.write_text("a red circle\na blue square\n")
         pipeline = {"name": "sd3", "pretrained": model_dir, "resolution": 32, "num_steps": 2, "guidance_scale": 1.0,
                     "lora_rank": 4, "max_sequence_length": 16}
-        parts = {"algorithm": {"name": "flow_grpo", "clip_range": 0.2, "kl_beta": kl_beta},
+        options = {"clip_range": 0.2} if algorithm == "flow_grpo" else {"num_train_timesteps": 1, "trunc_steps": 1}
+        parts = {"algorithm": {"name": algorithm, "kl_beta": kl_beta, **options},
                  "reward": {"name": "mini_geneval"},
                  "data": {"name": "prompt_file", "train_file": str(prompts), "eval_file": str(prompts)}}
     elif family == "token":
@@ -49,14 +50,20 @@ def make_config(tmp_path, family: str, model_dir: str, kl_beta: float) -> dict:
 
 CASES = [(family, algorithm, kl) for family, algorithm in (("flow", "flow_grpo"), ("token", "grpo"), ("masked", "cj_grpo"))
          for kl in (0.0, KL[algorithm])]
+DGPO = [("flow", "dgpo", 0.0), ("flow", "dgpo", KL["dgpo"])]  # reads its reference and keeps an old model either way
 
 
-@pytest.fixture(params=CASES, ids=[f"{a}-kl{k}" for _, a, k in CASES])
+def ids(cases):
+    return [f"{algorithm}-kl{kl}" for _, algorithm, kl in cases]
+
+
+@pytest.fixture
 def trainer(request, tmp_path):
-    family, _, kl = request.param
+    family, algorithm, kl = request.param
     fixture = {"flow": "tiny_sd3_dir", "token": "tiny_qwen2_vl_dir", "masked": "tiny_mdlm_dir"}[family]
-    built = Trainer(config_mod.from_dict(make_config(tmp_path, family, request.getfixturevalue(fixture), kl)))
-    assert built.algorithm.needs_reference == (kl > 0)
+    raw = make_config(tmp_path, family, request.getfixturevalue(fixture), kl, algorithm)
+    built = Trainer(config_mod.from_dict(raw))
+    assert built.algorithm.needs_reference == (kl > 0 or algorithm == "dgpo")
     return built
 
 
@@ -64,9 +71,11 @@ def weights(trainer):
     return [p.detach().clone() for p in trainer.policy.trainable_parameters()]
 
 
+@pytest.mark.parametrize("trainer", CASES + DGPO, ids=ids(CASES + DGPO), indirect=True)
 def test_a_step_without_any_finite_reward_moves_nothing(trainer):
     """All rewards NaN (the real reward, nothing applicable), then all +inf: no update at all, KL term or not; the
-    optimizer keeps no state, the learning-rate schedule does not advance, and both skipped updates are counted."""
+    optimizer keeps no state, the learning-rate schedule and the algorithm's state (DGPO's old model) do not advance,
+    and both skipped updates are counted."""
     before, schedule = weights(trainer), trainer.lr_scheduler.state_dict()
     nan_step = trainer.train_step()
     trainer.reward = lambda outputs, batch: RewardResult(scores=torch.full((len(batch),), math.inf))
@@ -76,8 +85,10 @@ def test_a_step_without_any_finite_reward_moves_nothing(trainer):
     assert not trainer.optimizer.state_dict()["state"]  # AdamW never stepped (no moments, no weight decay)
     assert trainer.lr_scheduler.state_dict() == schedule
     assert trainer.skipped_updates == inf_step["train/skipped_updates"] == 2
+    assert getattr(trainer.algorithm, "updates", 0) == 0
 
 
+@pytest.mark.parametrize("trainer", CASES, ids=ids(CASES), indirect=True)
 @pytest.mark.filterwarnings("ignore:Detected call of `lr_scheduler.step\(\)`")  # the captured optimizer.step
 def test_samples_without_reward_add_nothing_and_the_others_still_update(trainer):
     """Scores ``[0.1, NaN, 0.7 | 0.3, 0.9, +inf]``: the NaN and +inf samples are left out of their groups' statistics
