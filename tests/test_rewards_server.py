@@ -2,14 +2,17 @@
 fails; the payload codec; ``mmgrpo serve-reward`` and ``mmgrpo list``. The HTTP layer is probed with raw sockets on
 loopback (bad lengths, bodies over the limit, a stalled client, tokens), every loop bounded in count and time."""
 
+import base64
 import json
 import math
 import os
 import select
 import socket
+import struct
 import subprocess
 import sys
 import time
+import zlib
 
 import pytest
 import torch
@@ -60,6 +63,19 @@ def test_codec_is_exact_for_tensors():
     for key in ("f", "b", "i"):
         assert back[key].dtype == value[key].dtype and torch.equal(back[key], value[key])
     assert back["s"] == "x" and back["n"] == [1, 2.5, None] and torch.equal(back["h"], torch.ones(2))
+
+
+def test_codec_refuses_a_png_claiming_a_huge_image_before_decoding_it():
+    def chunk(kind, data):
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+    header = struct.pack(">IIBBBBB", 9000, 9000, 8, 2, 0, 0, 0)  # 9000 x 9000 RGB: 243 MB once decoded
+    png = b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", zlib.compress(b"")) + chunk(b"IEND", b"")
+    frame = base64.b64encode(png).decode()
+    with pytest.raises(ValueError, match="9000x9000 exceeds the limit"):
+        decode({"__png__": {"shape": [1, 3, 9000, 9000], "frames": [frame]}})
+    with pytest.raises(ValueError, match="not a number type"):
+        decode({"__tensor__": {"dtype": "object", "shape": [1], "data": ""}})
 
 
 def test_stopped_server_gives_a_clear_error_within_the_timeout():
