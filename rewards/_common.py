@@ -1,14 +1,23 @@
-"""Helpers shared by the rewards (not a plugin: no ``PLUGIN``): media frames, answer extraction, NaN vectors."""
+"""Helpers shared by the rewards (not a plugin: no ``PLUGIN``): media frames, answer extraction, the length cap of
+model texts, NaN vectors.
+
+Every parser here reads its input in one pass (O(length)); the text rewards also cut each completion to
+``max_completion_chars`` characters before parsing ([`cut_texts`]), so a runaway generation costs a bounded time.
+"""
 
 from __future__ import annotations
 
 import re
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 
+from mmgrpo.validation import ConfigError, check_range
+
 NAN = float("nan")
 MEDIA_KEYS = {"image": "images", "video": "videos"}  # modality -> key in `outputs`
+MAX_COMPLETION_CHARS = 16384  # default `max_completion_chars` of the text rewards (~4K tokens)
+_BRACE = re.compile(r"[{}]")
 
 
 def nans(n: int) -> torch.Tensor:
@@ -52,25 +61,48 @@ def non_finite_samples(outputs: dict[str, Any], modality: str) -> torch.Tensor:
     return (~torch.isfinite(value)).flatten(1).any(dim=1).float().cpu()
 
 
+def tag_spans(text: str, opening: str, closing: str) -> Iterator[tuple[int, int]]:
+    """``(begin, end)`` of the contents of each ``opening...closing`` block of `text`, left to right.
+
+    The blocks are those of ``re.findall(re.escape(opening) + "(.*?)" + re.escape(closing), text, re.DOTALL)``: each
+    ends at the first `closing` after its `opening`, and the next one starts after it. One pass of `str.find`, so
+    O(len(text)) even with thousands of unclosed openings (the lazy regex rescans the rest of the text from each).
+    """
+    if not opening or not closing:
+        raise ValueError("tag_spans: opening and closing must be non-empty strings.")
+    position = 0
+    while True:
+        start = text.find(opening, position)
+        if start < 0:
+            return
+        begin = start + len(opening)
+        end = text.find(closing, begin)
+        if end < 0:  # no closing after this opening, hence none after any later one
+            return
+        yield begin, end
+        position = end + len(closing)
+
+
 def last_tag_block(text: str, tag: str) -> str | None:
-    """Contents of the last ``<tag>...</tag>`` block of `text` (across lines), or None if there is none."""
-    blocks = re.findall(rf"<{re.escape(tag)}>(.*?)</{re.escape(tag)}>", text, flags=re.DOTALL)
-    return blocks[-1] if blocks else None
+    """Contents of the last ``<tag>...</tag>`` block of `text` (across lines), or None if there is none (linear)."""
+    last = None
+    for last in tag_spans(text, f"<{tag}>", f"</{tag}>"):
+        pass
+    return None if last is None else text[last[0] : last[1]]
 
 
 def last_boxed(text: str) -> str | None:
-    """Contents of the last ``\\boxed{...}`` of `text`, with nested braces, or None."""
+    """Contents of the last ``\\boxed{...}`` of `text`, with nested braces, or None (linear: one scan of its braces)."""
     start = text.rfind("\\boxed{")
     if start < 0:
         return None
     depth, begin = 0, start + len("\\boxed{")
-    for position in range(begin, len(text)):
-        char = text[position]
-        if char == "{":
+    for match in _BRACE.finditer(text, begin):
+        if match.group() == "{":
             depth += 1
-        elif char == "}":
-            if depth == 0:
-                return text[begin:position]
+        elif depth == 0:
+            return text[begin : match.start()]
+        else:
             depth -= 1
     return None
 
@@ -82,3 +114,37 @@ def texts(outputs: dict[str, Any], n: int, reward: str) -> list[str | None]:
         got = f"{type(value).__name__} of length {len(value)}" if isinstance(value, (list, tuple)) else type(value).__name__
         raise ValueError(f"{reward}: expected outputs['texts'] as a list of {n} strings, got {got}.")
     return [item if isinstance(item, str) else None for item in value]
+
+
+def check_max_completion_chars(value: int | None) -> None:
+    """Validates a text reward's `max_completion_chars`: None or an integer >= 0 (None and 0: no cut)."""
+    fix = "give the cap in characters, or 0 / null for no cut"
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+        raise ConfigError(f"max_completion_chars must be an integer or null, got {value!r}; {fix}.")
+    if value is not None:
+        check_range("max_completion_chars", value, 0, fix=fix)
+
+
+def cut_texts(entries: list[str | None], max_chars: int | None) -> tuple[list[str | None], torch.Tensor]:
+    """Cuts each text to its first `max_chars` characters, before any parsing: the one length cap of the text rewards.
+
+    The head is kept, as a generation that ran out of tokens keeps it, so a cut answer usually loses its closing tag
+    and fails the format.
+
+    Args:
+        entries (`list`): texts (None for a malformed entry, left as is).
+        max_chars (`int`, *optional*): the cap; None or 0 cuts nothing.
+
+    Returns:
+        `tuple`: the texts, and `truncated` `[N]` float 0/1, 1 where a text was cut (reported as a reward component,
+        so the share of cut completions shows in the metrics).
+    """
+    truncated = torch.zeros(len(entries), dtype=torch.float32)
+    if not max_chars:
+        return list(entries), truncated
+    out = []
+    for i, text in enumerate(entries):
+        if text is not None and len(text) > max_chars:
+            text, truncated[i] = text[:max_chars], 1.0
+        out.append(text)
+    return out, truncated

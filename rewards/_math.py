@@ -15,8 +15,11 @@ import re
 MAX_LENGTH = 200  # longer answers are not parsed as math
 MAX_EXPONENT = 64
 MAX_OPS = 60  # larger expressions are not simplified
+MAX_FRACTION_DIGITS = 4300  # Python's default limit of int() from text (longer fractions are not read)
 
-_NUMBER = re.compile(r"[-+]?(?:\d{1,3}(?:,\d{3})+|\d+)?(?:\.\d+)?(?:[eE][-+]?\d+)?%?")
+# a number written in text; the lookahead (a digit ahead) skips the empty / sign-only matches the rest of the pattern
+# allows at every position, so the matches are exactly the digit-holding ones of the pattern without it
+_NUMBER = re.compile(r"(?=[-+]?(?:\d|\.\d|[eE][-+]?\d))[-+]?(?:\d{1,3}(?:,\d{3})+|\d+)?(?:\.\d+)?(?:[eE][-+]?\d+)?%?")
 _LATEX = [
     (r"\\%", "%"),
     (r"\\left|\\right|\\!|\\,|\\;|\\:|\\quad|\\displaystyle|\$", ""),
@@ -40,16 +43,47 @@ def normalize_text(text: str, case_sensitive: bool = False) -> str:
     return text if case_sensitive else text.casefold()
 
 
-def parse_number(text: str) -> float | None:
-    """The last number written in `text` (``1,234.5``, ``-3``, ``2e3``, ``45%`` -> 0.45, ``3/4`` -> 0.75), or None."""
-    text = text.replace("\\%", "%").replace("$", "")
-    fraction = re.search(r"([-+]?\d+)\s*/\s*(\d+)\s*$", text.strip())
-    if fraction and int(fraction.group(2)) != 0:
-        return int(fraction.group(1)) / int(fraction.group(2))
-    candidates = [m.group(0) for m in _NUMBER.finditer(text) if any(c.isdigit() for c in m.group(0))]
-    if not candidates:
+def _fraction(text: str) -> float | None:
+    """The value of `text` when it ends with a fraction ``[-+]<digits> / <digits>`` (white space allowed around the
+    slash), as ``re.search(r"([-+]?\\d+)\\s*/\\s*(\\d+)\\s*$", text)`` reads it; None when it does not (or the
+    denominator is 0); NaN when it does but the value is not a float (more than `MAX_FRACTION_DIGITS` digits a side,
+    Python's own limit for `int` from text, or a quotient beyond the float range).
+
+    Read backwards from the end in one pass (the regex retries every start of a long digit run: quadratic)."""
+    head, slash, denominator = text.rpartition("/")
+    denominator = denominator.lstrip()
+    if not slash or not denominator.isdecimal():
         return None
-    token = candidates[-1]
+    head = head.rstrip()
+    start = len(head)
+    while start > 0 and head[start - 1].isdecimal() and len(head) - start <= MAX_FRACTION_DIGITS:
+        start -= 1
+    numerator = head[start:]
+    if not numerator:
+        return None
+    if len(numerator) > MAX_FRACTION_DIGITS or len(denominator) > MAX_FRACTION_DIGITS:
+        return math.nan
+    sign = -1 if start > 0 and head[start - 1] == "-" else 1
+    if int(denominator) == 0:
+        return None
+    try:
+        return sign * int(numerator) / int(denominator)
+    except OverflowError:
+        return math.nan
+
+
+def parse_number(text: str) -> float | None:
+    """The last number written in `text` (``1,234.5``, ``-3``, ``2e3``, ``45%`` -> 0.45, ``3/4`` -> 0.75), or None.
+
+    Linear in the length of `text`: one backward read for a final fraction, one regex pass for the numbers."""
+    text = text.replace("\\%", "%").replace("$", "")
+    fraction = _fraction(text.strip())
+    if fraction is not None:
+        return fraction if math.isfinite(fraction) else None
+    tokens = _NUMBER.findall(text)
+    if not tokens:
+        return None
+    token = tokens[-1]
     percent = token.endswith("%")
     try:
         value = float(token.rstrip("%").replace(",", ""))
@@ -66,7 +100,7 @@ def latex_to_python(text: str) -> str:
         text = re.sub(pattern, replacement, text)
     text = text.split("=")[-1].strip()
     text = re.sub(r"(\d),(\d{3})(?!\d)", r"\1\2", text)  # thousands separators
-    text = re.sub(r"(\d+(?:\.\d+)?)\s*%", r"(\1/100)", text)
+    text = re.sub(r"(?<!\d)(\d+(?:\.\d+)?)\s*%", r"(\1/100)", text)  # starts a digit run once: linear
     text = re.sub(r"(\d)\s*(?![eE][-+]?\d)([a-zA-Z(])", r"\1*\2", text)
     text = re.sub(r"\)\s*([a-zA-Z\d(])", r")*\1", text)
     return text

@@ -20,6 +20,10 @@ text (component ``tagged`` says which; ``require_tag=True`` scores untagged answ
 
 Scores 1 (correct) or 0; an answer with nothing to compare (no number, no letter, unparseable math, not a string)
 scores 0 with ``malformed`` = 1. A sample without ``metadata[answer_key]`` is not applicable: NaN.
+
+Every text is first cut to `max_completion_chars` characters (component ``truncated`` = 1 where it was; the head is
+kept, so a cut answer usually loses its tag); all parsing is linear in the length of the text, math answers longer
+than 200 characters (after LaTeX rewriting) are not given to sympy.
 """
 
 from __future__ import annotations
@@ -29,14 +33,17 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from mmgrpo.rewards import _math
-from mmgrpo.rewards._common import last_boxed, last_tag_block, nans, texts
+from mmgrpo.rewards._common import (
+    MAX_COMPLETION_CHARS, check_max_completion_chars, cut_texts, last_boxed, last_tag_block, nans, texts,
+)
 from mmgrpo.types import PromptBatch, RewardResult
 
 MODES = ("auto", "exact", "numeric", "choice", "math")
 _PLAIN_NUMBER = re.compile(r"\s*[-+]?(\d{1,3}(,\d{3})+|\d+)?(\.\d+)?([eE][-+]?\d+)?\s*%?\s*")
 _LETTER_ONLY = re.compile(r"\s*\(?([A-Za-z])\)?[.:)]?\s*")
 _LETTER_FIRST = re.compile(r"\s*\(?([A-Z])\)?[.:)]\s")
-_LETTER_SAID = re.compile(r"(?i:answer|option|choice)\s*(?i:is|:)?\s*\(?([A-Z])\)?(?![A-Za-z])")
+# one white-space run per gap: two `\s*` around an optional word backtrack quadratically over long white space
+_LETTER_SAID = re.compile(r"(?i:answer|option|choice)\s*(?:(?i:is|:)\s*)?\(?([A-Z])\)?(?![A-Za-z])")
 _LETTER_PAREN = re.compile(r"\(([A-Z])\)")
 
 
@@ -76,6 +83,9 @@ class AccuracyReward:
             rtol (`float`, defaults to 1e-4), atol (`float`, defaults to 1e-8): numeric and math tolerance.
             fuzzy_width (`float`, defaults to 0.0): > 0 pays wrong numbers for closeness (relative error at which the
                 pay reaches 0).
+            max_completion_chars (`int`, *optional*, defaults to 16384): each text is cut to this many characters
+                before parsing (component ``truncated``); 0 or None: no cut (the parsers are linear; sympy only ever
+                sees short answers).
         """
 
         mode: Literal["auto", "exact", "numeric", "choice", "math"] = "auto"
@@ -87,12 +97,14 @@ class AccuracyReward:
         rtol: float = 1e-4
         atol: float = 1e-8
         fuzzy_width: float = 0.0
+        max_completion_chars: int | None = MAX_COMPLETION_CHARS
 
         def __post_init__(self):
             if self.rtol < 0 or self.atol < 0 or self.fuzzy_width < 0:
                 raise ValueError(
                     f"accuracy.rtol, atol and fuzzy_width must be >= 0, got {self.rtol}, {self.atol}, {self.fuzzy_width}."
                 )
+            check_max_completion_chars(self.max_completion_chars)
 
     modalities = frozenset({"text"})
 
@@ -163,9 +175,10 @@ class AccuracyReward:
         return {"score": best, "malformed": float(malformed), "tagged": float(tagged)}
 
     def __call__(self, outputs: dict[str, Any], batch: PromptBatch) -> RewardResult:
-        """Returns `scores` `[N]` and `components` ``malformed`` and ``tagged``, each `[N]`."""
+        """Returns `scores` `[N]` and `components` ``malformed``, ``tagged`` and ``truncated`` (every sample), each
+        `[N]`."""
         n = len(batch)
-        answers = texts(outputs, n, "accuracy")
+        answers, truncated = cut_texts(texts(outputs, n, "accuracy"), self.config.max_completion_chars)
         columns = {name: nans(n) for name in ("score", "malformed", "tagged")}
         for i, (text, metadata) in enumerate(zip(answers, batch.metadata)):
             if metadata.get(self.config.answer_key) is None:
@@ -173,7 +186,7 @@ class AccuracyReward:
             for name, value in self.score_one(text, metadata[self.config.answer_key], metadata).items():
                 columns[name][i] = value
         scores = columns.pop("score")
-        return RewardResult(scores=scores, components=columns)
+        return RewardResult(scores=scores, components={**columns, "truncated": truncated})
 
 
 PLUGIN = AccuracyReward

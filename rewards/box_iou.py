@@ -17,6 +17,9 @@ Conventions (one for all models):
 - **Score**: the sum of matched IoUs (or hits, in threshold mode) divided by ``max(#predicted, #true)``, so extra and
   missing boxes both cost; 1 for an empty truth (no target) and no predicted box, 0 for an empty truth and any box.
 
+Each text is first cut to `max_completion_chars` characters (component ``truncated`` = 1 where it was); parsing is
+linear in the length of the text (tag blocks by `str.find`, numbers by a regex without overlapping quantifiers).
+
 Malformed answers score 0 and set ``malformed`` = 1: no box found when a target exists, or a box that is inverted
 (``x2 < x1`` or ``y2 < y1``, kept with IoU 0). Boxes are clipped to the image (``clipped`` = 1 when any was). Samples
 without ground truth (no `gt_key` in their metadata) are not applicable: NaN.
@@ -36,12 +39,16 @@ from typing import Any, Literal
 
 import torch
 
-from mmgrpo.rewards._common import last_tag_block, nans, texts
+from mmgrpo.rewards._common import (
+    MAX_COMPLETION_CHARS, check_max_completion_chars, cut_texts, last_tag_block, nans, tag_spans, texts,
+)
 from mmgrpo.rewards._matching import max_weight_matching
 from mmgrpo.types import PromptBatch, RewardResult
 
-_NUMBER = r"[-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?"
-_TAGS = (re.compile(r"<box>(.*?)</box>", re.DOTALL), re.compile(r"<\|box_start\|>(.*?)<\|box_end\|>", re.DOTALL))
+# `\d+(?:\.\d*)?`, not `\d+\.?\d*`: the latter splits a digit run between its two quantifiers in every way before
+# failing (quadratic in the run's length)
+_NUMBER = r"[-+]?(?:\d+(?:\.\d*)?|\.\d+)(?:[eE][-+]?\d+)?"
+_TAGS = (("<box>", "</box>"), ("<|box_start|>", "<|box_end|>"))
 _LIST4 = re.compile(rf"[\[(]\s*({_NUMBER})\s*,\s*({_NUMBER})\s*,\s*({_NUMBER})\s*,\s*({_NUMBER})\s*[\])]")
 
 
@@ -49,7 +56,7 @@ def parse_boxes(text: str, answer_tag: str | None = "answer", max_boxes: int = 1
     """The boxes written in `text` (model frame, not mapped), see the module docstring; at most `max_boxes`."""
     if answer_tag:
         text = last_tag_block(text, answer_tag) or text
-    tagged = [m for pattern in _TAGS for m in pattern.findall(text)]
+    tagged = [text[begin:end] for opening, closing in _TAGS for begin, end in tag_spans(text, opening, closing)]
     if tagged:
         found = [[float(x) for x in re.findall(_NUMBER, content)] for content in tagged]
         boxes = [numbers for numbers in found if len(numbers) == 4]
@@ -86,6 +93,8 @@ class BoxIoU:
                 when present (None: the whole text).
             gt_key (`str`, defaults to `"boxes"`): metadata key of the ground-truth box(es).
             max_boxes (`int`, defaults to 100): boxes read from one answer at most.
+            max_completion_chars (`int`, *optional*, defaults to 16384): each text is cut to this many characters
+                before parsing (component ``truncated``); 0 or None: no cut (the parser is linear).
         """
 
         coords: Literal["resized", "original", "norm1000", "norm1"] = "resized"
@@ -93,12 +102,14 @@ class BoxIoU:
         answer_tag: str | None = "answer"
         gt_key: str = "boxes"
         max_boxes: int = 100
+        max_completion_chars: int | None = MAX_COMPLETION_CHARS
 
         def __post_init__(self):
             if self.threshold is not None and not 0.0 < self.threshold <= 1.0:
                 raise ValueError(f"box_iou.threshold must be in (0, 1] or null, got {self.threshold}.")
             if self.max_boxes < 1:
                 raise ValueError(f"box_iou.max_boxes must be >= 1, got {self.max_boxes}.")
+            check_max_completion_chars(self.max_completion_chars)
 
     modalities = frozenset({"text"})
 
@@ -168,9 +179,9 @@ class BoxIoU:
 
     def __call__(self, outputs: dict[str, Any], batch: PromptBatch) -> RewardResult:
         """Returns `scores` `[N]` and `components` ``iou`` (continuous, NaN without a box pair), ``malformed``,
-        ``clipped`` and ``num_boxes``, each `[N]`."""
+        ``clipped``, ``num_boxes`` and ``truncated`` (every sample), each `[N]`."""
         n = len(batch)
-        answers = texts(outputs, n, "box_iou")
+        answers, truncated = cut_texts(texts(outputs, n, "box_iou"), self.config.max_completion_chars)
         columns = {name: nans(n) for name in ("score", "iou", "malformed", "clipped", "num_boxes")}
         for i, (text, metadata) in enumerate(zip(answers, batch.metadata)):
             if self.config.gt_key not in metadata:
@@ -178,7 +189,7 @@ class BoxIoU:
             for name, value in self.score_one(text, metadata[self.config.gt_key], metadata, i).items():
                 columns[name][i] = value
         scores = columns.pop("score")
-        return RewardResult(scores=scores, components=columns)
+        return RewardResult(scores=scores, components={**columns, "truncated": truncated})
 
 
 PLUGIN = BoxIoU

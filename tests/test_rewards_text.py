@@ -1,6 +1,7 @@
 """format and accuracy: layouts, answer extraction, each comparison mode, malformed and unsafe answers."""
 
 import math
+import re
 import time
 
 import pytest
@@ -115,3 +116,19 @@ def test_auto_mode_per_sample_types_lists_and_not_applicable():
     reward = AccuracyReward()
     result = reward({"texts": ["<answer>1</answer>", None]}, PromptBatch(["a", "b"], metadata=[{}, {"answer": "1"}]))
     assert math.isnan(result.scores[0]) and result.scores[1] == 0.0 and result.components["malformed"][1] == 1.0
+
+
+def test_format_layout_names_and_their_regexes_agree():
+    from mmgrpo.rewards.format import BOXED_PATTERN, R1_PATTERN
+
+    texts = ["<think>a</think><answer>4</answer>", " <think>a</think>\n<answer>4</answer> ", "<answer>4</answer>",
+             "<think>a</think><answer>4", "<think>a</think> \\boxed{3}", "x<think>a</think> \\boxed{3}"]
+    for name, regex in (("r1", R1_PATTERN), ("boxed", BOXED_PATTERN)):
+        by_name, _ = fmt(texts, pattern=name, unique_tags=[], max_completion_chars=0)  # no cap: the layouts are linear
+        by_regex, _ = fmt(texts, pattern=regex, unique_tags=[])
+        assert by_name == by_regex == [float(re.fullmatch(regex, t, re.DOTALL) is not None) for t in texts]
+
+
+def test_text_reward_configs_accept_no_cap():
+    for config in (FormatReward.Config(max_completion_chars=0), AccuracyReward.Config(max_completion_chars=None)):
+        assert not config.max_completion_chars
