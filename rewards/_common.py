@@ -12,7 +12,7 @@ from typing import Any, Iterator
 
 import torch
 
-from mmgrpo.validation import ConfigError, check_range
+from mmgrpo.validation import ConfigError, check_range, check_text
 
 NAN = float("nan")
 MEDIA_KEYS = {"image": "images", "video": "videos"}  # modality -> key in `outputs`
@@ -123,6 +123,15 @@ def check_max_completion_chars(value: int | None) -> None:
         raise ConfigError(f"max_completion_chars must be an integer or null, got {value!r}; {fix}.")
     if value is not None:
         check_range("max_completion_chars", value, 0, fix=fix)
+
+
+def check_tag(key: str, value: str | None) -> None:
+    """Validates a tag name option (``"answer"`` for ``<answer>...</answer>``): None, or a non-empty name without
+    angle brackets."""
+    check_text(key, value)
+    if value is not None and ("<" in value or ">" in value):
+        name = value.strip("<>/")
+        raise ConfigError(f"{key}={value!r}: give the tag's name without angle brackets, e.g. {name!r}.")
 
 
 def cut_texts(entries: list[str | None], max_chars: int | None) -> tuple[list[str | None], torch.Tensor]:

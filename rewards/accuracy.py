@@ -34,9 +34,10 @@ from typing import Any, Literal
 
 from mmgrpo.rewards import _math
 from mmgrpo.rewards._common import (
-    MAX_COMPLETION_CHARS, check_max_completion_chars, cut_texts, last_boxed, last_tag_block, nans, texts,
+    MAX_COMPLETION_CHARS, check_max_completion_chars, check_tag, cut_texts, last_boxed, last_tag_block, nans, texts,
 )
 from mmgrpo.types import PromptBatch, RewardResult
+from mmgrpo.validation import check_fields, check_range, check_text
 
 MODES = ("auto", "exact", "numeric", "choice", "math")
 _PLAIN_NUMBER = re.compile(r"\s*[-+]?(\d{1,3}(,\d{3})+|\d+)?(\.\d+)?([eE][-+]?\d+)?\s*%?\s*")
@@ -100,10 +101,11 @@ class AccuracyReward:
         max_completion_chars: int | None = MAX_COMPLETION_CHARS
 
         def __post_init__(self):
-            if self.rtol < 0 or self.atol < 0 or self.fuzzy_width < 0:
-                raise ValueError(
-                    f"accuracy.rtol, atol and fuzzy_width must be >= 0, got {self.rtol}, {self.atol}, {self.fuzzy_width}."
-                )
+            check_fields(self)  # types; floats finite
+            for key in ("rtol", "atol", "fuzzy_width"):
+                check_range(key, getattr(self, key), 0, fix="give a finite tolerance >= 0 (0 for exact)")
+            check_text("answer_key", self.answer_key)
+            check_tag("answer_tag", self.answer_tag)
             check_max_completion_chars(self.max_completion_chars)
 
     modalities = frozenset({"text"})

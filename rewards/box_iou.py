@@ -40,10 +40,11 @@ from typing import Any, Literal
 import torch
 
 from mmgrpo.rewards._common import (
-    MAX_COMPLETION_CHARS, check_max_completion_chars, cut_texts, last_tag_block, nans, tag_spans, texts,
+    MAX_COMPLETION_CHARS, check_max_completion_chars, check_tag, cut_texts, last_tag_block, nans, tag_spans, texts,
 )
 from mmgrpo.rewards._matching import max_weight_matching
 from mmgrpo.types import PromptBatch, RewardResult
+from mmgrpo.validation import check_fields, check_range, check_text
 
 # `\d+(?:\.\d*)?`, not `\d+\.?\d*`: the latter splits a digit run between its two quantifiers in every way before
 # failing (quadratic in the run's length)
@@ -105,10 +106,12 @@ class BoxIoU:
         max_completion_chars: int | None = MAX_COMPLETION_CHARS
 
         def __post_init__(self):
-            if self.threshold is not None and not 0.0 < self.threshold <= 1.0:
-                raise ValueError(f"box_iou.threshold must be in (0, 1] or null, got {self.threshold}.")
-            if self.max_boxes < 1:
-                raise ValueError(f"box_iou.max_boxes must be >= 1, got {self.max_boxes}.")
+            check_fields(self)  # types (coords one of the four frames); floats finite
+            if self.threshold is not None:
+                check_range("threshold", self.threshold, 0, 1, low_open=True, fix="or null for the continuous IoU")
+            check_range("max_boxes", self.max_boxes, 1, fix="e.g. 100")
+            check_tag("answer_tag", self.answer_tag)
+            check_text("gt_key", self.gt_key)
             check_max_completion_chars(self.max_completion_chars)
 
     modalities = frozenset({"text"})

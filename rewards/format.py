@@ -28,10 +28,10 @@ from typing import Any
 import torch
 
 from mmgrpo.rewards._common import (
-    MAX_COMPLETION_CHARS, check_max_completion_chars, cut_texts, last_tag_block, texts,
+    MAX_COMPLETION_CHARS, check_max_completion_chars, check_tag, cut_texts, last_tag_block, texts,
 )
 from mmgrpo.types import PromptBatch, RewardResult
-from mmgrpo.validation import ConfigError
+from mmgrpo.validation import ConfigError, check_fields, check_text
 
 R1_PATTERN = r"\s*<think>.*?</think>\s*<answer>.*?</answer>\s*"
 BOXED_PATTERN = r"<think>.*</think>.*\\boxed\{.*\}.*"
@@ -83,12 +83,16 @@ class FormatReward:
         max_completion_chars: int | None = MAX_COMPLETION_CHARS
 
         def __post_init__(self):
+            check_fields(self)
             for key in ("pattern", "answer_pattern"):
                 value = getattr(self, key)
+                check_text(key, value)
                 try:
                     re.compile(value or "")
                 except re.error as err:
                     raise ConfigError(f"{key}={value!r} is not a valid regular expression: {err}.") from err
+            for i, tag in enumerate(self.unique_tags):
+                check_tag(f"unique_tags[{i}]", tag)
             check_max_completion_chars(self.max_completion_chars)
             custom = ["pattern"] if self.pattern not in LAYOUTS else []
             custom += ["answer_pattern"] if self.answer_pattern is not None else []

@@ -23,6 +23,7 @@ import torch.nn.functional as F
 
 from mmgrpo.rewards._common import nans
 from mmgrpo.types import PromptBatch, RewardResult
+from mmgrpo.validation import check_fields, check_range, check_text
 
 _EPS = 1e-8
 
@@ -96,10 +97,10 @@ class MaskIoU:
         gt_key: str = "mask"
 
         def __post_init__(self):
-            if not 0.0 <= self.threshold < 1.0:
-                raise ValueError(f"mask_iou.threshold must be in [0, 1), got {self.threshold}.")
-            if not 0.0 <= self.s_measure_weight <= 1.0:
-                raise ValueError(f"mask_iou.s_measure_weight must be in [0, 1], got {self.s_measure_weight}.")
+            check_fields(self)  # types; floats finite
+            check_range("threshold", self.threshold, 0, 1, high_open=True, fix="0.5 for probabilities")
+            check_range("s_measure_weight", self.s_measure_weight, 0, 1, fix="0 for IoU only, 0.3 as Seg-R1")
+            check_text("gt_key", self.gt_key)
 
     modalities = frozenset({"mask"})
 

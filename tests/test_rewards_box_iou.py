@@ -130,3 +130,19 @@ def test_threshold_mode():
     assert score(partial, [5, 5, 15, 15], config={"threshold": 0.1})[0] == 1.0
     value, parts = score(partial, [5, 5, 15, 15], config={"threshold": 0.5})
     assert value == 0.0 and parts["iou"] == pytest.approx(1 / 7)
+
+
+@pytest.mark.parametrize(
+    "options, key",
+    [
+        ({"max_boxes": True}, "max_boxes"),
+        ({"coords": "pixels"}, "coords"),
+        ({"answer_tag": "<answer>"}, "answer_tag"),
+        ({"gt_key": ""}, "gt_key"),
+        ({"max_completion_chars": -1}, "max_completion_chars"),
+        ({"max_completion_chars": 2.5}, "max_completion_chars"),
+    ],
+)
+def test_config_refuses_unusable_values_naming_the_key(options, key):
+    with pytest.raises(ValueError, match=key):
+        BoxIoU.Config(**options)

@@ -60,3 +60,17 @@ def test_empty_truth_malformed_predictions_and_not_applicable():
     assert result.scores[:3].tolist() == [0.0, 0.0, 0.0]
     assert result.components["malformed"][:3].tolist() == [1.0, 1.0, 1.0]
     assert math.isnan(result.scores[3])  # no ground truth: not applicable
+
+
+@pytest.mark.parametrize(
+    "options, key",
+    [
+        ({"threshold": "0.5x"}, "threshold"),
+        ({"s_measure_weight": True}, "s_measure_weight"),
+        ({"gt_key": ""}, "gt_key"),
+        ({"gt_key": 3}, "gt_key"),
+    ],
+)
+def test_config_refuses_unusable_values_naming_the_key(options, key):
+    with pytest.raises(ValueError, match=key):
+        MaskIoU.Config(**options)

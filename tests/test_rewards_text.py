@@ -118,6 +118,27 @@ def test_auto_mode_per_sample_types_lists_and_not_applicable():
     assert math.isnan(result.scores[0]) and result.scores[1] == 0.0 and result.components["malformed"][1] == 1.0
 
 
+@pytest.mark.parametrize(
+    "options, key",
+    [
+        ({"max_completion_chars": -1}, "max_completion_chars"),
+        ({"max_completion_chars": 1.5}, "max_completion_chars"),
+        ({"max_completion_chars": True}, "max_completion_chars"),
+        ({"max_completion_chars": "4096"}, "max_completion_chars"),
+        ({"unique_tags": ["think", ""]}, r"unique_tags\[1\]"),
+        ({"unique_tags": ["<think>"]}, r"unique_tags\[0\]"),
+        ({"unique_tags": "think"}, "unique_tags"),
+        ({"pattern": ""}, "pattern"),
+        ({"pattern": 3}, "pattern"),
+        ({"pattern": "<a>.*", "max_completion_chars": 0}, "max_completion_chars"),  # a custom regex needs the cap
+        ({"answer_pattern": r"\d+", "max_completion_chars": None}, "max_completion_chars"),
+    ],
+)
+def test_format_config_refuses_unusable_values_naming_the_key(options, key):
+    with pytest.raises(ValueError, match=key):
+        FormatReward.Config(**options)
+
+
 def test_format_layout_names_and_their_regexes_agree():
     from mmgrpo.rewards.format import BOXED_PATTERN, R1_PATTERN
 
@@ -127,6 +148,26 @@ def test_format_layout_names_and_their_regexes_agree():
         by_name, _ = fmt(texts, pattern=name, unique_tags=[], max_completion_chars=0)  # no cap: the layouts are linear
         by_regex, _ = fmt(texts, pattern=regex, unique_tags=[])
         assert by_name == by_regex == [float(re.fullmatch(regex, t, re.DOTALL) is not None) for t in texts]
+
+
+@pytest.mark.parametrize(
+    "options, key",
+    [
+        ({"rtol": float("nan")}, "rtol"),
+        ({"atol": float("inf")}, "atol"),
+        ({"fuzzy_width": "wide"}, "fuzzy_width"),
+        ({"mode": "fuzzy"}, "mode"),
+        ({"answer_key": ""}, "answer_key"),
+        ({"answer_tag": "<answer>"}, "answer_tag"),
+        ({"answer_tag": " "}, "answer_tag"),
+        ({"boxed": "yes"}, "boxed"),
+        ({"require_tag": 1}, "require_tag"),
+        ({"max_completion_chars": -5}, "max_completion_chars"),
+    ],
+)
+def test_accuracy_config_refuses_unusable_values_naming_the_key(options, key):
+    with pytest.raises(ValueError, match=key):
+        AccuracyReward.Config(**options)
 
 
 def test_text_reward_configs_accept_no_cap():
