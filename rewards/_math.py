@@ -100,7 +100,8 @@ def latex_to_python(text: str) -> str:
         text = re.sub(pattern, replacement, text)
     text = text.split("=")[-1].strip()
     text = re.sub(r"(\d),(\d{3})(?!\d)", r"\1\2", text)  # thousands separators
-    text = re.sub(r"(?<!\d)(\d+(?:\.\d+)?)\s*%", r"(\1/100)", text)  # starts a digit run once: linear
+    if "%" in text:  # (the lookbehind that starts a digit run once, keeping this linear, defeats re's prefix scan)
+        text = re.sub(r"(?<!\d)(\d+(?:\.\d+)?)\s*%", r"(\1/100)", text)
     text = re.sub(r"(\d)\s*(?![eE][-+]?\d)([a-zA-Z(])", r"\1*\2", text)
     text = re.sub(r"\)\s*([a-zA-Z\d(])", r")*\1", text)
     return text
@@ -177,8 +178,11 @@ def math_equal(answer: str, truth: str, rtol: float = 1e-6) -> bool | None:
     """Whether two math answers are equal (``\\frac{1}{2}`` = ``0.5`` = ``1/2``; ``2x+x`` = ``3x``); None when one of
     them cannot be parsed."""
     a, b = parse_math(answer), parse_math(truth)
-    if a is None or b is None:
-        return None
+    return None if a is None or b is None else expressions_equal(a, b, rtol)
+
+
+def expressions_equal(a, b, rtol: float = 1e-6) -> bool | None:
+    """Whether two parsed answers (`parse_math`) are equal; None when sympy cannot tell."""
     import sympy
 
     try:

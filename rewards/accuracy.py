@@ -156,10 +156,12 @@ class AccuracyReward:
             return max(0.0, 1.0 - error / cfg.fuzzy_width) if cfg.fuzzy_width > 0 else 0.0
         if _math.normalize_text(answer) == _math.normalize_text(truth):
             return 1.0
-        equal = _math.math_equal(answer, truth, rtol=cfg.rtol)
-        if equal is None:
-            return None if _math.parse_math(answer) is None else 0.0
-        return float(equal)
+        got = _math.parse_math(answer)  # parsed once: a long answer costs one linear pass
+        if got is None:
+            return None
+        expected = _math.parse_math(truth)
+        equal = None if expected is None else _math.expressions_equal(got, expected, rtol=cfg.rtol)
+        return 0.0 if equal is None else float(equal)
 
     def score_one(self, text: str | None, truths: Any, metadata: dict) -> dict[str, float]:
         """Score and components of one answer; `truths` is one ground truth or a list of acceptable ones."""

@@ -22,7 +22,7 @@ from mmgrpo.rewards.format import BOXED_PATTERN, R1_PATTERN, FormatReward, boxed
 from mmgrpo.types import PromptBatch
 
 MB = 1_000_000
-LIMIT_S = 30.0  # for all the inputs of one reward: checks termination, not speed (1 to 7 s on 2 shared cores)
+LIMIT_S = 10.0  # for one 1 MB input: checks termination, not speed (0.01 to 1 s each on 2 shared cores)
 
 
 def _repeat(unit: str, size: int = MB) -> str:
@@ -91,15 +91,14 @@ def test_every_text_reward_is_covered_and_has_the_cap():
 
 @pytest.mark.parametrize("name", TEXT_REWARDS)
 def test_megabyte_adversarial_inputs_finish_with_the_cap_off(name):
-    texts = list(ADVERSARIAL.values())
-    started = time.monotonic()
-    with deadline(LIMIT_S):
-        result = run(name, texts, max_completion_chars=0)
-    assert time.monotonic() - started < LIMIT_S
-    scores = result.scores
-    assert scores.shape == (len(texts),) and torch.isfinite(scores).all()
-    assert ((scores >= 0) & (scores <= 1)).all()
-    assert result.components["truncated"].tolist() == [0.0] * len(texts)
+    for shape, text in ADVERSARIAL.items():
+        started = time.monotonic()
+        with deadline(LIMIT_S):
+            result = run(name, [text], max_completion_chars=0)
+        assert time.monotonic() - started < LIMIT_S, shape
+        score = float(result.scores[0])
+        assert 0.0 <= score <= 1.0, shape  # defined (not NaN) and in the reward's range
+        assert result.components["truncated"].tolist() == [0.0], shape
 
 
 @pytest.mark.parametrize("name", TEXT_REWARDS)
