@@ -40,7 +40,8 @@ from mmgrpo.types import PromptBatch, RewardResult
 from mmgrpo.validation import check_fields, check_range, check_text
 
 MODES = ("auto", "exact", "numeric", "choice", "math")
-_PLAIN_NUMBER = re.compile(r"\s*[-+]?(\d{1,3}(,\d{3})+|\d+)?(\.\d+)?([eE][-+]?\d+)?\s*%?\s*")
+# white space, a number, white space, a % and white space, each optional, with no two `\s*` able to share a run
+_PLAIN_NUMBER = re.compile(r"\s*(?:(?=[-+\d.eE])[-+]?(\d{1,3}(,\d{3})+|\d+)?(\.\d+)?([eE][-+]?\d+)?\s*)?(?:%\s*)?")
 _LETTER_ONLY = re.compile(r"\s*\(?([A-Za-z])\)?[.:)]?\s*")
 _LETTER_FIRST = re.compile(r"\s*\(?([A-Z])\)?[.:)]\s")
 # one white-space run per gap: two `\s*` around an optional word backtrack quadratically over long white space

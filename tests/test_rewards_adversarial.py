@@ -101,6 +101,15 @@ def test_megabyte_adversarial_inputs_finish_with_the_cap_off(name):
         assert result.components["truncated"].tolist() == [0.0], shape
 
 
+def test_long_ground_truths_are_read_in_linear_time_too():
+    reward = AccuracyReward(AccuracyReward.Config(mode="auto"))
+    truths = ["1" + " " * MB + "x", " " * MB + "%x", "1" * MB + "/2"]  # a dataset file is input as well
+    batch = PromptBatch(["p"] * len(truths), metadata=[{"answer": truth} for truth in truths])
+    with deadline(LIMIT_S):
+        scores = reward({"texts": ["<answer>1</answer>"] * len(truths)}, batch).scores
+    assert scores.tolist() == [0.0, 0.0, 0.0]
+
+
 @pytest.mark.parametrize("name", TEXT_REWARDS)
 def test_the_cap_cuts_and_counts(name):
     texts = ["x" * 999, "x" * 1000, "<answer>" * 200, ADVERSARIAL["unclosed <answer>"], None]
