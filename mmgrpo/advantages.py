@@ -18,8 +18,9 @@ def group_normalize(
 
     Args:
         scores (`torch.FloatTensor` of shape `[N]`): rewards gathered from every process; NaN or infinite means
-            "not applicable": such samples are left out of the statistics and get advantage 0. A group whose valid
-            scores are all equal gets exactly 0.
+            "not applicable": such samples are left out of the statistics and get advantage 0 (the trainer does not
+            score them at all, see the skip rules of `mmgrpo.trainer`). A group whose valid scores are all equal gets
+            exactly 0.
         group_ids (`torch.LongTensor` of shape `[N]`): group of each sample.
         scale (`bool`): divide by the standard deviation (``False``: mean-centring only, as Dr. GRPO).
         global_std (`bool`): divide by the standard deviation of all valid scores instead of the group's.

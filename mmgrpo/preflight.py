@@ -8,6 +8,7 @@ built ([`mmgrpo.config.from_dict`]).
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 
 import torch
@@ -15,6 +16,20 @@ import torch
 from . import registry
 from .config import ExperimentConfig
 from .validation import ConfigError
+
+
+@contextlib.contextmanager
+def _named(section: str, context: str = ""):
+    """Turns a plugin's `ValueError` into a one-line [`ConfigError`] that starts with `section` and ends with
+    `context`."""
+    try:
+        yield
+    except ConfigError:
+        raise
+    except ValueError as err:
+        message = " ".join(str(err).split()).rstrip(".")
+        head = message if message.startswith(f"{section}.") else f"{section}: {message}"
+        raise ConfigError(f"{head}{context}.") from None
 
 
 def reward_modalities(name: str, options) -> frozenset[str]:
@@ -47,12 +62,10 @@ def check_plan(config: ExperimentConfig) -> None:
     from .trainer import SCORING_METHODS  # what the trainer calls for each Algorithm.scoring
 
     policy_cls = registry.get("pipeline", config.pipeline.name)
-    algorithm = registry.get("algorithm", config.algorithm.name)(config.algorithm.options)
-    try:
-        plan = algorithm.schedule(config.pipeline.options.num_steps, torch.Generator().manual_seed(0))
-    except ValueError as err:
-        message = " ".join(str(err).split())
-        raise ConfigError(message if message.startswith("algorithm.") else f"algorithm: {message}") from None
+    num_steps = config.pipeline.options.num_steps
+    with _named("algorithm", f" (pipeline.num_steps is {num_steps})"):
+        algorithm = registry.get("algorithm", config.algorithm.name)(config.algorithm.options)
+        plan = algorithm.schedule(num_steps, torch.Generator().manual_seed(0))
     missing = plan.features() - set(getattr(policy_cls, "plan_features", ()))
     if missing or not hasattr(policy_cls, SCORING_METHODS[algorithm.scoring]):
         raise ConfigError(
@@ -68,10 +81,10 @@ def check_plan(config: ExperimentConfig) -> None:
 
 
 def check_items(config: ExperimentConfig, split: str = "eval") -> None:
-    """The prompt source has training items, and held-out items when the run evaluates them."""
-    data = registry.get("data", config.data.name)(config.data.options)
-    if not data.train_items():
-        raise ConfigError(f"data: prompt source {config.data.name!r} has no training items; check its options.")
+    """The prompt source has held-out items when the run evaluates them (each source's Config already requires
+    training items)."""
+    with _named("data"):
+        data = registry.get("data", config.data.name)(config.data.options)
     evaluating = bool(config.eval.every or config.eval.every_seconds)
     if evaluating and split == "eval" and not data.eval_items():
         raise ConfigError(

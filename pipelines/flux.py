@@ -65,12 +65,13 @@ class FluxConfig:
     def __post_init__(self):
         check_fields(self)
         self.pretrained = resolve_pretrained(self.pretrained, "pipeline.pretrained")
+        check_range("num_steps", self.num_steps, 1, 1000, fix="flow models are trained on 1000 noise levels")
         check_range("max_sequence_length", self.max_sequence_length, 1)
         check_range("lora_alpha", self.lora_alpha, 1, fix="LoRA scales by lora_alpha / lora_rank")
         if self.lora_rank and not self.lora_targets:
             raise ValueError("lora_targets must name at least one module when lora_rank > 0 (0: full fine-tuning).")
         if self.eval_num_steps is not None:
-            check_range("eval_num_steps", self.eval_num_steps, 1, fix="leave it out to use num_steps")
+            check_range("eval_num_steps", self.eval_num_steps, 1, 1000, fix="leave it out to use num_steps")
         if self.resolution <= 0 or self.resolution % 16:
             raise ValueError(f"resolution must be a positive multiple of 16 (8x VAE, 2x2 packing): {self.resolution}.")
         if self.num_steps < 1:
