@@ -39,7 +39,7 @@ class ArithConfig:
     def __post_init__(self):
         check_fields(self)
         check_seed("seed", self.seed)
-        check_range("n_train", self.n_train, 1, 10**6, fix="items are built in memory")
+        check_range("n_train", self.n_train, 0, 10**6, fix="items are built in memory; training needs some")
         check_range("n_eval", self.n_eval, 0, 10**6, fix="0: no held-out items (then set eval.every=0)")
         if not 1 <= self.digits <= 6:
             raise ValueError(f"data.digits must be in 1..6, got {self.digits}.")

@@ -246,7 +246,7 @@ class ShapesPrompts:
         def __post_init__(self):
             check_fields(self)
             check_seed("seed", self.seed)
-            check_range("n_train", self.n_train, 1, 10**6, fix="items are built in memory")
+            check_range("n_train", self.n_train, 0, 10**6, fix="items are built in memory; training needs some")
             check_range("n_eval", self.n_eval, 0, 10**6, fix="0: no held-out items (then set eval.every=0)")
             self.kinds = tuple(self.kinds)
             self.counts = tuple(self.counts)

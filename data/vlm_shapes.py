@@ -50,7 +50,7 @@ class VLMShapesConfig:
     def __post_init__(self):
         check_fields(self)
         check_seed("seed", self.seed)
-        check_range("n_train", self.n_train, 1, 10**5, fix="items are built in memory")
+        check_range("n_train", self.n_train, 0, 10**5, fix="items are built in memory; training needs some")
         check_range("n_eval", self.n_eval, 0, 10**5, fix="0: no held-out items (then set eval.every=0)")
         check_range("size", self.size, 28, 4096)
         check_template("prompt_template", self.prompt_template, question="q")

@@ -81,10 +81,13 @@ def check_plan(config: ExperimentConfig) -> None:
 
 
 def check_items(config: ExperimentConfig, split: str = "eval") -> None:
-    """The prompt source has held-out items when the run evaluates them (each source's Config already requires
-    training items)."""
+    """The prompt source has training items (the trainer draws from them even to evaluate), and held-out items when
+    the run evaluates them."""
     with _named("data"):
         data = registry.get("data", config.data.name)(config.data.options)
+    if not data.train_items():
+        raise ConfigError(f"data: prompt source {config.data.name!r} has no training items: give it some (e.g. "
+                          "data.n_train, data.train_file).")
     evaluating = bool(config.eval.every or config.eval.every_seconds)
     if evaluating and split == "eval" and not data.eval_items():
         raise ConfigError(
