@@ -1,4 +1,5 @@
-"""Command line: ``mmgrpo check CONFIG [key=value ...]``, ``mmgrpo train CONFIG [key=value ...]``, ``mmgrpo eval CONFIG [--checkpoint DIR] [--split train]``,
+"""Command line: ``mmgrpo check CONFIG [key=value ...]``, ``mmgrpo train CONFIG [key=value ...]``,
+``mmgrpo eval CONFIG [--checkpoint DIR] [--split train]``,
 ``mmgrpo list``, ``mmgrpo serve-reward CONFIG [--port P]``, ``mmgrpo convert-checkpoint DIR... --trust-pickles``."""
 
 from __future__ import annotations

@@ -66,7 +66,9 @@ StrictLoader.add_implicit_resolver(
     ),
     list("-+0123456789."),
 )
-StrictLoader.add_implicit_resolver("tag:yaml.org,2002:null", re.compile(r"^(?:~|null|Null|NULL|)$"), ["~", "n", "N", ""])
+StrictLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:null", re.compile(r"^(?:~|null|Null|NULL|)$"), ["~", "n", "N", ""]
+)
 StrictLoader.add_implicit_resolver(_MERGE, re.compile(r"^(?:<<)$"), ["<"])
 StrictLoader.add_constructor("tag:yaml.org,2002:int", _construct_int)
 

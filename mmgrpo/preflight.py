@@ -68,8 +68,9 @@ def check_plan(config: ExperimentConfig) -> None:
         plan = algorithm.schedule(num_steps, torch.Generator().manual_seed(0))
     missing = plan.features() - set(getattr(policy_cls, "plan_features", ()))
     if missing or not hasattr(policy_cls, SCORING_METHODS[algorithm.scoring]):
+        needs = sorted(missing) or [algorithm.scoring + " scoring"]
         raise ConfigError(
-            f"algorithm.name: algorithm {config.algorithm.name!r} needs {sorted(missing) or [algorithm.scoring + ' scoring']}, "
+            f"algorithm.name: algorithm {config.algorithm.name!r} needs {needs}, "
             f"which pipeline {config.pipeline.name!r} does not implement: choose another pipeline or algorithm."
         )
     branches, group = len(plan.sde_steps), config.train.group_size
