@@ -89,7 +89,9 @@ def coerce(value: Any, tp: Any, key: str) -> Any:
         return _union(value, args, key)
     if origin is Literal:
         if not any(value == a and type(value) is type(a) for a in args):
-            raise ConfigError(f"{key}: expected one of {list(args)}, got {value!r}.")
+            choices = [repr(a) for a in args]
+            wanted = " or ".join(choices) if len(choices) < 3 else f"{', '.join(choices[:-1])} or {choices[-1]}"
+            raise ConfigError(f"{key} must be {wanted}, got {value!r}.")
         return value
     if origin in (list, tuple):
         if not isinstance(value, (list, tuple)):
