@@ -141,3 +141,33 @@ def test_accepted_mutations_of_tiny_configs_train_one_step(case, tmp_path, monke
     trainer.step = 1  # what Trainer.train does before each step
     metrics = trainer.timed_train_step()
     assert metrics["samples_seen"] == config.train.prompts_per_step * config.train.group_size
+
+
+LINE_TEXT = st.text(st.characters(blacklist_categories=("Cs", "Cc")), max_size=12)  # what one shell word can hold
+
+
+@settings(max_examples=60, **SETTINGS)
+@given(field=st.sampled_from(["eval.metric", "data.template", "train.mixed_precision", "checkpoint.resume_from"]),
+       text=st.one_of(LINE_TEXT, st.sampled_from(["no", "yes", "off", "3", "1e-4", "null", "~", "[a]", "{a: 1}"])))
+def test_a_string_override_is_the_text_as_typed(field, text):
+    """``key=TEXT`` on a field that takes strings gives TEXT itself (``no`` is not false, ``3`` is not 3), or a
+    refusal naming the key; ``null`` / ``~`` are None where the field is optional; quoted text is read as YAML."""
+    raw = copy.deepcopy(RAW[ROOT / "configs" / "tiny" / "mdlm_arith.yaml"])
+    plain = not text.strip().startswith(("'", '"'))
+    must_accept = plain and (text in ("no", "bf16", "fp16") if field == "train.mixed_precision" else
+                             field == "eval.metric" and text.strip() and text not in ("prompt", "n", "reward"))
+    try:
+        config = config_mod.from_dict(config_mod.apply_overrides(raw, [f"{field}={text}"]))
+    except ConfigError as err:
+        assert field in str(err) and not must_accept, err
+        event(f"{field} refused")
+        return
+    event(f"{field} accepted")
+    section, name = field.split(".")
+    value = getattr(getattr(config, section), name, None)
+    if section == "data":
+        value = config.data.options.template
+    if text.strip() in ("null", "~", "Null", "NULL") and field in ("data.template", "checkpoint.resume_from"):
+        assert value is None
+    elif plain:
+        assert value == text
