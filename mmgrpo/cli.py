@@ -51,7 +51,7 @@ def _evaluate(config, split: str) -> dict:
     from .trainer import Trainer
 
     source, config.checkpoint.resume_from = config.checkpoint.resume_from, None
-    trainer = Trainer(config)
+    trainer = Trainer(config, record_config=False)  # the run's own config.json stays as training wrote it
     if source:
         trainer.load_weights(source)
     if split == "train":  # the same evaluation (sampler, noise, count) on the first train items
@@ -112,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
         overrides.append(f"checkpoint.resume_from={args.checkpoint}")  # checked with the config; eval reads weights
     try:
         config = load(args.config, overrides)  # every key, type, range and local path checked
-        preflight(config, getattr(args, "split", "eval"))  # what else can be checked before any model loads
+        preflight(config, getattr(args, "split", None))  # what else can be checked before any model loads
     except (ConfigError, ValueError, OSError) as err:
         print(f"mmgrpo: config error: {' '.join(str(err).split())}", file=sys.stderr)
         return 2
@@ -121,12 +121,14 @@ def main(argv: list[str] | None = None) -> int:
         print("ok")
         return 0
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    from .checkpoint import LegacyCheckpointError
     from .trainer import train
 
-    if args.command == "train":
-        summary = train(config)
-    else:
-        summary = _evaluate(config, args.split)
+    try:
+        summary = train(config) if args.command == "train" else _evaluate(config, args.split)
+    except LegacyCheckpointError as err:  # resuming from a checkpoint of an older version: say how to convert it
+        print(f"mmgrpo: {' '.join(str(err).split())}", file=sys.stderr)
+        return 2
     if summary:
         print(json.dumps(summary, indent=2))
     return 0

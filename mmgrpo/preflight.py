@@ -15,6 +15,7 @@ import torch
 
 from . import registry
 from .config import ExperimentConfig
+from .types import SamplingPlan
 from .validation import ConfigError
 
 
@@ -56,23 +57,32 @@ def check_modalities(config: ExperimentConfig) -> None:
         )
 
 
+SCORING_METHODS = {"trajectory": "log_prob", "likelihood": "likelihood"}  # Algorithm.scoring -> policy method
+
+
+def require_plan(pipeline, algorithm, num_steps: int, names) -> SamplingPlan:
+    """The algorithm's plan over `num_steps` steps, after checking that `pipeline` (a class or an instance) implements
+    every feature it asks for (branches, merged steps, a solver...) and the algorithm's scoring method, instead of
+    letting them be silently ignored. `names` carries ``algorithm.name`` and ``pipeline.name`` for the message."""
+    plan = algorithm.schedule(num_steps, torch.Generator().manual_seed(0))
+    missing = plan.features() - set(getattr(pipeline, "plan_features", ()))
+    if missing or not hasattr(pipeline, SCORING_METHODS[algorithm.scoring]):
+        needs = sorted(missing) or [algorithm.scoring + " scoring"]
+        raise ConfigError(
+            f"algorithm.name: algorithm {names.algorithm.name!r} needs {needs}, "
+            f"which pipeline {names.pipeline.name!r} does not implement: choose another pipeline or algorithm."
+        )
+    return plan
+
+
 def check_plan(config: ExperimentConfig) -> None:
     """The algorithm's plan fits the pipeline's steps and asks only for features and a scoring method the pipeline
     implements; a branching plan splits each group into sub-groups of at least two samples."""
-    from .trainer import SCORING_METHODS  # what the trainer calls for each Algorithm.scoring
-
     policy_cls = registry.get("pipeline", config.pipeline.name)
     num_steps = config.pipeline.options.num_steps
     with _named("algorithm", f" (pipeline.num_steps is {num_steps})"):
         algorithm = registry.get("algorithm", config.algorithm.name)(config.algorithm.options)
-        plan = algorithm.schedule(num_steps, torch.Generator().manual_seed(0))
-    missing = plan.features() - set(getattr(policy_cls, "plan_features", ()))
-    if missing or not hasattr(policy_cls, SCORING_METHODS[algorithm.scoring]):
-        needs = sorted(missing) or [algorithm.scoring + " scoring"]
-        raise ConfigError(
-            f"algorithm.name: algorithm {config.algorithm.name!r} needs {needs}, "
-            f"which pipeline {config.pipeline.name!r} does not implement: choose another pipeline or algorithm."
-        )
+        plan = require_plan(policy_cls, algorithm, num_steps, config)
     branches, group = len(plan.sde_steps), config.train.group_size
     if plan.branch and (group % branches or group // branches < 2):
         raise ConfigError(
@@ -104,10 +114,28 @@ def check_output_dir(config: ExperimentConfig) -> None:
         raise ConfigError(f"output_dir: {config.output_dir!r} is a file, not a folder; choose another output_dir.")
 
 
-def preflight(config: ExperimentConfig, split: str = "eval") -> None:
+def check_resumable(config: ExperimentConfig) -> None:
+    """A run that resumes (``checkpoint.resume_from``) names a checkpoint whose training state this version reads:
+    an older one (pickled state) is refused with the conversion command, before any model loads. Evaluation reads
+    only weights and does not need this."""
+    from . import checkpoint
+
+    if not config.checkpoint.resume_from:
+        return
+    path = checkpoint.resolve(config.checkpoint.resume_from, Path(config.output_dir) / "checkpoints")
+    try:
+        checkpoint.check_format(path)
+    except checkpoint.LegacyCheckpointError as err:
+        raise ConfigError(f"checkpoint.resume_from: {err}") from None
+
+
+def preflight(config: ExperimentConfig, split: str | None = None) -> None:
     """Every check of this module; raises [`ConfigError`] naming the key. `split` is the evaluated split of
-    ``mmgrpo eval`` (``"train"`` needs no held-out items)."""
+    ``mmgrpo eval`` (``"train"`` needs no held-out items); evaluations do not check that a resumed checkpoint's
+    training state is readable, training (`split` None) does."""
     check_output_dir(config)
     check_modalities(config)
     check_plan(config)
-    check_items(config, split)
+    check_items(config, split or "eval")
+    if split is None:
+        check_resumable(config)

@@ -41,6 +41,7 @@ from .advantages import groups_with_signal
 from .config import ExperimentConfig
 from .metrics_log import MetricsLog, read_records
 from .optim import build_optimizer
+from .preflight import SCORING_METHODS, check_modalities, require_plan
 from .prompt_stream import PromptStream, items_to_batch
 from .types import SamplingPlan, as_list
 from .visualize import plot_reward_curve, save_image_grid, save_sample_table, write_per_prompt_scores
@@ -65,13 +66,7 @@ def build_components(config: ExperimentConfig, samples_per_process: int | None =
             f"split groups of {group_size} across processes: make prompts_per_step * group_size / processes a "
             "multiple of group_size, or set reward.normalize=none (the algorithm normalises after gathering)."
         )
-    # the instance's modalities: a reward may be configured for another modality (e.g. clip_score on video)
-    missing = set(reward.modalities) - set(policy_cls.modalities)
-    if missing:
-        raise ValueError(
-            f"reward {config.reward.name!r} scores {sorted(reward.modalities)} but pipeline "
-            f"{config.pipeline.name!r} produces {sorted(policy_cls.modalities)}: choose a matching reward."
-        )
+    check_modalities(config)
     data = registry.get("data", config.data.name)(config.data.options)
     algorithm = registry.get("algorithm", config.algorithm.name)(config.algorithm.options)
     policy = policy_cls(config.pipeline.options)
@@ -79,19 +74,9 @@ def build_components(config: ExperimentConfig, samples_per_process: int | None =
     return policy, algorithm, reward, data
 
 
-SCORING_METHODS = {"trajectory": "log_prob", "likelihood": "likelihood"}  # Algorithm.scoring -> policy method
-
-
 def check_plan(policy, algorithm, config: ExperimentConfig) -> None:
-    """Fails fast when the algorithm's sampling plan asks for features (branches, merged steps, a solver, likelihood
-    scoring...) that the pipeline does not implement, instead of letting them be silently ignored."""
-    plan = algorithm.schedule(policy.num_steps, torch.Generator().manual_seed(0))
-    missing = plan.features() - set(getattr(policy, "plan_features", ()))
-    if missing or not hasattr(policy, SCORING_METHODS[algorithm.scoring]):
-        raise ValueError(
-            f"algorithm {config.algorithm.name!r} needs {sorted(missing) or [algorithm.scoring + ' scoring']}, which "
-            f"pipeline {config.pipeline.name!r} does not implement: choose another pipeline or algorithm."
-        )
+    """[`mmgrpo.preflight.require_plan`] on a built policy (its own number of steps)."""
+    require_plan(policy, algorithm, policy.num_steps, config)
 
 
 def score_unit(policy, algorithm, sub, unit: list[int], device) -> tuple[dict, torch.Tensor, dict | None]:
@@ -141,7 +126,9 @@ def _finite_mean(values: torch.Tensor) -> float:
 class Trainer:
     """Runs an experiment; see the module docstring for the loop."""
 
-    def __init__(self, config: ExperimentConfig, accelerator=None):
+    def __init__(self, config: ExperimentConfig, accelerator=None, record_config: bool = True):
+        """Builds the run of `config`; `record_config=False` leaves the output folder's ``config.json`` as it is (an
+        evaluation of an existing run's checkpoint)."""
         self.config = config
         self.accelerator = accelerator or make_accelerator(config)
         acc = self.accelerator
@@ -156,6 +143,7 @@ class Trainer:
         self.output_dir = Path(config.output_dir)
         if acc.is_main_process:
             self.output_dir.mkdir(parents=True, exist_ok=True)
+        if acc.is_main_process and record_config:
             (self.output_dir / "config.json").write_text(json.dumps(config.to_dict(), indent=2), encoding="utf-8")
         from accelerate.utils import set_seed
 

@@ -181,6 +181,29 @@ def test_eval_reads_only_the_weights_and_matches_a_full_resume(trained, tmp_path
     assert metrics.read_text().count("step") == 3  # eval no longer truncates the run's log as a resume did
 
 
+def test_train_resuming_a_legacy_checkpoint_ends_with_one_line_and_exit_2(trained, tmp_path, capsys):
+    raw, _, source = trained
+    raw, folder = copy_run(raw, source, tmp_path)
+    make_legacy(folder)
+    raw = {**raw, "checkpoint": {**raw["checkpoint"], "resume_from": "latest"}}
+    config_file = tmp_path / "config.yaml"
+    config_file.write_text(yaml.safe_dump(raw))
+    capsys.readouterr()
+    assert cli.main(["train", str(config_file)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "Traceback" not in err, err
+    assert f"mmgrpo convert-checkpoint {folder} --trust-pickles" in err
+
+
+def test_eval_leaves_the_runs_config_json_as_training_wrote_it(trained, tmp_path):
+    raw, _, source = trained
+    raw, folder = copy_run(raw, source, tmp_path)
+    recorded = tmp_path / "run" / "config.json"
+    recorded.write_text('{"written": "by training"}')
+    assert run_cli(tmp_path, raw, "eval", "--checkpoint", str(folder)) == 0
+    assert recorded.read_text() == '{"written": "by training"}'
+
+
 def write_checkpoint(root, step, meta):
     folder = root / f"step_{step:07d}"
     folder.mkdir(parents=True)
