@@ -35,11 +35,11 @@ from pathlib import Path
 from typing import Any
 
 import waitress
-import yaml
 from waitress import wasyncore
 
 from . import registry
-from .config import ConfigError, apply_overrides, build_dataclass
+from .config import ConfigError, apply_overrides, plugin_spec
+from .config_yaml import read_yaml
 from .reward_codec import (TOKEN_ENV, TOKEN_HINT, check_token, decode_request, encode_result, is_loopback,
                            read_token)
 
@@ -53,20 +53,10 @@ def load_reward(path: str | Path, overrides: list[str] = ()) -> tuple[str, Any]:
     Returns:
         `tuple`: the reward's registry name and an instance.
     """
-    path = Path(path)
-    if not path.is_file():
-        raise ConfigError(f"Reward config file {path} does not exist.")
-    raw = apply_overrides(yaml.safe_load(path.read_text(encoding="utf-8")) or {}, list(overrides))
-    spec = raw.get("reward", raw) if isinstance(raw, dict) else raw
-    if not isinstance(spec, dict) or "name" not in spec:
-        choices = ", ".join(sorted(registry.available("reward")))
-        raise ConfigError(f"{path}: expected a 'reward:' section or a mapping with 'name' (one of: {choices}).")
-    options = {k: v for k, v in spec.items() if k != "name"}
-    try:
-        cls = registry.get("reward", spec["name"])
-    except ValueError as err:
-        raise ConfigError(f"reward.name: {err}") from err
-    return spec["name"], cls(build_dataclass(cls.Config, options, "reward"))
+    raw = apply_overrides(read_yaml(path), list(overrides))  # YAML 1.2 scalars, duplicate keys refused
+    section = raw.get("reward", raw) if isinstance(raw, dict) else raw
+    spec = plugin_spec("reward", section)  # a mapping with a single-string name, options checked
+    return spec.name, registry.get("reward", spec.name)(spec.options)
 
 
 def require_token_off_loopback(host: str, token: str | None) -> None:
