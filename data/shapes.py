@@ -15,7 +15,7 @@ from __future__ import annotations
 import copy
 import hashlib
 import itertools
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Literal
 
 import numpy as np

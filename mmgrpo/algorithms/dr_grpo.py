@@ -15,7 +15,7 @@ from ..advantages import group_normalize
 from ..losses import clipped_objective
 from ..types import LossOutput, SamplingPlan
 from ._token import add_kl, aggregate, check_options, ratio_metrics, token_mask, token_plan
-from ..validation import check_fields, check_range
+from ..validation import check_fields
 
 
 @dataclass
