@@ -15,13 +15,29 @@ import torch
 
 from mmgrpo.reference import ReferenceSwitch
 from mmgrpo.samplers.flow_sde import flow_sde_step
+from mmgrpo.hub import resolve_pretrained
 from mmgrpo.types import SamplingPlan
+from mmgrpo.validation import check_fields, check_range
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 LORA_WEIGHTS = "pytorch_lora_weights.safetensors"
 
 # velocity(latents [n, ...], step index i) -> velocity [n, ...] in float32, at the step's noise level
 Velocity = Callable[[torch.Tensor, int], torch.Tensor]
+
+
+def check_flow_config(config) -> None:
+    """The checks every flow adapter's `Config` shares (types from the annotations, step counts, LoRA options); resolves
+    ``pretrained``. The adapter's own `__post_init__` adds its resolution and guidance rules."""
+    check_fields(config)
+    config.pretrained = resolve_pretrained(config.pretrained, "pipeline.pretrained")
+    check_range("num_steps", config.num_steps, 1, 1000, fix="flow models are trained on 1000 noise levels")
+    check_range("max_sequence_length", config.max_sequence_length, 1)
+    check_range("lora_alpha", config.lora_alpha, 1, fix="LoRA scales by lora_alpha / lora_rank")
+    if config.lora_rank and not config.lora_targets:
+        raise ValueError("lora_targets must name at least one module when lora_rank > 0 (0: full fine-tuning).")
+    if config.eval_num_steps is not None:
+        check_range("eval_num_steps", config.eval_num_steps, 1, 1000, fix="leave it out to use num_steps")
 
 
 def _adapters_off(transformer: torch.nn.Module) -> Callable[[], contextlib.AbstractContextManager]:
@@ -123,7 +139,7 @@ class TrainableTransformer:
                     f"LoRA file {path / LORA_WEIGHTS} has keys this model lacks: {result.unexpected_keys[:3]}"
                 )
         else:
-            loaded = type(self.module).from_pretrained(path / "transformer")
+            loaded = type(self.module).from_pretrained(path / "transformer", use_safetensors=True)  # never a pickle
             self.module.load_state_dict(loaded.state_dict())
 
 

@@ -38,7 +38,7 @@ import torch
 from mmgrpo.hub import resolve_pretrained
 from mmgrpo.pipelines._qwen_vl_forward import GroupForward, collate_prompts, unique_rows
 from mmgrpo.pipelines._qwen_vl_inputs import PromptEncoder, vision_inputs
-from mmgrpo.types import PromptBatch, Rollout, SamplingPlan
+from mmgrpo.types import PromptBatch, Rollout, SamplingPlan, Score
 from mmgrpo.validation import ConfigError, check_fields, check_range
 
 # transformers' attention backends (besides hub kernels "org/name")
@@ -345,12 +345,12 @@ class QwenVLPolicy:
         return torch.multinomial(probs, 1, generator=generator).squeeze(1)
 
     # ---------------------------------------------------------------------------------------------------- replay
-    def log_prob(self, rollout: Rollout, steps: list[int]) -> dict[str, torch.Tensor]:
+    def log_prob(self, rollout: Rollout, steps: list[int]) -> Score:
         """Per-token log-probs of the sampled completions at token positions `steps`, under the current parameters,
         with gradients. Only the tokens up to the longest completion of the minibatch are forwarded.
 
         Returns:
-            `dict` with ``log_prob`` `[n, len(steps)]` (0 where not a completion token) and ``mask``
+            [`Score`] with `log_prob` `[n, len(steps)]` (0 where not a completion token) and `mask`
             `[n, len(steps)]` (the completion tokens).
         """
         length = int(rollout.mask.any(dim=0).nonzero().max()) + 1 if rollout.mask.any() else 1
@@ -364,7 +364,7 @@ class QwenVLPolicy:
         log_prob = torch.cat([scored, scored.new_zeros(n, full - length)], dim=1) if full > length else scored
         index = torch.as_tensor(steps, dtype=torch.long)
         mask = rollout.mask[:, index].to(self.device)
-        return {"log_prob": log_prob[:, index.to(self.device)] * mask, "mask": mask}
+        return Score(log_prob=log_prob[:, index.to(self.device)] * mask, mask=mask)  # [n, k], [n, k]
 
     # ----------------------------------------------------------------------------------------------- checkpoints
     def save_pretrained(self, path: str) -> None:
@@ -399,7 +399,8 @@ class QwenVLPolicy:
         else:
             import transformers
 
-            loaded = getattr(transformers, type(self.model).__name__).from_pretrained(path, dtype=torch.float32)
+            model_cls = getattr(transformers, type(self.model).__name__)
+            loaded = model_cls.from_pretrained(path, dtype=torch.float32, use_safetensors=True)  # never a pickle
             self.model.load_state_dict(loaded.state_dict())
 
 

@@ -12,11 +12,10 @@ from typing import Literal
 
 import torch
 
-from mmgrpo.hub import load_diffusers_pipeline, resolve_pretrained
-from mmgrpo.pipelines._flow_common import DTYPES, TrainableTransformer
+from mmgrpo.hub import load_diffusers_pipeline
+from mmgrpo.pipelines._flow_common import DTYPES, TrainableTransformer, check_flow_config
 from mmgrpo.pipelines._flow_plans import PLAN_FEATURES, plan_likelihood, replay_plan, run_plan
-from mmgrpo.types import PromptBatch, Rollout, SamplingPlan
-from mmgrpo.validation import check_fields, check_range
+from mmgrpo.types import PromptBatch, Rollout, SamplingPlan, Score
 
 
 @dataclass
@@ -56,19 +55,9 @@ class SD3Config:
     weights_dtype: Literal["float32", "bfloat16", "float16"] = "float32"
 
     def __post_init__(self):
-        check_fields(self)
-        self.pretrained = resolve_pretrained(self.pretrained, "pipeline.pretrained")
-        check_range("num_steps", self.num_steps, 1, 1000, fix="flow models are trained on 1000 noise levels")
-        check_range("max_sequence_length", self.max_sequence_length, 1)
-        check_range("lora_alpha", self.lora_alpha, 1, fix="LoRA scales by lora_alpha / lora_rank")
-        if self.lora_rank and not self.lora_targets:
-            raise ValueError("lora_targets must name at least one module when lora_rank > 0 (0: full fine-tuning).")
-        if self.eval_num_steps is not None:
-            check_range("eval_num_steps", self.eval_num_steps, 1, 1000, fix="leave it out to use num_steps")
+        check_flow_config(self)
         if self.resolution <= 0 or self.resolution % 8:
             raise ValueError(f"resolution must be a positive multiple of 8, got {self.resolution}.")
-        if self.num_steps < 1:
-            raise ValueError(f"num_steps must be >= 1, got {self.num_steps}.")
         if self.guidance_scale < 1:
             raise ValueError(f"guidance_scale must be >= 1 (1 disables CFG), got {self.guidance_scale}.")
         if self.lora_rank < 0:
@@ -237,23 +226,23 @@ class SD3Policy:
             trajectory={**trajectory, **embeds},  # latents [N, S + 1, C, h, w], embeddings, shared_* step parameters
         )
 
-    def log_prob(self, rollout: Rollout, steps: list[int]) -> dict[str, torch.Tensor]:
+    def log_prob(self, rollout: Rollout, steps: list[int]) -> Score:
         """Replays transitions `steps` under the current parameters (with gradients), for the samples that train
         them (`rollout.mask`).
 
         Returns:
-            `dict` with ``log_prob`` `[n, k]`, ``mean`` `[n, k, C, h, w]`, ``std`` `[n, k, 1, 1, 1]` and ``mask``
+            [`Score`] with `log_prob` `[n, k]`, `mean` `[n, k, C, h, w]`, ``std`` `[n, k, 1, 1, 1]` and ``mask``
             `[n, k]` (which entries are replayed transitions).
         """
         model = self._model(self._embeds(rollout.trajectory))
         return replay_plan(model, rollout.trajectory, rollout.group_ids, rollout.mask, steps, self.device)
 
-    def likelihood(self, rollout: Rollout, steps: list[int]) -> dict[str, torch.Tensor]:
+    def likelihood(self, rollout: Rollout, steps: list[int]) -> Score:
         """Minus the flow-matching loss of the final latents at noise levels ``sigmas[j]``, `j` in `steps`, with noise
         shared within a group; the conditional velocity (no CFG), with gradients.
 
         Returns:
-            `dict` with ``log_prob`` `[n, k]`, ``velocity`` `[n, k, C, h, w]` and ``group_ids`` `[n]`.
+            [`Score`] with `log_prob` `[n, k]`, `velocity` `[n, k, C, h, w]` and ``group_ids`` `[n]`.
         """
         model = self._model(self._embeds(rollout.trajectory), guidance=False)
         return plan_likelihood(model, self._noise, rollout.trajectory, rollout.group_ids, steps, self.device)
