@@ -13,6 +13,7 @@ import yaml
 
 from mmgrpo import checkpoint, cli, config as config_mod, state_io
 from mmgrpo.trainer import Trainer
+from test_dgpo import dgpo_config  # two DGPO steps on the tiny SD3
 
 STATE_FILES = ("optimizer", "lr_scheduler", "algorithm", "rng_rank0")
 
@@ -27,29 +28,12 @@ class Payload:
         return open, (self.marker, "w")
 
 
-def dgpo_config(tmp_path, tiny_sd3_dir):
-    """Two DGPO steps on the tiny SD3 (DGPO keeps state of its own: the fast-EMA old model)."""
-    prompts = tmp_path / "prompts.txt"
-    prompts.write_text("a red circle\na blue square\na green triangle\n")
-    return {
-        "output_dir": str(tmp_path / "run"),
-        "seed": 5,
-        "pipeline": {"name": "sd3", "pretrained": tiny_sd3_dir, "resolution": 32, "num_steps": 3,
-                     "guidance_scale": 1.0, "lora_rank": 4, "max_sequence_length": 16},
-        "algorithm": {"name": "dgpo", "trunc_steps": 1, "num_train_timesteps": 2, "ema_decay_rate": 0.1},
-        "reward": {"name": "jpeg"},
-        "data": {"name": "prompt_file", "train_file": str(prompts), "eval_file": str(prompts)},
-        "train": {"max_steps": 2, "prompts_per_step": 2, "group_size": 2, "minibatch_size": 4, "learning_rate": 1e-3},
-        "eval": {"every": 0, "num_prompts": 2, "grid_size": 2, "metric": "jpeg_kb"},
-        "checkpoint": {"every": 2, "keep_last": 2},
-    }
-
-
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory, tiny_sd3_dir):
     """``(raw config, trainer, checkpoint folder)`` of a finished two-step run."""
     tmp = tmp_path_factory.mktemp("trained")
-    raw = dgpo_config(tmp, tiny_sd3_dir)
+    raw = dgpo_config(tmp, tiny_sd3_dir, max_steps=2)  # DGPO keeps state of its own: the fast-EMA old model
+    raw["eval"] = {"every": 0, "num_prompts": 2, "grid_size": 2, "metric": "jpeg_kb"}
     trainer = Trainer(config_mod.from_dict(raw))
     trainer.train()
     return raw, trainer, checkpoint.complete_checkpoints(tmp / "run" / "checkpoints")[-1]
