@@ -131,6 +131,9 @@ def run_config(config: str, args) -> dict:
     command = [sys.executable, "-m", "mmgrpo.cli", "train", config, *overrides(config, args.steps, args.every, out)]
     env = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "OMP_NUM_THREADS": "1",
            "TOKENIZERS_PARALLELISM": "false", **os.environ}
+    git = ["git", "-C", str(ROOT)]
+    commit = subprocess.run([*git, "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    changed = subprocess.run([*git, "status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True)
     samples, start = [], time.monotonic()
     with (out / "stdout.log").open("w") as log:
         child = subprocess.Popen(command, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
@@ -144,8 +147,9 @@ def run_config(config: str, args) -> dict:
     if child.returncode != 0:
         tail = (out / "stdout.log").read_text(errors="replace")[-2000:]
         raise RuntimeError(f"`{' '.join(command)}` exited with {child.returncode}; the end of its output:\n{tail}")
-    return {"config": config, "command": command, "wall_s": round(wall, 1), "steps": read_step(out / "metrics.jsonl"),
-            "samples": samples}
+    return {"config": config, "command": command, "commit": commit,
+            "uncommitted_files": len(changed.stdout.splitlines()), "wall_s": round(wall, 1),
+            "steps": read_step(out / "metrics.jsonl"), "samples": samples}
 
 
 # ---------------------------------------------------------------------------------------------------- analysis
@@ -207,8 +211,9 @@ def summarize(run: dict, warmup: int, block: int, rss_floor: float, fd_floor: fl
         blocks = block_medians(steps, values, warmup, stop, block)
         rows[key] = {"first_block": blocks[0][1] if blocks else None, "last_block": blocks[-1][1] if blocks else None,
                      "max": max(s[key] for s in samples), **fit_growth(steps, values, warmup, stop, block, floor)}
-    return {"config": run["config"], "steps": run["steps"], "wall_s": run["wall_s"], "samples": len(samples),
-            "threads_max": max(s["threads"] for s in samples), "rss": rows["rss_mib"], "fd": rows["fds"]}
+    return {"config": run["config"], "commit": run.get("commit"), "steps": run["steps"], "wall_s": run["wall_s"],
+            "samples": len(samples), "threads_max": max(s["threads"] for s in samples), "rss": rows["rss_mib"],
+            "fd": rows["fds"]}
 
 
 def markdown_table(rows: list[dict]) -> str:
