@@ -88,7 +88,7 @@ def main() -> None:
 
     def ours_replay():
         for i in range(args.steps):
-            policy.log_prob(rollout, [i])["log_prob"].mean().backward()
+            policy.log_prob(rollout, [i]).log_prob.mean().backward()
 
     def peer_replay(keep=None):
         pipe.scheduler.set_timesteps(args.steps)

@@ -9,7 +9,7 @@ from typing import Any, Iterable, Literal, Protocol, runtime_checkable
 
 import torch
 
-from .types import LossOutput, PromptBatch, RewardResult, Rollout, SamplingPlan
+from .types import LossOutput, PromptBatch, RewardResult, Rollout, SamplingPlan, Score
 
 
 @runtime_checkable
@@ -28,20 +28,20 @@ class StochasticPolicy(Protocol):
     def sample(self, batch: PromptBatch, plan: SamplingPlan, *, generator: torch.Generator | None = None) -> Rollout:
         """Samples without gradients and records in `Rollout.trajectory` what `log_prob` needs to replay."""
 
-    def log_prob(self, rollout: Rollout, steps: list[int]) -> dict[str, torch.Tensor]:
+    def log_prob(self, rollout: Rollout, steps: list[int]) -> Score:
         """Replays transitions `steps` of every sample under the current parameters, with gradients.
 
-        Returns a dictionary with ``log_prob`` (`[N, len(steps)]`) and, where they exist, ``mean`` and ``std`` of
-        the transitions (used for a KL to the reference) and ``mask`` (`[N, len(steps)]`, bool): the entries that are
+        Returns a [`Score`] with `log_prob` (`[N, len(steps)]`) and, where they exist, `mean` and `std` of the
+        transitions (used for a KL to the reference) and `mask` (`[N, len(steps)]`, bool): the entries that are
         trained transitions of that sample (`rollout.mask`); the others are placeholders losses must ignore.
 
         Optional members, needed only by the plans and algorithms that use them:
 
         - ``plan_features`` (`frozenset[str]`): the [`SamplingPlan.features`] this policy implements (``"merge"``,
           ``"branch"``, ``"unit_selection"``, ``"dpm"``, ``"likelihood"``); the trainer refuses a plan asking for more.
-        - ``likelihood(rollout, steps) -> dict``: for ``scoring = "likelihood"`` algorithms, a sample-only score of the
-          final outputs with gradients, ``log_prob`` `[N, len(steps)]` (minus the flow-matching loss at the plan's noise
-          levels for diffusion), plus what the algorithm's loss reads (``velocity``, ``group_ids``).
+        - ``likelihood(rollout, steps) -> Score``: for ``scoring = "likelihood"`` algorithms, a sample-only score of the
+          final outputs with gradients, `log_prob` `[N, len(steps)]` (minus the flow-matching loss at the plan's noise
+          levels for diffusion), plus what the algorithm's loss reads (`velocity`, `group_ids`).
         """
 
     def reference(self) -> AbstractContextManager:
@@ -100,11 +100,11 @@ class Algorithm(Protocol):
 
     def loss(
         self,
-        new: dict[str, torch.Tensor],
+        new: Score,
         old_log_prob: torch.Tensor,
         advantages: torch.Tensor,
-        ref: dict[str, torch.Tensor] | None,
+        ref: Score | None,
     ) -> LossOutput:
-        """Loss of one unit of trained steps for a minibatch: `new` from the scoring method (``log_prob`` `[n, k]`,
-        maybe ``mask`` `[n, k]`), `old_log_prob` `[n, k]`, `advantages` `[n]`, `ref` the reference policy's score (or
-        None)."""
+        """Loss of one unit of trained steps for a minibatch: `new` the [`Score`] of the scoring method (`log_prob`
+        `[n, k]`, maybe `mask` `[n, k]`...), `old_log_prob` `[n, k]`, `advantages` `[n]`, `ref` the reference policy's
+        score (or None)."""

@@ -94,10 +94,10 @@ def score_unit(policy, algorithm, sub, unit: list[int], device) -> tuple[dict, t
     old = sub.old_log_probs[:, unit].to(device) if old_policy is None else None
     if old_context is not None:
         with torch.no_grad(), old_context:  # before `new`: swapping weights must not touch a live graph
-            old = score(sub, unit)["log_prob"]
+            old = score(sub, unit).log_prob
     new = score(sub, unit)
     if old is None:
-        old = new["log_prob"].detach()  # the algorithm reads no old model: it is the current one, no extra forward
+        old = new.log_prob.detach()  # the algorithm reads no old model: it is the current one, no extra forward
     ref = None
     if algorithm.needs_reference:
         with torch.no_grad(), policy.reference():

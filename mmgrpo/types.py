@@ -6,7 +6,7 @@ tokens), ``C/H/W`` channels and pixels.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 import torch
@@ -127,6 +127,55 @@ class RewardResult:
 
     scores: torch.Tensor  # [N] float32
     components: dict[str, torch.Tensor] = field(default_factory=dict)  # name -> [N]
+
+
+@dataclass
+class Score:
+    """A policy's score of `k` trained decisions of `n` samples: what ``policy.log_prob`` (replay of the sampled
+    transitions) and ``policy.likelihood`` (a sample-only surrogate) return and ``algorithm.loss`` reads.
+
+    Only `log_prob` is always there; a field a pipeline has no such thing for is `None`. A pipeline declares which
+    fields each scoring method fills (``provides``), an algorithm which ones its loss reads (``traits.reads``), and
+    the trainer refuses a pair that does not match before any model loads.
+
+    Args:
+        log_prob (`torch.FloatTensor` of shape `[n, k]`): log-probability of each scored decision, with gradients (a
+            likelihood's surrogate: minus the flow-matching loss, or a one-step token log-prob sum).
+        mask (`torch.BoolTensor` of shape `[n, k]`, *optional*): the entries that are trained decisions of that sample;
+            the others are placeholders (log-prob 0, no gradient) that a loss must ignore.
+        mean (`torch.FloatTensor` of shape `[n, k, ...]`, *optional*): mean of each flow SDE transition (latent shape),
+            for a KL to the reference.
+        std (`torch.FloatTensor` of shape `[n, k, 1, ...]`, *optional*): std of each flow SDE transition (0 where the
+            step is deterministic or a placeholder), broadcastable to `mean`.
+        velocity (`torch.FloatTensor` of shape `[n, k, ...]`, *optional*): the model's velocity at each scored noise
+            level of a flow likelihood (latent shape), for a velocity-space KL.
+        group_ids (`torch.LongTensor` of shape `[n]`, *optional*): the group of each sample (a likelihood's
+            group-shared noise), for losses that weigh groups.
+        token_log_prob (`torch.FloatTensor` of shape `[n, k, L]`, *optional*): per-token log-probs of each scored step
+            of a masked-diffusion LM, `L` the completion length, with gradients.
+        token_mask (`torch.BoolTensor` of shape `[n, k, L]`, *optional*): the tokens each scored step scores.
+        old_token_log_prob (`torch.FloatTensor` of shape `[n, k, L]`, *optional*): `token_log_prob` of the sampling
+            policy, recorded at sampling (no gradient).
+    """
+
+    log_prob: torch.Tensor  # [n, k]
+    mask: torch.Tensor | None = None  # [n, k] bool
+    mean: torch.Tensor | None = None  # [n, k, ...]
+    std: torch.Tensor | None = None  # [n, k, 1, ...]
+    velocity: torch.Tensor | None = None  # [n, k, ...]
+    group_ids: torch.Tensor | None = None  # [n] long
+    token_log_prob: torch.Tensor | None = None  # [n, k, L]
+    token_mask: torch.Tensor | None = None  # [n, k, L] bool
+    old_token_log_prob: torch.Tensor | None = None  # [n, k, L]
+
+    @classmethod
+    def field_names(cls) -> frozenset[str]:
+        """Every field a pipeline may provide and an algorithm may read."""
+        return frozenset(f.name for f in fields(cls))
+
+    def provided(self) -> frozenset[str]:
+        """The fields that are not `None`."""
+        return frozenset(f.name for f in fields(self) if getattr(self, f.name) is not None)
 
 
 @dataclass

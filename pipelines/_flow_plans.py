@@ -22,7 +22,7 @@ import torch
 
 from mmgrpo.pipelines._flow_common import sample_flow
 from mmgrpo.samplers.flow_sde import entropy_merge_span, flow_sde_step
-from mmgrpo.types import SamplingPlan
+from mmgrpo.types import SamplingPlan, Score
 
 PLAN_FEATURES = frozenset({"merge", "branch", "unit_selection", "dpm", "likelihood"})
 
@@ -226,14 +226,14 @@ def replay_plan(
     mask: torch.Tensor,
     steps: list[int],
     device: torch.device,
-) -> dict[str, torch.Tensor]:
+) -> Score:
     """Re-scores stored transitions `steps` under the current `velocity`, for the samples that train them.
 
     A step no sample in the batch trains is replayed for every sample (so the values are real and the graph reaches
     the parameters). Steps taken from a shared anchor are forwarded once per group.
 
     Returns:
-        `dict` with ``log_prob`` `[n, k]`, ``mean`` `[n, k, ...]`, ``std`` `[n, k, 1, ...]` and ``mask`` `[n, k]`
+        [`Score`] with `log_prob` `[n, k]`, `mean` `[n, k, ...]`, `std` `[n, k, 1, ...]` and `mask` `[n, k]`
         (bool): the entries that are replayed transitions; the others are placeholders (log-prob 0, std 0, no
         gradient) that losses must ignore.
     """
@@ -264,12 +264,12 @@ def replay_plan(
             sigma_at_one=sigmas[1], prev_sample=latents[rows, end],
         )
         outs.append(out if len(rows) == n else _scatter(out, rows, n))
-    return {
-        "log_prob": torch.stack([o.log_prob for o in outs], dim=1),
-        "mean": torch.stack([o.mean for o in outs], dim=1),
-        "std": torch.stack([o.std for o in outs], dim=1),
-        "mask": torch.stack(masks, dim=1).to(device),
-    }
+    return Score(
+        log_prob=torch.stack([o.log_prob for o in outs], dim=1),  # [n, k]
+        mean=torch.stack([o.mean for o in outs], dim=1),  # [n, k, ...]
+        std=torch.stack([o.std for o in outs], dim=1),  # [n, k, 1, ...]
+        mask=torch.stack(masks, dim=1).to(device),  # [n, k]
+    )
 
 
 def _first_of_group(ids: torch.Tensor):
@@ -298,15 +298,15 @@ def plan_likelihood(
     group_ids: torch.Tensor,
     steps: list[int],
     device: torch.device,
-) -> dict[str, torch.Tensor]:
+) -> Score:
     """Minus the flow-matching loss of the final samples ``x0`` at noise levels ``sigmas[j]``, `j` in `steps`.
 
     ``x_t = (1 - s) x0 + s eps``, target ``eps - x0``, ``eps`` shared within a group and fixed by the plan's seed, the
     group and `j` (so the policy, its reference and an old copy see the same noise on every process).
 
     Returns:
-        `dict` with ``log_prob`` `[n, k]` (``-mean((v - target)^2)`` per sample), ``velocity`` `[n, k, ...]` and
-        ``group_ids`` `[n]`.
+        [`Score`] with `log_prob` `[n, k]` (``-mean((v - target)^2)`` per sample), `velocity` `[n, k, ...]` and
+        `group_ids` `[n]`.
     """
     x0 = trajectory["latents"][:, -1].to(device).float()  # [n, ...]
     sigmas, seed = trajectory["shared_sigmas"], trajectory["shared_seed"]
@@ -318,8 +318,8 @@ def plan_likelihood(
         v = velocity((1 - s) * x0 + s * eps, sigmas[j], None)
         log_probs.append(-((v - (eps - x0)) ** 2).mean(dim=dims))
         velocities.append(v)
-    return {
-        "log_prob": torch.stack(log_probs, dim=1),  # [n, k]
-        "velocity": torch.stack(velocities, dim=1),  # [n, k, ...]
-        "group_ids": group_ids,
-    }
+    return Score(
+        log_prob=torch.stack(log_probs, dim=1),  # [n, k]
+        velocity=torch.stack(velocities, dim=1),  # [n, k, ...]
+        group_ids=group_ids,  # [n]
+    )

@@ -24,7 +24,7 @@ import torch
 from mmgrpo.hub import resolve_pretrained
 from mmgrpo.reference import ReferenceSwitch
 from mmgrpo.samplers.masked_diffusion import eoser_gamma, make_schedule, rebuild_state, token_log_probs, unmask_step
-from mmgrpo.types import PromptBatch, Rollout, SamplingPlan
+from mmgrpo.types import PromptBatch, Rollout, SamplingPlan, Score
 from mmgrpo.validation import check_fields, check_range
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -377,14 +377,14 @@ class MDLMPolicy:
         return self.tokenizer.decode(keep.tolist(), skip_special_tokens=True)
 
     # ----------------------------------------------------------------------------------------------------- replay
-    def log_prob(self, rollout: Rollout, steps: list[int]) -> dict[str, torch.Tensor]:
+    def log_prob(self, rollout: Rollout, steps: list[int]) -> Score:
         """Replays decoding steps `steps`: rebuilds each state from the commit steps (exactly the state the rollout
         saw) and scores the tokens committed at that step, with gradients, one forward per step.
 
         Returns:
-            `dict` with ``log_prob`` `[n, k]` (sum over the step's tokens), ``token_log_prob`` `[n, k, L]`,
-            ``token_mask`` `[n, k, L]` (the step's tokens), ``old_token_log_prob`` `[n, k, L]` (recorded at
-            sampling) and ``mask`` `[n, k]` (trained steps that committed a token).
+            [`Score`] with `log_prob` `[n, k]` (sum over the step's tokens), `token_log_prob` `[n, k, L]`,
+            `token_mask` `[n, k, L]` (the step's tokens), `old_token_log_prob` `[n, k, L]` (recorded at
+            sampling) and `mask` `[n, k]` (trained steps that committed a token).
         """
         t = rollout.trajectory
         completion, commit = t["completion"].to(self.device), t["commit_step"].to(self.device)  # [n, L]
@@ -397,15 +397,15 @@ class MDLMPolicy:
             token_mask.append(commit == s)
         return self._pack(torch.stack(token_lp, 1), torch.stack(token_mask, 1), t["token_log_probs"], rollout, steps)
 
-    def _pack(self, token_lp, token_mask, recorded, rollout, steps) -> dict[str, torch.Tensor]:
-        """The scoring dictionary from per-token log-probs `[n, k, L]` and the scored tokens `[n, k, L]`."""
+    def _pack(self, token_lp, token_mask, recorded, rollout, steps) -> Score:
+        """The [`Score`] from per-token log-probs `[n, k, L]` and the scored tokens `[n, k, L]`."""
         old_token = recorded.to(self.device)
         old_token = old_token[:, None].expand_as(token_lp) if old_token.dim() == 2 else old_token[:, steps]
-        return {
-            "log_prob": (token_lp * token_mask).sum(-1),  # [n, k]
-            "token_log_prob": token_lp, "token_mask": token_mask, "old_token_log_prob": old_token,  # [n, k, L]
-            "mask": rollout.mask[:, steps].to(self.device) & token_mask.any(-1),  # [n, k]
-        }
+        return Score(
+            log_prob=(token_lp * token_mask).sum(-1),  # [n, k]
+            token_log_prob=token_lp, token_mask=token_mask, old_token_log_prob=old_token,  # [n, k, L]
+            mask=rollout.mask[:, steps].to(self.device) & token_mask.any(-1),  # [n, k]
+        )
 
     # ------------------------------------------------------------------------------------------------- likelihood
     def _one_step(self, prompt_ids, prompt_attention, completion, prompt_masked) -> torch.Tensor:
@@ -434,13 +434,13 @@ class MDLMPolicy:
         mask[:, plan.trained_steps] = True
         return (old_tokens * keep[:, None]).sum(-1), mask  # [N, S], [N, S]
 
-    def likelihood(self, rollout: Rollout, steps: list[int]) -> dict[str, torch.Tensor]:
+    def likelihood(self, rollout: Rollout, steps: list[int]) -> Score:
         """d1's one-step estimate for the draws `steps` (prompt masks recorded at sampling), with gradients: every
         completion token up to the first EOS is scored from the fully masked completion in one forward.
 
         Returns:
-            The dictionary of [`~MDLMPolicy.log_prob`], with ``token_mask`` the completion mask and
-            ``old_token_log_prob`` the sampling policy's one-step log-probs under the same masks.
+            The [`Score`] of [`~MDLMPolicy.log_prob`], with `token_mask` the completion mask and
+            `old_token_log_prob` the sampling policy's one-step log-probs under the same masks.
         """
         t = rollout.trajectory
         if "prompt_masked" not in t:

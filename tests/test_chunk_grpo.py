@@ -6,7 +6,7 @@ import torch
 
 from mmgrpo.algorithms.chunk_grpo import ChunkGRPO, ChunkGRPOConfig
 from mmgrpo.pipelines.sd3 import SD3Config, SD3Policy
-from mmgrpo.types import PromptBatch, SamplingPlan
+from mmgrpo.types import PromptBatch, SamplingPlan, Score
 
 PROMPTS = ["a red circle", "two blue squares"]
 
@@ -31,7 +31,7 @@ def test_chunk_ratio_is_the_geometric_mean_of_the_step_ratios():
     new = (old + 0.01 * torch.randn(5, 3, generator=g)).requires_grad_(True)
     algorithm = ChunkGRPO(ChunkGRPOConfig(clip_range=0.2, clip_range_high=0.3))
     advantages = torch.tensor([1.0, -1.0, 0.5, 2.0, -0.3])
-    out = algorithm.loss({"log_prob": new}, old, advantages)
+    out = algorithm.loss(Score(log_prob=new), old, advantages)
     step_ratios = torch.exp(new.detach() - old)  # [5, 3]
     geometric = step_ratios.prod(dim=1) ** (1 / 3)  # independent: the k-th root of the product
     assert out.metrics["ratio_mean"] == pytest.approx(geometric.mean().item(), rel=1e-6)
@@ -42,7 +42,7 @@ def test_chunk_ratio_is_the_geometric_mean_of_the_step_ratios():
     for ratio, inside in ((1.25, True), (0.75, False)):
         lp = torch.full((1, 2), float(torch.log(torch.tensor(ratio))), requires_grad=True)
         ChunkGRPO(ChunkGRPOConfig(clip_range=0.2, clip_range_high=0.3)).loss(
-            {"log_prob": lp}, torch.zeros(1, 2), torch.tensor([-1.0])
+            Score(log_prob=lp), torch.zeros(1, 2), torch.tensor([-1.0])
         ).loss.backward()
         assert (lp.grad.abs().sum() > 0) == inside
 
@@ -53,10 +53,10 @@ def test_samples_not_training_a_chunk_are_ignored():
     mask = torch.tensor([[True, True], [False, False], [True, True], [False, False]])
     advantages = torch.tensor([1.0, 5.0, -1.0, 5.0])
     algorithm = ChunkGRPO(ChunkGRPOConfig(clip_range=0.5))
-    out = algorithm.loss({"log_prob": new, "mask": mask}, old, advantages)
+    out = algorithm.loss(Score(log_prob=new, mask=mask), old, advantages)
     out.loss.backward()
     assert torch.count_nonzero(new.grad[~mask]) == 0 and torch.count_nonzero(new.grad[mask]) == 4
-    only = algorithm.loss({"log_prob": new.detach()[[0, 2]]}, old[[0, 2]], advantages[[0, 2]])
+    only = algorithm.loss(Score(log_prob=new.detach()[[0, 2]]), old[[0, 2]], advantages[[0, 2]])
     assert out.loss.item() == pytest.approx(only.loss.item())
 
 
@@ -87,10 +87,10 @@ def test_rollout_and_replay_of_chunks(tiny_sd3_dir):
             p.add_(0.01 * torch.randn_like(p))  # off-policy: ratios differ from 1
     for unit in plan.train_units:
         new = policy.log_prob(rollout, unit)
-        assert torch.equal(new["mask"], rollout.mask[:, unit])
-        rows = new["mask"].all(1)
+        assert torch.equal(new.mask, rollout.mask[:, unit])
+        rows = new.mask.all(1)
         out = algorithm.loss(new, rollout.old_log_probs[:, unit], torch.ones(8), None)
-        step_ratios = torch.exp(new["log_prob"].detach() - rollout.old_log_probs[:, unit])[rows]  # [r, k]
+        step_ratios = torch.exp(new.log_prob.detach() - rollout.old_log_probs[:, unit])[rows]  # [r, k]
         expected = (step_ratios.prod(1) ** (1 / len(unit))).mean()
         assert out.metrics["ratio_mean"] == pytest.approx(expected.item(), rel=1e-5)
         assert abs(out.metrics["ratio_mean"] - 1) > 1e-6
@@ -98,7 +98,7 @@ def test_rollout_and_replay_of_chunks(tiny_sd3_dir):
 
 def test_a_chunk_no_sample_trains_gives_a_zero_loss_connected_to_the_graph():
     new = torch.full((2, 2), 0.3, requires_grad=True)
-    out = ChunkGRPO(ChunkGRPOConfig()).loss({"log_prob": new, "mask": torch.zeros(2, 2, dtype=torch.bool)},
+    out = ChunkGRPO(ChunkGRPOConfig()).loss(Score(log_prob=new, mask=torch.zeros(2, 2, dtype=torch.bool)),
                                             torch.zeros(2, 2), torch.ones(2))
     out.loss.backward()  # every process runs the same backward, even with nothing to train
     assert out.loss.item() == 0 and torch.count_nonzero(new.grad) == 0 and out.metrics["ratio_mean"] == 1.0

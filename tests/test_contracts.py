@@ -120,9 +120,9 @@ def test_pipeline_contract(name, algorithm_name, request):
         # what the trainer feeds the loss: the policy's score now, the old policy's (recorded, or the algorithm's own
         # old model), the reference's
         new, old, ref = score_unit(policy, algorithm, rollout, unit, torch.device("cpu"))
-        scored = new.get("mask", torch.ones_like(old, dtype=torch.bool))  # entries that are real transitions
+        scored = torch.ones_like(old, dtype=torch.bool) if new.mask is None else new.mask  # real transitions
         assert scored.any()
-        torch.testing.assert_close(new["log_prob"].detach()[scored], old[scored], rtol=0, atol=1e-5)
+        torch.testing.assert_close(new.log_prob.detach()[scored], old[scored], rtol=0, atol=1e-5)
         out = algorithm.loss(new, old, torch.zeros(4), ref)
         assert out.metrics["ratio_mean"] == pytest.approx(1.0, abs=1e-5)
         out.loss.backward()

@@ -11,7 +11,7 @@ from mmgrpo.algorithms.dgpo import DGPO, DGPOConfig, group_weights
 from mmgrpo.pipelines._flow_plans import group_noise
 from mmgrpo.pipelines.sd3 import SD3Config, SD3Policy
 from mmgrpo.trainer import Trainer, score_unit
-from mmgrpo.types import PromptBatch, SamplingPlan
+from mmgrpo.types import PromptBatch, SamplingPlan, Score
 
 PROMPTS = ["a red circle", "two blue squares"]
 
@@ -48,8 +48,8 @@ def test_loss_equals_an_independent_computation():
     v = torch.randn(n, k, 3, 2, 2, generator=g, requires_grad=True)
     v_ref = v.detach() + 0.1 * torch.randn(n, k, 3, 2, 2, generator=g)
     c = DGPOConfig(beta_dpo=50.0, kl_beta=0.3, clip_range=1e-2)
-    out = DGPO(c).loss({"log_prob": -fm, "velocity": v, "group_ids": groups}, -fm_old, adv,
-                       {"log_prob": -fm_ref, "velocity": v_ref})
+    out = DGPO(c).loss(Score(log_prob=-fm, velocity=v, group_ids=groups), -fm_old, adv,
+                       Score(log_prob=-fm_ref, velocity=v_ref))
     grads = torch.autograd.grad(out.loss, [fm, v])
     expected = reference_loss(fm, fm_old, fm_ref, v, v_ref, adv, groups, c)
     expected_grads = torch.autograd.grad(expected, [fm, v])
@@ -81,8 +81,8 @@ def test_gradient_lowers_winners_and_raises_losers_loss():
         return ((theta - target) ** 2)[:, None]  # [4, 1] per-sample flow-matching loss
 
     before = fm().detach()
-    out = algorithm.loss({"log_prob": -fm(), "group_ids": torch.zeros(4, dtype=torch.long)}, -before, adv,
-                         {"log_prob": -before})
+    out = algorithm.loss(Score(log_prob=-fm(), group_ids=torch.zeros(4, dtype=torch.long)), -before, adv,
+                         Score(log_prob=-before))
     out.loss.backward()
     with torch.no_grad():
         theta -= 0.1 * theta.grad
@@ -102,7 +102,7 @@ def test_gradient_step_on_the_tiny_policy_favours_the_winners(tiny_sd3_dir):
     algorithm.loss(new, old, adv, ref).loss.backward()
     torch.optim.SGD(policy.trainable_parameters(), lr=1.0).step()
     with torch.no_grad():
-        change = -policy.likelihood(rollout, plan.train_units[0])["log_prob"].flatten() + new["log_prob"].flatten()
+        change = -policy.likelihood(rollout, plan.train_units[0]).log_prob.flatten() + new.log_prob.flatten()
     assert (adv * change).sum() < 0
     assert change[adv > 0].mean() < 0 < change[adv < 0].mean()
 
@@ -112,8 +112,8 @@ def test_clip_detaches_samples_beyond_the_ratio_range():
     adv = torch.tensor([1.0, 1.0, -1.0, -1.0])
     # ratio exp(L_old - L): [1.05, 1.0, 0.95, 1.0] with c = 1e-2 -> samples 0 (A > 0, too high), 2 (A < 0, too low)
     fm_old = torch.tensor([[1 + math.log(1.05)], [1.0], [1 + math.log(0.95)], [1.0]])
-    out = DGPO(DGPOConfig(kl_beta=0.0)).loss({"log_prob": -fm, "group_ids": torch.zeros(4, dtype=torch.long)},
-                                             -fm_old, adv, {"log_prob": -torch.ones(4, 1)})
+    out = DGPO(DGPOConfig(kl_beta=0.0)).loss(Score(log_prob=-fm, group_ids=torch.zeros(4, dtype=torch.long)),
+                                             -fm_old, adv, Score(log_prob=-torch.ones(4, 1)))
     (grad,) = torch.autograd.grad(out.loss, fm)
     assert grad.flatten().ne(0).tolist() == [False, True, False, True]
     assert out.metrics["clip_frac"] == 0.5
@@ -136,12 +136,12 @@ def test_likelihood_is_the_flow_matching_loss_with_group_shared_noise(tiny_sd3_d
     with torch.no_grad():
         v = policy.velocity((1 - s) * x0 + s * eps, s, embeds, guidance=False)
     expected = -((v - (eps - x0)) ** 2).mean(dim=(1, 2, 3))
-    torch.testing.assert_close(got["log_prob"][:, 0], expected, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(got.log_prob[:, 0], expected, rtol=1e-5, atol=1e-6)
     # the same values when the batch is split over two processes (a group spanning them keeps its noise)
     halves = [rollout.select(torch.arange(k, k + 3)) for k in (0, 3)]
     with torch.no_grad():
-        split = torch.cat([policy.likelihood(h, [j])["log_prob"] for h in halves])
-    torch.testing.assert_close(split, got["log_prob"], rtol=1e-5, atol=1e-6)
+        split = torch.cat([policy.likelihood(h, [j]).log_prob for h in halves])
+    torch.testing.assert_close(split, got.log_prob, rtol=1e-5, atol=1e-6)
 
 
 def test_rollout_is_diffusers_dpm_solver(tiny_sd3_dir):
@@ -215,7 +215,7 @@ def test_old_model_scores_under_the_ema_weights(tiny_sd3_dir):
             p.add_(0.05 * torch.randn_like(p))
     new, old_after, _ = score_unit(policy, algorithm, rollout, unit, torch.device("cpu"))
     torch.testing.assert_close(old_after, old, rtol=0, atol=0)  # the EMA has not moved: no update yet
-    assert not torch.allclose(new["log_prob"].detach(), old)
+    assert not torch.allclose(new.log_prob.detach(), old)
 
 
 def test_without_clip_the_old_model_is_not_scored(tiny_sd3_dir):
@@ -231,7 +231,7 @@ def test_without_clip_the_old_model_is_not_scored(tiny_sd3_dir):
     policy.likelihood = lambda *args: calls.append(1) or likelihood(*args)
     new, old, ref = score_unit(policy, algorithm, rollout, plan.train_units[0], torch.device("cpu"))
     assert len(calls) == 2  # the policy and the frozen reference; no old model
-    torch.testing.assert_close(old, new["log_prob"].detach(), rtol=0, atol=0)
+    torch.testing.assert_close(old, new.log_prob.detach(), rtol=0, atol=0)
     advantages = torch.tensor([1.0, -1.0, 0.5, -0.5])
     unclipped = algorithm.loss(new, old, advantages, ref)
     far_old = old - 5.0  # ratios exp(-5): every positive-advantage sample would be clipped at any clip_range > 0

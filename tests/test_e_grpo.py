@@ -35,15 +35,15 @@ def test_merged_step_std_is_the_one_step_sde_std_over_the_merged_interval(tiny_s
     expected = flow_sde_std(sigmas[1], sigmas[3], noise_level=0.7, sigma_at_one=sigmas[1])
     one_step = flow_sde_step(torch.zeros(1, 2), torch.zeros(1, 2), sigmas[1], sigmas[3], noise_level=0.7,
                              sigma_at_one=sigmas[1], generator=torch.Generator().manual_seed(0))
-    torch.testing.assert_close(replay["std"][:, 0].flatten(), expected.expand(8), rtol=1e-6, atol=0)
+    torch.testing.assert_close(replay.std[:, 0].flatten(), expected.expand(8), rtol=1e-6, atol=0)
     torch.testing.assert_close(one_step.std.flatten()[0], expected, rtol=1e-6, atol=0)
     assert expected > flow_sde_std(sigmas[1], sigmas[2], noise_level=0.7)  # merging raises the entropy
     # the branch really lands on sigma_3 from the anchor at sigma_1: standardised residual ~ N(0, 1)
-    z = (rollout.trajectory["latents"][:, 3] - replay["mean"][:, 0]) / replay["std"][:, 0]
+    z = (rollout.trajectory["latents"][:, 3] - replay.mean[:, 0]) / replay.std[:, 0]
     assert 0.8 < z.std().item() < 1.2 and abs(z.mean().item()) < 0.1
     # one stochastic transition per sample; log-prob replays exactly
     assert torch.count_nonzero(rollout.old_log_probs, dim=1).tolist() == [1] * 8
-    torch.testing.assert_close(replay["log_prob"][:, 0], rollout.old_log_probs[:, 1], rtol=0, atol=1e-5)
+    torch.testing.assert_close(replay.log_prob[:, 0], rollout.old_log_probs[:, 1], rtol=0, atol=1e-5)
 
 
 def test_entropy_and_adaptive_merge_span():
@@ -67,7 +67,7 @@ def test_adaptive_plan_merges_until_the_threshold(tiny_sd3_dir):
     _, _, _, rollout = sample(policy, EGRPOConfig(sde_steps=[2], entropy_threshold=(one + two) / 2), group=2)
     assert rollout.trajectory["step_ends"][:, 2].tolist() == [4] * 4
     with torch.no_grad():
-        std = policy.log_prob(rollout, [2])["std"][:, 0].flatten()
+        std = policy.log_prob(rollout, [2]).std[:, 0].flatten()
     assert (gaussian_entropy(std) >= (one + two) / 2).all()
 
 

@@ -43,13 +43,13 @@ def test_replay_consistency(tiny_flux_dir, window, num_prompts):
     assert rollout.trajectory["latents"].shape == (2 * num_prompts, 5, 64, 16)  # [N, S + 1, (32/2/2)^2, 4 x 4]
     steps = trained_steps(plan)
     with torch.no_grad():
-        replay = policy.log_prob(rollout, steps)["log_prob"]
+        replay = policy.log_prob(rollout, steps).log_prob
     torch.testing.assert_close(replay, rollout.old_log_probs[:, steps], rtol=0, atol=1e-5)
     # a different (wrong) next latent must NOT replay to the same log-prob: the check can fail
     broken = copy.copy(rollout)
     broken.trajectory = dict(rollout.trajectory, latents=rollout.trajectory["latents"].flip(0))
     with torch.no_grad():
-        wrong = policy.log_prob(broken, steps)["log_prob"]
+        wrong = policy.log_prob(broken, steps).log_prob
     assert (wrong - rollout.old_log_probs[:, steps]).abs().max() > 1e-3
 
 
@@ -59,7 +59,7 @@ def test_minibatch_replay_matches_full_batch(tiny_flux_dir):
     rollout = policy.sample(PromptBatch(PROMPTS).repeat(2), plan, generator=torch.Generator().manual_seed(1))
     index = torch.tensor([4, 1])
     with torch.no_grad():
-        sub = policy.log_prob(rollout.select(index), [0, 2])["log_prob"]
+        sub = policy.log_prob(rollout.select(index), [0, 2]).log_prob
     torch.testing.assert_close(sub, rollout.old_log_probs[index][:, [0, 2]], rtol=0, atol=1e-5)
 
 
@@ -94,14 +94,14 @@ def test_branched_merged_plan_replays_and_likelihood_is_differentiable(tiny_flux
                         seed=7)
     rollout = policy.sample(batch, plan, generator=torch.Generator().manual_seed(0))
     replay = policy.log_prob(rollout, [0, 1])
-    torch.testing.assert_close(replay["log_prob"].detach()[replay["mask"]], rollout.old_log_probs[:, [0, 1]][replay["mask"]],
+    torch.testing.assert_close(replay.log_prob.detach()[replay.mask], rollout.old_log_probs[:, [0, 1]][replay.mask],
                                rtol=0, atol=1e-5)
     plan = SamplingPlan(num_steps=4, sde_steps=[], train_units=[[0], [2]], noise_level=0.0, scoring="likelihood", seed=5)
     rollout = policy.sample(batch, plan, generator=torch.Generator().manual_seed(0))
     first, second = policy.likelihood(rollout, [0, 2]), policy.likelihood(rollout, [0, 2])
-    assert first["log_prob"].shape == (4, 2) and torch.isfinite(first["log_prob"]).all()
-    torch.testing.assert_close(first["log_prob"], second["log_prob"], rtol=0, atol=0)
-    first["log_prob"].sum().backward()
+    assert first.log_prob.shape == (4, 2) and torch.isfinite(first.log_prob).all()
+    torch.testing.assert_close(first.log_prob, second.log_prob, rtol=0, atol=0)
+    first.log_prob.sum().backward()
     assert any(p.grad is not None and torch.count_nonzero(p.grad) > 0 for p in policy.trainable_parameters())
 
 
@@ -147,8 +147,8 @@ def test_optimizer_step_moves_lora_and_leaves_reference(tiny_flux_dir):
         with policy.reference():
             ref_after = policy.log_prob(rollout, [1])
         current = policy.log_prob(rollout, [1])
-    assert torch.equal(ref_before["mean"], ref_after["mean"])
-    assert not torch.equal(current["mean"], ref_after["mean"])
+    assert torch.equal(ref_before.mean, ref_after.mean)
+    assert not torch.equal(current.mean, ref_after.mean)
 
 
 def test_full_finetune_reference_is_frozen_copy(tiny_flux_dir):
@@ -160,8 +160,8 @@ def test_full_finetune_reference_is_frozen_copy(tiny_flux_dir):
         for p in policy.trainable_parameters():
             p.add_(0.01)
         with policy.reference():
-            ref = policy.log_prob(rollout, [0])["log_prob"]
-        cur = policy.log_prob(rollout, [0])["log_prob"]
+            ref = policy.log_prob(rollout, [0]).log_prob
+        cur = policy.log_prob(rollout, [0]).log_prob
     torch.testing.assert_close(ref, rollout.old_log_probs[:, [0]], rtol=0, atol=1e-5)
     assert not torch.allclose(cur, ref)
 

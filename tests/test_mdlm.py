@@ -1,5 +1,6 @@
 """Masked-diffusion LM policy (`mdlm`), its decoding math, CJ-GRPO's exact replay and diffu-GRPO's estimator."""
 
+import dataclasses
 import json
 import math
 
@@ -133,8 +134,8 @@ def test_cj_replay_is_exact(tiny_mdlm_dir, block, eoser, schedule, remasking):
     sizes = torch.tensor(policy.config.decoding.tokens_per_step)
     assert (torch.stack([(commit == s).sum(1) for s in range(policy.num_steps)], 1) == sizes).all()
     replay = policy.log_prob(rollout, list(range(policy.num_steps)))
-    assert torch.equal(replay["log_prob"].detach(), rollout.old_log_probs)  # difference 0, CPU fp32
-    per_token = (replay["token_log_prob"].detach() * replay["token_mask"]).sum(1)  # [N, L]: each token at its step
+    assert torch.equal(replay.log_prob.detach(), rollout.old_log_probs)  # difference 0, CPU fp32
+    per_token = (replay.token_log_prob.detach() * replay.token_mask).sum(1)  # [N, L]: each token at its step
     assert torch.equal(per_token, rollout.trajectory["token_log_probs"])
 
 
@@ -144,13 +145,13 @@ def test_replay_of_a_minibatch_and_reference(tiny_mdlm_dir):
     plan, rollout = _rollout(policy, algorithm)
     sub = rollout.select(torch.tensor([4, 1]))
     new, old, ref = score_unit(policy, algorithm, sub, [1], torch.device("cpu"))
-    torch.testing.assert_close(new["log_prob"].detach(), old, rtol=0, atol=1e-5)
-    torch.testing.assert_close(ref["token_log_prob"], new["token_log_prob"].detach(), rtol=0, atol=1e-6)  # LoRA B = 0
+    torch.testing.assert_close(new.log_prob.detach(), old, rtol=0, atol=1e-5)
+    torch.testing.assert_close(ref.token_log_prob, new.token_log_prob.detach(), rtol=0, atol=1e-6)  # LoRA B = 0
     for p in policy.trainable_parameters():  # move the policy: the reference must not move with it
         p.data.add_(0.05)
     new2, _, ref2 = score_unit(policy, algorithm, sub, [1], torch.device("cpu"))
-    torch.testing.assert_close(ref2["token_log_prob"], ref["token_log_prob"], rtol=0, atol=0)
-    assert (new2["log_prob"] - old).abs().max() > 1e-4
+    torch.testing.assert_close(ref2.token_log_prob, ref.token_log_prob, rtol=0, atol=0)
+    assert (new2.log_prob - old).abs().max() > 1e-4
     out = algorithm.loss(new2, old, torch.tensor([1.0, -1.0]), ref2)
     assert out.metrics["kl"] > 0 and out.metrics["ratio_mean"] != 1.0
 
@@ -164,11 +165,11 @@ def test_diffu_grpo_one_step_estimator(tiny_mdlm_dir):
     assert not (masks & ~rollout.trajectory["prompt_attention"][:, None]).any()  # padding is never "masked"
     for unit in plan.train_units:
         new, old, ref = score_unit(policy, algorithm, rollout, unit, torch.device("cpu"))
-        torch.testing.assert_close(new["log_prob"].detach(), old, rtol=0, atol=1e-5)
+        torch.testing.assert_close(new.log_prob.detach(), old, rtol=0, atol=1e-5)
         keep = policy.completion_mask(rollout.trajectory["completion"])
-        assert torch.equal(new["token_mask"][:, 0], keep)
+        assert torch.equal(new.token_mask[:, 0], keep)
     # the one-step estimate is not the trajectory's log-prob
-    one_step = policy.likelihood(rollout, [0])["token_log_prob"][:, 0].detach()
+    one_step = policy.likelihood(rollout, [0]).token_log_prob[:, 0].detach()
     assert (one_step - rollout.trajectory["token_log_probs"]).abs().max() > 1e-3
 
 
@@ -255,8 +256,8 @@ def test_grpo_runs_on_the_mdlm_pipeline(tiny_mdlm_dir):
     policy = _policy(tiny_mdlm_dir)
     plan, rollout = _rollout(policy, algorithm)
     new, old, ref = score_unit(policy, algorithm, rollout, plan.train_units[0], torch.device("cpu"))
-    assert new["log_prob"].shape == (6, policy.num_steps)
-    torch.testing.assert_close(new["log_prob"].detach(), old, rtol=0, atol=0)
+    assert new.log_prob.shape == (6, policy.num_steps)
+    torch.testing.assert_close(new.log_prob.detach(), old, rtol=0, atol=0)
     out = algorithm.loss(new, old, torch.tensor([1.0, -1.0] * 3), ref)
     out.loss.backward()
     assert any(p.grad is not None and p.grad.abs().sum() > 0 for p in policy.trainable_parameters())
@@ -339,7 +340,7 @@ def test_a_bert_style_masked_lm_works_too(tmp_path):
     assert policy.family == "generic" and policy.mask_id == tokenizer.mask_token_id
     plan, rollout = _rollout(policy, CJGRPO(CJGRPOConfig()))
     replay = policy.log_prob(rollout, list(range(policy.num_steps)))
-    assert torch.equal(replay["log_prob"].detach(), rollout.old_log_probs)
+    assert torch.equal(replay.log_prob.detach(), rollout.old_log_probs)
 
 
 def test_arith_prompts_are_checkable_and_held_out():
@@ -367,5 +368,5 @@ def test_step_level_ratio_is_on_policy_and_clipped(tiny_mdlm_dir):
     assert out.metrics["ratio_mean"] == pytest.approx(1.0) and out.metrics["clip_frac"] == 0.0
     out.loss.backward()
     assert all(p.grad is None or torch.count_nonzero(p.grad) == 0 for p in policy.trainable_parameters())
-    shifted = dict(new, log_prob=new["log_prob"].detach() + 0.5)  # a transition 1.65x likelier: clipped at 1.1
+    shifted = dataclasses.replace(new, log_prob=new.log_prob.detach() + 0.5)  # a transition 1.65x likelier: clipped at 1.1
     assert algorithm.loss(shifted, old, torch.ones(6), None).metrics["clip_frac"] == 1.0

@@ -42,10 +42,10 @@ def scored_grads(policy, rollout, steps, shared):
     policy.config.prefix_sharing = shared
     policy.model.zero_grad(set_to_none=True)
     out = policy.log_prob(rollout, steps)
-    weights = torch.linspace(-1, 1, out["log_prob"].numel()).view_as(out["log_prob"])
-    (out["log_prob"] * weights).sum().backward()
+    weights = torch.linspace(-1, 1, out.log_prob.numel()).view_as(out.log_prob)
+    (out.log_prob * weights).sum().backward()
     grads = {n: p.grad.clone() for n, p in policy.model.named_parameters() if p.grad is not None}
-    return out["log_prob"].detach(), grads
+    return out.log_prob.detach(), grads
 
 
 @pytest.mark.parametrize("fixture", KINDS)
@@ -76,9 +76,9 @@ def test_replay_ratio_one_and_zero_advantage_zero_gradient(request, fixture):
     assert len(rollout.outputs["texts"]) == 6 and all(isinstance(t, str) for t in rollout.outputs["texts"])
     assert (rollout.old_log_probs[~rollout.mask] == 0).all() and (rollout.old_log_probs[rollout.mask] < 0).all()
     new, old, ref = score_unit(pol, algorithm, rollout, plan.train_units[0], torch.device("cpu"))
-    mask = new["mask"]
-    torch.testing.assert_close(new["log_prob"].detach()[mask], old[mask], rtol=0, atol=1e-5)
-    torch.testing.assert_close(ref["log_prob"][mask], old[mask], rtol=0, atol=1e-5)  # LoRA B starts at 0
+    mask = new.mask
+    torch.testing.assert_close(new.log_prob.detach()[mask], old[mask], rtol=0, atol=1e-5)
+    torch.testing.assert_close(ref.log_prob[mask], old[mask], rtol=0, atol=1e-5)  # LoRA B starts at 0
     out = algorithm.loss(new, old, torch.zeros(6), ref)
     assert out.metrics["ratio_mean"] == pytest.approx(1.0, abs=1e-5)
     out.loss.backward()
@@ -96,7 +96,7 @@ def test_vision_tokens_are_never_sampled(request, fixture):
     assert not torch.isin(rollout.trajectory["completion_ids"], torch.tensor(banned)).any()
     # and replay still works (a sampled vision token would break the next forward)
     out = pol.log_prob(rollout, list(range(pol.num_steps)))
-    torch.testing.assert_close(out["log_prob"].detach()[out["mask"]], rollout.old_log_probs[rollout.mask], rtol=0, atol=1e-5)
+    torch.testing.assert_close(out.log_prob.detach()[out.mask], rollout.old_log_probs[rollout.mask], rtol=0, atol=1e-5)
 
 
 @pytest.mark.parametrize("fixture", KINDS)
@@ -107,16 +107,16 @@ def test_lora_reference_unchanged_after_a_step(request, fixture, tmp_path):
     steps = plan.train_units[0]
     base = {n: p.detach().clone() for n, p in pol.model.named_parameters() if not p.requires_grad}
     with torch.no_grad(), pol.reference():
-        ref_before = pol.log_prob(rollout, steps)["log_prob"]
+        ref_before = pol.log_prob(rollout, steps).log_prob
     optimizer = torch.optim.Adam(pol.trainable_parameters(), lr=1e-2)
     algorithm = GRPO(GRPOConfig(kl_beta=0.0))
     new = pol.log_prob(rollout, steps)
     algorithm.loss(new, rollout.old_log_probs, torch.tensor([1.0, -1.0] * 3), None).loss.backward()
     optimizer.step()
     with torch.no_grad():
-        after = pol.log_prob(rollout, steps)["log_prob"]
+        after = pol.log_prob(rollout, steps).log_prob
         with pol.reference():
-            ref_after = pol.log_prob(rollout, steps)["log_prob"]
+            ref_after = pol.log_prob(rollout, steps).log_prob
     assert (after - rollout.old_log_probs).abs().max() > 1e-4  # the policy moved
     torch.testing.assert_close(ref_after, ref_before, rtol=0, atol=0)  # the reference did not
     assert all(torch.equal(p, base[n]) for n, p in pol.model.named_parameters() if n in base)
@@ -126,7 +126,7 @@ def test_lora_reference_unchanged_after_a_step(request, fixture, tmp_path):
     fresh = policy(request, fixture)
     fresh.load_trainable(str(tmp_path / "ckpt"))
     with torch.no_grad():
-        torch.testing.assert_close(fresh.log_prob(rollout, steps)["log_prob"], after, rtol=0, atol=1e-6)
+        torch.testing.assert_close(fresh.log_prob(rollout, steps).log_prob, after, rtol=0, atol=1e-6)
 
 
 def test_greedy_evaluation_and_input_size(request):

@@ -34,13 +34,13 @@ def test_replay_consistency(tiny_sd3_dir, guidance_scale, window, num_prompts):
     assert rollout.outputs["images"].shape == (2 * num_prompts, 3, 32, 32)
     steps = trained_steps(plan)
     with torch.no_grad():
-        replay = policy.log_prob(rollout, steps)["log_prob"]
+        replay = policy.log_prob(rollout, steps).log_prob
     torch.testing.assert_close(replay, rollout.old_log_probs[:, steps], rtol=0, atol=1e-5)
     # a different (wrong) next latent must NOT replay to the same log-prob: the check can fail
     broken = copy.copy(rollout)
     broken.trajectory = dict(rollout.trajectory, latents=rollout.trajectory["latents"].flip(0))
     with torch.no_grad():
-        wrong = policy.log_prob(broken, steps)["log_prob"]
+        wrong = policy.log_prob(broken, steps).log_prob
     assert (wrong - rollout.old_log_probs[:, steps]).abs().max() > 1e-3
 
 
@@ -96,8 +96,8 @@ def test_optimizer_step_moves_lora_and_leaves_reference(tiny_sd3_dir):
         with ref_after_ctx:
             ref_after = policy.log_prob(rollout, [1])
         current = policy.log_prob(rollout, [1])
-    assert torch.equal(ref_before["mean"], ref_after["mean"])
-    assert not torch.equal(current["mean"], ref_after["mean"])
+    assert torch.equal(ref_before.mean, ref_after.mean)
+    assert not torch.equal(current.mean, ref_after.mean)
 
 
 def test_full_finetune_reference_is_frozen_copy(tiny_sd3_dir):
@@ -108,8 +108,8 @@ def test_full_finetune_reference_is_frozen_copy(tiny_sd3_dir):
         for p in policy.trainable_parameters():
             p.add_(0.01)
         with policy.reference():
-            ref = policy.log_prob(rollout, [0])["log_prob"]
-        cur = policy.log_prob(rollout, [0])["log_prob"]
+            ref = policy.log_prob(rollout, [0]).log_prob
+        cur = policy.log_prob(rollout, [0]).log_prob
     torch.testing.assert_close(ref, rollout.old_log_probs[:, [0]], rtol=0, atol=1e-5)
     assert not torch.allclose(cur, ref)
 

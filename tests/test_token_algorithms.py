@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from mmgrpo import registry
+from mmgrpo.types import Score
 
 TOKEN_ALGORITHMS = ["grpo", "dr_grpo", "dapo", "gspo", "sapo"]
 NEW = [[-1.0, -0.5, -2.0], [-0.3, -1.2, 0.0]]
@@ -23,8 +24,8 @@ def build(name, **options):
 
 def run_loss(name, adv=ADV, with_ref=False, **options):
     algorithm = build(name, **options)
-    new = {"log_prob": torch.tensor(NEW, requires_grad=True), "mask": torch.tensor(MASK, dtype=torch.bool)}
-    ref = {"log_prob": torch.tensor(REF)} if with_ref else None
+    new = Score(log_prob=torch.tensor(NEW, requires_grad=True), mask=torch.tensor(MASK, dtype=torch.bool))
+    ref = Score(log_prob=torch.tensor(REF)) if with_ref else None
     out = algorithm.loss(new, torch.tensor(OLD), torch.tensor(adv), ref)
     return out, new
 
@@ -58,7 +59,7 @@ def test_grpo_clip_binds_and_zeroes_gradient():
                    for i in range(2)) / 2
     assert out.loss.item() == pytest.approx(expected, abs=1e-6)
     out.loss.backward()
-    grad = new["log_prob"].grad
+    grad = new.log_prob.grad
     assert grad[0, 0] == 0  # clipped above with a positive advantage
     assert grad[0, 2] != 0  # below 1 - eps with A > 0: max picks the unclipped term, gradient flows (PPO's rule)
     assert grad[1, 2] == 0  # padding
@@ -84,9 +85,9 @@ def test_dapo_clip_higher_token_mean_and_group_filter():
     assert unfiltered.loss.item() == pytest.approx(sum(row0) / 5, abs=1e-6)
     # clip-higher: a ratio of 1.25 is inside the window for a positive advantage
     algorithm = build("dapo")
-    new = {"log_prob": torch.tensor([[math.log(1.25)]], requires_grad=True)}
+    new = Score(log_prob=torch.tensor([[math.log(1.25)]], requires_grad=True))
     algorithm.loss(new, torch.zeros(1, 1), torch.ones(1), None).loss.backward()
-    assert new["log_prob"].grad.abs().item() > 0
+    assert new.log_prob.grad.abs().item() > 0
 
 
 def test_gspo_sequence_ratio_and_clip():
@@ -97,8 +98,8 @@ def test_gspo_sequence_ratio_and_clip():
     out, new = run_loss("gspo")
     assert out.loss.item() == pytest.approx(expected, abs=1e-6)
     out.loss.backward()
-    assert torch.all(new["log_prob"].grad[1] == 0)  # s_1 = 0.86 < 1 - 3e-4 with A < 0: clipped, no gradient
-    assert torch.all(new["log_prob"].grad[0, :3] != 0)  # A > 0 below the window: unclipped, shared by every token
+    assert torch.all(new.log_prob.grad[1] == 0)  # s_1 = 0.86 < 1 - 3e-4 with A < 0: clipped, no gradient
+    assert torch.all(new.log_prob.grad[0, :3] != 0)  # A > 0 below the window: unclipped, shared by every token
 
 
 def test_sapo_soft_gate_value_and_gradient():
@@ -111,9 +112,9 @@ def test_sapo_soft_gate_value_and_gradient():
     assert out.loss.item() == pytest.approx(expected, abs=1e-6)
     # on-policy the gate's gradient equals the plain policy gradient: d/dlogp = -A / |o_i| / n
     algorithm = build("sapo")
-    new = {"log_prob": torch.zeros(2, 2, requires_grad=True), "mask": torch.ones(2, 2, dtype=torch.bool)}
+    new = Score(log_prob=torch.zeros(2, 2, requires_grad=True), mask=torch.ones(2, 2, dtype=torch.bool))
     algorithm.loss(new, torch.zeros(2, 2), torch.tensor([1.0, -2.0]), None).loss.backward()
-    torch.testing.assert_close(new["log_prob"].grad, torch.tensor([[-0.25, -0.25], [0.5, 0.5]]))
+    torch.testing.assert_close(new.log_prob.grad, torch.tensor([[-0.25, -0.25], [0.5, 0.5]]))
 
 
 @pytest.mark.parametrize("name", TOKEN_ALGORITHMS)
@@ -124,17 +125,17 @@ def test_on_policy_ratio_one_zero_advantage_zero_gradient_and_group_size_two(nam
     adv = algorithm.advantages(torch.tensor([1.0, 0.0, 0.5, 0.5]), torch.tensor([7, 7, 9, 9]))  # G = 2
     assert adv[0] > 0 > adv[1] and adv[2] == 0 and adv[3] == 0
     log_prob = torch.randn(4, 5, generator=torch.Generator().manual_seed(0))
-    new = {"log_prob": log_prob.clone().requires_grad_(True), "mask": torch.ones(4, 5, dtype=torch.bool)}
-    ref = {"log_prob": log_prob - 0.1} if algorithm.needs_reference else None
+    new = Score(log_prob=log_prob.clone().requires_grad_(True), mask=torch.ones(4, 5, dtype=torch.bool))
+    ref = Score(log_prob=log_prob - 0.1) if algorithm.needs_reference else None
     out = algorithm.loss(new, log_prob, torch.zeros(4), ref)
     assert out.metrics["ratio_mean"] == pytest.approx(1.0) and out.metrics["clip_frac"] == 0.0
     if ref is None:
         out.loss.backward()
-        assert torch.count_nonzero(new["log_prob"].grad) == 0
-    empty = {"log_prob": log_prob.clone().requires_grad_(True), "mask": torch.zeros(4, 5, dtype=torch.bool)}
+        assert torch.count_nonzero(new.log_prob.grad) == 0
+    empty = Score(log_prob=log_prob.clone().requires_grad_(True), mask=torch.zeros(4, 5, dtype=torch.bool))
     out = algorithm.loss(empty, log_prob, torch.ones(4), None)
     out.loss.backward()
-    assert out.loss.item() == 0.0 and torch.count_nonzero(empty["log_prob"].grad) == 0
+    assert out.loss.item() == 0.0 and torch.count_nonzero(empty.log_prob.grad) == 0
 
 
 @pytest.mark.parametrize("name", TOKEN_ALGORITHMS)

@@ -14,7 +14,7 @@ from typing import Literal
 import torch
 
 from ..losses import k3_kl
-from ..types import SamplingPlan
+from ..types import SamplingPlan, Score
 from ..validation import check_range
 
 Aggregation = Literal["sequence_mean", "token_mean", "fixed_length"]
@@ -30,9 +30,9 @@ def token_plan(num_steps: int) -> SamplingPlan:
     return SamplingPlan(num_steps=num_steps, sde_steps=steps, train_units=[steps])
 
 
-def token_mask(new: dict[str, torch.Tensor], like: torch.Tensor) -> torch.Tensor:
+def token_mask(new: Score, like: torch.Tensor) -> torch.Tensor:
     """The scored-token mask `[n, T]` (float) from the policy's output; all ones when the policy gives none."""
-    mask = new.get("mask")
+    mask = new.mask
     return torch.ones_like(like) if mask is None else mask.to(like.dtype)
 
 
@@ -58,12 +58,12 @@ def aggregate(per_token: torch.Tensor, mask: torch.Tensor, mode: Aggregation) ->
     raise ValueError(f"Unknown aggregation {mode!r}; choose 'sequence_mean', 'token_mean' or 'fixed_length'.")
 
 
-def add_kl(loss: torch.Tensor, metrics: dict, new: dict, ref: dict | None, mask: torch.Tensor, beta: float,
+def add_kl(loss: torch.Tensor, metrics: dict, new: Score, ref: Score | None, mask: torch.Tensor, beta: float,
            mode: Aggregation) -> torch.Tensor:
     """``loss + beta * aggregate(k3 KL)`` when `beta` > 0 and a reference score is given; logs ``kl``."""
     if beta <= 0 or ref is None:
         return loss
-    kl = aggregate(k3_kl(new["log_prob"], ref["log_prob"]), mask, mode)
+    kl = aggregate(k3_kl(new.log_prob, ref.log_prob), mask, mode)
     metrics["kl"] = kl.item()
     return loss + beta * kl
 

@@ -18,7 +18,7 @@ import torch
 
 from ..advantages import group_normalize
 from ..losses import clipped_surrogate, k3_kl, masked_mean
-from ..types import LossOutput, SamplingPlan
+from ..types import LossOutput, SamplingPlan, Score
 from ..validation import check_fields, check_range
 
 
@@ -119,19 +119,19 @@ class ChunkGRPO:
     def advantages(self, scores: torch.Tensor, group_ids: torch.Tensor) -> torch.Tensor:
         return group_normalize(scores, group_ids, global_std=self.config.global_std, clip=self.config.adv_clip_max)
 
-    def loss(self, new, old_log_prob, advantages, ref=None) -> LossOutput:
+    def loss(self, new: Score, old_log_prob, advantages, ref: Score | None = None) -> LossOutput:
         """Clipped surrogate on one chunk.
 
         Args:
-            new (`dict`): ``log_prob`` `[n, k]` of the chunk's `k` steps and, optionally, ``mask`` `[n, k]` (samples
+            new ([`Score`]): ``log_prob`` `[n, k]` of the chunk's `k` steps and, optionally, ``mask`` `[n, k]` (samples
                 that do not train this chunk are ignored).
             old_log_prob (`torch.FloatTensor` of shape `[n, k]`): log-probs recorded at sampling.
             advantages (`torch.FloatTensor` of shape `[n]`).
         """
         c = self.config
-        mask = new.get("mask")
-        steps = mask.float() if mask is not None else torch.ones_like(new["log_prob"])  # [n, k]
-        chunk_log_ratio = ((new["log_prob"] - old_log_prob) * steps).sum(1) / steps.sum(1).clamp_min(1.0)  # [n]
+        mask = new.mask
+        steps = mask.float() if mask is not None else torch.ones_like(new.log_prob)  # [n, k]
+        chunk_log_ratio = ((new.log_prob - old_log_prob) * steps).sum(1) / steps.sum(1).clamp_min(1.0)  # [n]
         trains = steps.sum(1) > 0  # [n] samples that train this chunk
         high = c.clip_range if c.clip_range_high is None else c.clip_range_high
         loss, metrics = clipped_surrogate(chunk_log_ratio[:, None], advantages, c.clip_range, high, trains[:, None])

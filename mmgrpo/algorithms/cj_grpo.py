@@ -19,7 +19,7 @@ import torch
 
 from ..advantages import group_normalize
 from ..losses import clipped_surrogate, k3_kl, masked_mean
-from ..types import LossOutput, SamplingPlan
+from ..types import LossOutput, SamplingPlan, Score
 from ..validation import check_fields, check_range
 
 
@@ -53,23 +53,23 @@ class CJGRPOConfig:
             raise ValueError(f"kl_beta must be >= 0, got {self.kl_beta}.")
 
 
-def token_step_loss(new: dict, old_log_prob: torch.Tensor, advantages: torch.Tensor, ref: dict | None, *, clip_low: float,
-                    clip_high: float, kl_beta: float, ratio_level: str) -> LossOutput:
+def token_step_loss(new: Score, old_log_prob: torch.Tensor, advantages: torch.Tensor, ref: Score | None, *,
+                    clip_low: float, clip_high: float, kl_beta: float, ratio_level: str) -> LossOutput:
     """The clipped surrogate (+ k3 KL) of one unit of scored steps or draws, from a masked-diffusion scoring
-    dictionary (``log_prob`` `[n, k]`, ``token_log_prob``, ``token_mask``, ``old_token_log_prob`` `[n, k, L]`,
+    [`Score`] (`log_prob` `[n, k]`, `token_log_prob`, `token_mask`, `old_token_log_prob` `[n, k, L]`,
     ``mask`` `[n, k]`); shared by `cj_grpo` and `diffu_grpo`."""
-    if "token_mask" not in new:
+    if new.token_mask is None:
         raise ValueError("This algorithm needs per-token scores (token_log_prob, token_mask): use the mdlm pipeline.")
-    step_mask = new.get("mask", torch.ones_like(old_log_prob, dtype=torch.bool))  # [n, k]
-    tokens = new["token_mask"] & step_mask[..., None]  # [n, k, L]
+    step_mask = torch.ones_like(old_log_prob, dtype=torch.bool) if new.mask is None else new.mask  # [n, k]
+    tokens = new.token_mask & step_mask[..., None]  # [n, k, L]
     if ratio_level == "token":
         n, k, length = tokens.shape
-        log_ratio = (new["token_log_prob"] - new["old_token_log_prob"]).reshape(n, k * length)  # [n, k L]
+        log_ratio = (new.token_log_prob - new.old_token_log_prob).reshape(n, k * length)  # [n, k L]
         loss, metrics = clipped_surrogate(log_ratio, advantages, clip_low, clip_high, tokens.reshape(n, k * length))
     else:
-        loss, metrics = clipped_surrogate(new["log_prob"] - old_log_prob, advantages, clip_low, clip_high, step_mask)
+        loss, metrics = clipped_surrogate(new.log_prob - old_log_prob, advantages, clip_low, clip_high, step_mask)
     if kl_beta > 0 and ref is not None:
-        kl = masked_mean(k3_kl(new["token_log_prob"], ref["token_log_prob"]), tokens)
+        kl = masked_mean(k3_kl(new.token_log_prob, ref.token_log_prob), tokens)
         loss = loss + kl_beta * kl
         metrics["kl"] = kl.item()
     return LossOutput(loss=loss, metrics=metrics)
@@ -95,14 +95,14 @@ class CJGRPO:
         c = self.config
         return group_normalize(scores, group_ids, scale=c.scale_rewards, clip=c.adv_clip_max)
 
-    def loss(self, new, old_log_prob, advantages, ref=None) -> LossOutput:
+    def loss(self, new: Score, old_log_prob, advantages, ref: Score | None = None) -> LossOutput:
         """Clipped surrogate of one decoding step (see [`token_step_loss`]).
 
         Args:
-            new (`dict`): the policy's replay of the step (``log_prob`` `[n, k]`, ``token_log_prob`` `[n, k, L]`...).
+            new ([`Score`]): the policy's replay of the step (``log_prob`` `[n, k]`, ``token_log_prob`` `[n, k, L]`...).
             old_log_prob (`torch.FloatTensor` of shape `[n, k]`): the step's log-prob recorded at sampling.
             advantages (`torch.FloatTensor` of shape `[n]`).
-            ref (`dict`, *optional*): the reference policy's replay (``token_log_prob``) for the KL term.
+            ref ([`Score`], *optional*): the reference policy's replay (``token_log_prob``) for the KL term.
         """
         c = self.config
         high = c.clip_range if c.clip_range_high is None else c.clip_range_high

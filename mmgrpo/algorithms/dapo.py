@@ -17,7 +17,7 @@ import torch
 
 from ..advantages import group_normalize
 from ..losses import clipped_objective
-from ..types import LossOutput, SamplingPlan
+from ..types import LossOutput, SamplingPlan, Score
 from ._token import add_kl, aggregate, check_options, ratio_metrics, token_mask, token_plan
 from ..validation import check_fields, check_range
 
@@ -62,14 +62,14 @@ class DAPO:
     def advantages(self, scores: torch.Tensor, group_ids: torch.Tensor) -> torch.Tensor:
         return group_normalize(scores, group_ids, eps=self.config.adv_eps)
 
-    def loss(self, new, old_log_prob, advantages, ref=None) -> LossOutput:
+    def loss(self, new: Score, old_log_prob, advantages, ref: Score | None = None) -> LossOutput:
         """Clipped token surrogate averaged over the kept tokens; arguments as
         [`~mmgrpo.algorithms.grpo.GRPO.loss`]."""
         c = self.config
-        mask = token_mask(new, new["log_prob"])  # [n, T]
+        mask = token_mask(new, new.log_prob)  # [n, T]
         if c.filter_groups:
             mask = mask * (advantages != 0).to(mask.dtype)[:, None]
-        log_ratio = new["log_prob"] - old_log_prob  # [n, T]
+        log_ratio = new.log_prob - old_log_prob  # [n, T]
         per_token, clipped = clipped_objective(log_ratio, advantages, c.clip_low, c.clip_high)
         policy_loss = aggregate(per_token, mask, "token_mean")
         metrics = ratio_metrics(log_ratio, mask, clipped, policy_loss)

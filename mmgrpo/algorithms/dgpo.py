@@ -34,7 +34,7 @@ import torch
 
 from ..advantages import group_normalize
 from ..ema import ParameterEMA
-from ..types import LossOutput, SamplingPlan
+from ..types import LossOutput, SamplingPlan, Score
 from ..validation import check_fields, check_range
 
 
@@ -163,25 +163,25 @@ class DGPO:
         self.ema.load_state_dict(state["ema"])
 
     # ------------------------------------------------------------------------------------------------- the loss
-    def loss(self, new, old_log_prob, advantages, ref=None) -> LossOutput:
+    def loss(self, new: Score, old_log_prob, advantages, ref: Score | None = None) -> LossOutput:
         """DGPO loss on one unit of noise levels.
 
         Args:
-            new (`dict`): the policy's ``likelihood``: ``log_prob`` `[n, k]` (``-L``), ``velocity`` `[n, k, ...]`,
+            new ([`Score`]): the policy's ``likelihood``: ``log_prob`` `[n, k]` (``-L``), ``velocity`` `[n, k, ...]`,
                 ``group_ids`` `[n]`.
             old_log_prob (`torch.FloatTensor` of shape `[n, k]`): ``-L_old`` of the fast-EMA old model.
             advantages (`torch.FloatTensor` of shape `[n]`).
-            ref (`dict`, *optional*): the reference's ``likelihood`` (needed unless `use_ema_ref` and no KL).
+            ref ([`Score`], *optional*): the reference's ``likelihood`` (needed unless `use_ema_ref` and no KL).
         """
         c = self.config
-        fm = -new["log_prob"]  # [n, k] flow-matching loss L(i), with gradient
+        fm = -new.log_prob  # [n, k] flow-matching loss L(i), with gradient
         adv = advantages[:, None].to(fm.dtype)  # [n, 1]
-        ratio = torch.exp(new["log_prob"].detach() - old_log_prob)  # [n, k] = exp(L_old - L)
+        ratio = torch.exp(new.log_prob.detach() - old_log_prob)  # [n, k] = exp(L_old - L)
         clipped = torch.where(adv > 0, ratio > 1 + c.clip_range, ratio < 1 - c.clip_range)  # [n, k]
         clipped &= c.clip_range > 0
         fm_used = torch.where(clipped, fm.detach(), fm) if c.clip_dsm else fm
-        fm_ref = -old_log_prob if c.use_ema_ref else -ref["log_prob"]  # [n, k]
-        weights = group_weights(adv * c.beta_dpo * (fm.detach() - fm_ref), new["group_ids"])  # [n, k]
+        fm_ref = -old_log_prob if c.use_ema_ref else -ref.log_prob  # [n, k]
+        weights = group_weights(adv * c.beta_dpo * (fm.detach() - fm_ref), new.group_ids)  # [n, k]
         policy_loss = (weights * adv * fm_used).mean()
         loss = policy_loss
         metrics = {
@@ -192,8 +192,8 @@ class DGPO:
             "clip_frac": clipped.float().mean().item(),
         }
         if c.kl_beta > 0:
-            dims = tuple(range(2, new["velocity"].dim()))
-            kl = ((new["velocity"] - ref["velocity"].detach()) ** 2).mean(dim=dims)  # [n, k]
+            dims = tuple(range(2, new.velocity.dim()))
+            kl = ((new.velocity - ref.velocity.detach()) ** 2).mean(dim=dims)  # [n, k]
             kl = torch.where(clipped, kl.detach(), kl) if c.clip_kl else kl
             loss = loss + c.kl_beta * kl.mean()
             metrics["kl"] = kl.mean().item()

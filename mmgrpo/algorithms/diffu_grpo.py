@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from ..advantages import group_normalize
-from ..types import LossOutput, SamplingPlan
+from ..types import LossOutput, SamplingPlan, Score
 from .cj_grpo import token_step_loss
 from ..validation import check_fields
 
@@ -68,7 +68,7 @@ class DiffuGRPO:
     def advantages(self, scores: torch.Tensor, group_ids: torch.Tensor) -> torch.Tensor:
         return group_normalize(scores, group_ids, scale=self.config.scale_rewards)
 
-    def loss(self, new, old_log_prob, advantages, ref=None) -> LossOutput:
+    def loss(self, new: Score, old_log_prob, advantages, ref: Score | None = None) -> LossOutput:
         """Per-token clipped surrogate (+ k3 KL) over the completion, for one draw (see
         [`~mmgrpo.algorithms.cj_grpo.token_step_loss`])."""
         c = self.config

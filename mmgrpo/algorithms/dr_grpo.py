@@ -13,7 +13,7 @@ import torch
 
 from ..advantages import group_normalize
 from ..losses import clipped_objective
-from ..types import LossOutput, SamplingPlan
+from ..types import LossOutput, SamplingPlan, Score
 from ._token import add_kl, aggregate, check_options, ratio_metrics, token_mask, token_plan
 from ..validation import check_fields
 
@@ -52,12 +52,12 @@ class DrGRPO:
     def advantages(self, scores: torch.Tensor, group_ids: torch.Tensor) -> torch.Tensor:
         return group_normalize(scores, group_ids, scale=False)
 
-    def loss(self, new, old_log_prob, advantages, ref=None) -> LossOutput:
-        """Clipped token surrogate summed over tokens / (n * T), `T` = ``new["log_prob"].shape[1]`` (the policy
+    def loss(self, new: Score, old_log_prob, advantages, ref: Score | None = None) -> LossOutput:
+        """Clipped token surrogate summed over tokens / (n * T), `T` = ``new.log_prob.shape[1]`` (the policy
         scores the full ``num_steps`` budget); arguments as [`~mmgrpo.algorithms.grpo.GRPO.loss`]."""
         c = self.config
-        mask = token_mask(new, new["log_prob"])  # [n, T]
-        log_ratio = new["log_prob"] - old_log_prob  # [n, T]
+        mask = token_mask(new, new.log_prob)  # [n, T]
+        log_ratio = new.log_prob - old_log_prob  # [n, T]
         per_token, clipped = clipped_objective(log_ratio, advantages, c.clip_low, c.clip_high)
         policy_loss = aggregate(per_token, mask, "fixed_length")
         metrics = ratio_metrics(log_ratio, mask, clipped, policy_loss)

@@ -20,7 +20,7 @@ import torch
 
 from ..advantages import group_normalize
 from ..losses import clipped_surrogate
-from ..types import LossOutput, SamplingPlan
+from ..types import LossOutput, SamplingPlan, Score
 from ..validation import check_fields, check_range
 
 
@@ -116,16 +116,16 @@ class EGRPO:
         """Group-normalised within samples sharing a prompt and an SDE step (the rollout's branch group ids)."""
         return group_normalize(scores, group_ids, global_std=self.config.global_std, clip=self.config.adv_clip_max)
 
-    def loss(self, new, old_log_prob, advantages, ref=None) -> LossOutput:
+    def loss(self, new: Score, old_log_prob, advantages, ref: Score | None = None) -> LossOutput:
         """Clipped surrogate on each sample's SDE step.
 
         Args:
-            new (`dict`): ``log_prob`` `[n, K]` and ``mask`` `[n, K]` (true at each sample's own SDE step).
+            new ([`Score`]): ``log_prob`` `[n, K]` and ``mask`` `[n, K]` (true at each sample's own SDE step).
             old_log_prob (`torch.FloatTensor` of shape `[n, K]`): log-probs recorded at sampling.
             advantages (`torch.FloatTensor` of shape `[n]`).
         """
         eps = self.config.clip_range
-        loss, metrics = clipped_surrogate(new["log_prob"] - old_log_prob, advantages, eps, eps, new.get("mask"))
+        loss, metrics = clipped_surrogate(new.log_prob - old_log_prob, advantages, eps, eps, new.mask)
         return LossOutput(loss=loss, metrics=metrics)
 
 

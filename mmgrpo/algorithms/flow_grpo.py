@@ -11,7 +11,7 @@ from typing import Literal
 import torch
 
 from ..advantages import group_normalize
-from ..types import LossOutput, SamplingPlan
+from ..types import LossOutput, SamplingPlan, Score
 from ..validation import check_fields, check_range
 
 
@@ -97,18 +97,18 @@ class FlowGRPO:
     def advantages(self, scores: torch.Tensor, group_ids: torch.Tensor) -> torch.Tensor:
         return group_normalize(scores, group_ids, global_std=self.config.global_std, clip=self.config.adv_clip_max)
 
-    def loss(self, new, old_log_prob, advantages, ref=None) -> LossOutput:
+    def loss(self, new: Score, old_log_prob, advantages, ref: Score | None = None) -> LossOutput:
         """Clipped surrogate on one unit of steps.
 
         Args:
-            new (`dict`): ``log_prob`` `[n, k]`, ``mean`` `[n, k, ...]`, ``std`` `[n, k, 1, ...]` from the policy.
+            new ([`Score`]): ``log_prob`` `[n, k]`, ``mean`` `[n, k, ...]`, ``std`` `[n, k, 1, ...]` from the policy.
             old_log_prob (`torch.FloatTensor` of shape `[n, k]`): log-probs recorded at sampling.
             advantages (`torch.FloatTensor` of shape `[n]`).
-            ref (`dict`, *optional*): the reference policy's ``mean`` for the KL term.
+            ref ([`Score`], *optional*): the reference policy's ``mean`` for the KL term.
         """
         eps = self.config.clip_range
         adv = advantages[:, None]  # [n, 1]
-        log_ratio = new["log_prob"] - old_log_prob  # [n, k]
+        log_ratio = new.log_prob - old_log_prob  # [n, k]
         ratio = torch.exp(log_ratio)
         unclipped = -adv * ratio
         clipped = -adv * torch.clamp(ratio, 1 - eps, 1 + eps)
@@ -121,7 +121,7 @@ class FlowGRPO:
             "approx_kl": 0.5 * (log_ratio.detach() ** 2).mean().item(),
         }
         if self.needs_reference and ref is not None:
-            kl = gaussian_mean_kl(new["mean"], ref["mean"], new["std"])
+            kl = gaussian_mean_kl(new.mean, ref.mean, new.std)
             loss = loss + self.config.kl_beta * kl
             metrics["kl"] = kl.item()
         return LossOutput(loss=loss, metrics=metrics)

@@ -15,7 +15,7 @@ import torch
 
 from ..advantages import group_normalize
 from ..losses import clipped_objective
-from ..types import LossOutput, SamplingPlan
+from ..types import LossOutput, SamplingPlan, Score
 from ._token import add_kl, check_options, aggregate, ratio_metrics, token_mask, token_plan
 from ..validation import check_fields, check_range
 
@@ -63,18 +63,18 @@ class GRPO:
         return group_normalize(scores, group_ids, scale=c.scale_rewards != "none", global_std=c.scale_rewards == "batch",
                                eps=c.adv_eps)
 
-    def loss(self, new, old_log_prob, advantages, ref=None) -> LossOutput:
+    def loss(self, new: Score, old_log_prob, advantages, ref: Score | None = None) -> LossOutput:
         """Clipped token surrogate plus ``kl_beta`` times the k3 KL.
 
         Args:
-            new (`dict`): ``log_prob`` `[n, T]` with gradients and ``mask`` `[n, T]` (scored tokens).
+            new ([`Score`]): ``log_prob`` `[n, T]` with gradients and ``mask`` `[n, T]` (scored tokens).
             old_log_prob (`torch.FloatTensor` of shape `[n, T]`): log-probs recorded at sampling.
             advantages (`torch.FloatTensor` of shape `[n]`).
-            ref (`dict`, *optional*): the reference policy's ``log_prob`` `[n, T]`.
+            ref ([`Score`], *optional*): the reference policy's ``log_prob`` `[n, T]`.
         """
         c = self.config
-        mask = token_mask(new, new["log_prob"])  # [n, T]
-        log_ratio = new["log_prob"] - old_log_prob  # [n, T]
+        mask = token_mask(new, new.log_prob)  # [n, T]
+        log_ratio = new.log_prob - old_log_prob  # [n, T]
         per_token, clipped = clipped_objective(log_ratio, advantages, c.clip_low, c.clip_high)
         policy_loss = aggregate(per_token, mask, "sequence_mean")
         metrics = ratio_metrics(log_ratio, mask, clipped, policy_loss)

@@ -13,7 +13,7 @@ import torch
 
 from ..advantages import group_normalize
 from ..losses import clipped_objective
-from ..types import LossOutput, SamplingPlan
+from ..types import LossOutput, SamplingPlan, Score
 from ._token import add_kl, check_options, ratio_metrics, token_mask, token_plan
 from ..validation import check_fields, check_range
 
@@ -55,13 +55,13 @@ class GSPO:
     def advantages(self, scores: torch.Tensor, group_ids: torch.Tensor) -> torch.Tensor:
         return group_normalize(scores, group_ids, eps=self.config.adv_eps)
 
-    def loss(self, new, old_log_prob, advantages, ref=None) -> LossOutput:
+    def loss(self, new: Score, old_log_prob, advantages, ref: Score | None = None) -> LossOutput:
         """Clipped sequence surrogate; arguments as [`~mmgrpo.algorithms.grpo.GRPO.loss`]. Metrics are per
         sequence (``ratio_mean`` is the mean sequence ratio)."""
         c = self.config
-        mask = token_mask(new, new["log_prob"])  # [n, T]
+        mask = token_mask(new, new.log_prob)  # [n, T]
         lengths = mask.sum(dim=1)  # [n]
-        seq_log_ratio = ((new["log_prob"] - old_log_prob) * mask).sum(dim=1) / lengths.clamp_min(1.0)  # [n]
+        seq_log_ratio = ((new.log_prob - old_log_prob) * mask).sum(dim=1) / lengths.clamp_min(1.0)  # [n]
         per_sequence, binds = clipped_objective(seq_log_ratio[:, None], advantages, c.clip_low, c.clip_high)  # [n, 1]
         has_tokens = (lengths > 0).to(per_sequence.dtype)[:, None]  # [n, 1]
         policy_loss = (per_sequence * has_tokens).sum() / has_tokens.sum().clamp_min(1.0)

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from ..advantages import group_normalize
-from ..types import LossOutput, SamplingPlan
+from ..types import LossOutput, SamplingPlan, Score
 from ._token import add_kl, aggregate, ratio_metrics, token_mask, token_plan
 from ..validation import check_fields, check_range
 
@@ -58,12 +58,12 @@ class SAPO:
     def advantages(self, scores: torch.Tensor, group_ids: torch.Tensor) -> torch.Tensor:
         return group_normalize(scores, group_ids, eps=self.config.adv_eps)
 
-    def loss(self, new, old_log_prob, advantages, ref=None) -> LossOutput:
+    def loss(self, new: Score, old_log_prob, advantages, ref: Score | None = None) -> LossOutput:
         """Soft-gated token surrogate; arguments as [`~mmgrpo.algorithms.grpo.GRPO.loss`]. ``clip_frac`` is the
         fraction of tokens whose gate gradient fell below half its on-policy value."""
         c = self.config
-        mask = token_mask(new, new["log_prob"])  # [n, T]
-        log_ratio = new["log_prob"] - old_log_prob  # [n, T]
+        mask = token_mask(new, new.log_prob)  # [n, T]
+        log_ratio = new.log_prob - old_log_prob  # [n, T]
         ratio = torch.exp(log_ratio)
         adv = advantages[:, None].to(ratio.dtype)  # [n, 1]
         tau = torch.where(adv > 0, torch.full_like(adv, c.tau_pos), torch.full_like(adv, c.tau_neg))  # [n, 1]
