@@ -47,8 +47,18 @@ def reward_modalities(name: str, options) -> frozenset[str]:
 
 
 def check_modalities(config: ExperimentConfig) -> None:
-    """The reward scores only what the pipeline produces."""
+    """The pipeline declares output modalities that have a sample writer ([`mmgrpo.sample_writers.WRITERS`]), and
+    the reward scores only what the pipeline produces."""
+    from .sample_writers import WRITERS  # matplotlib: loaded only when checking
+
     produced = frozenset(registry.get("pipeline", config.pipeline.name).modalities)
+    unknown = sorted(produced - WRITERS.keys())
+    if unknown or not produced:
+        raise ConfigError(
+            f"pipeline.name: pipeline {config.pipeline.name!r} declares output modalities {sorted(produced)}, "
+            f"{'which has none' if not produced else f'and {unknown} has no sample writer'}: declare its `modalities` "
+            f"among {sorted(WRITERS)} (or add a writer to mmgrpo.sample_writers.WRITERS)."
+        )
     scored = reward_modalities(config.reward.name, config.reward.options)
     if scored - produced:
         raise ConfigError(

@@ -43,8 +43,9 @@ from .metrics_log import MetricsLog, read_records
 from .optim import build_optimizer
 from .preflight import SCORING_METHODS, check_modalities, require_plan
 from .prompt_stream import PromptStream, items_to_batch
-from .types import SamplingPlan, as_list
-from .visualize import plot_reward_curve, save_image_grid, save_sample_table, write_per_prompt_scores
+from .sample_writers import writers_for
+from .types import SamplingPlan
+from .visualize import plot_reward_curve, write_per_prompt_scores
 
 
 def _seed(*parts: int) -> int:
@@ -356,15 +357,33 @@ class Trainer:
     # --------------------------------------------------------------------------------------------- evaluation
     @torch.no_grad()
     def evaluate(self, step: int, batch_size: int = 64) -> dict[str, float]:
-        """Deterministic samples of the held-out prompts (same noise every time); reward means and a grid."""
+        """Deterministic samples of the held-out prompts (same noise every time): the reward means, the scores per
+        prompt (``eval/step_*.json``) and the samples, written by the writers of the pipeline's output modalities
+        ([`mmgrpo.sample_writers`])."""
         cfg, acc = self.config.eval, self.accelerator
+        writers = writers_for(self.policy.modalities, cfg.grid_size)
+        scores, components, per_item = self._eval_batches(writers, batch_size)
+        out = {"eval/score": _finite_mean(acc.gather(scores.to(acc.device)).cpu())}
+        for name, values in components.items():
+            out[f"eval/{name}"] = _finite_mean(acc.gather(values.to(acc.device)).cpu())
+        per_item = gather_object(per_item) if self.world > 1 else per_item
+        if acc.is_main_process:
+            write_per_prompt_scores(per_item, self.output_dir / "eval" / f"step_{step:05d}.json", cfg.metric)
+            for writer in writers:  # this process's first samples
+                writer.write(self.output_dir / "samples", step, scores[: cfg.grid_size].tolist())
+        return out
+
+    def _eval_batches(self, writers: list, batch_size: int):
+        """Samples and scores this process's share of the held-out items in batches of `batch_size`, handing each
+        batch to `writers`. Returns ``(scores [n], components {name: [n]}, per_item [(prompt, reward, metric)])``."""
+        cfg = self.config.eval
         items = self.eval_items[: cfg.num_prompts]
         items = items[: len(items) - len(items) % self.world] or items[:1]
         per_rank = max(1, len(items) // self.world)
         mine = items[self.rank * per_rank : (self.rank + 1) * per_rank]
         plan = SamplingPlan.deterministic(self.policy.eval_num_steps)
         generator = torch.Generator().manual_seed(_seed(cfg.seed, self.rank))
-        scores, components, images, captions, texts, per_item = [], {}, [], [], [], []
+        scores, components, per_item = [], {}, []
         for start in range(0, len(mine), batch_size):
             batch = items_to_batch(mine[start : start + batch_size])
             batch.group_ids = torch.arange(len(batch))
@@ -375,27 +394,9 @@ class Trainer:
             per_item += list(zip(batch.prompts, result.scores.tolist(), metric.tolist()))
             for name, value in result.components.items():
                 components.setdefault(name, []).append(value.float().cpu())
-            if "images" in rollout.outputs and len(images) < cfg.grid_size:
-                images.extend(rollout.outputs["images"][: cfg.grid_size - len(images)])
-                captions.extend(f"{p}\nr={s:.2f}" for p, s in zip(batch.prompts, result.scores.tolist()))
-            if "texts" in rollout.outputs and len(texts) < cfg.grid_size:  # text outputs: the first few, as JSON lines
-                pictures = batch.conditions.get("images", [None] * len(batch))  # the inputs of a VLM, if any
-                texts.extend({"prompt": p, "text": t, "reward": s, "images": as_list(im)} for p, t, s, im in
-                             zip(batch.prompts, rollout.outputs["texts"], result.scores.tolist(), pictures))
-        out = {"eval/score": _finite_mean(acc.gather(torch.cat(scores).to(acc.device)).cpu())}
-        for name, values in components.items():
-            out[f"eval/{name}"] = _finite_mean(acc.gather(torch.cat(values).to(acc.device)).cpu())
-        per_item = gather_object(per_item) if self.world > 1 else per_item
-        if acc.is_main_process:
-            write_per_prompt_scores(per_item, self.output_dir / "eval" / f"step_{step:05d}.json", cfg.metric)
-        if acc.is_main_process and texts:
-            (self.output_dir / "samples").mkdir(parents=True, exist_ok=True)
-            lines = [json.dumps({k: v for k, v in t.items() if k != "images"}) for t in texts[: cfg.grid_size]]
-            (self.output_dir / "samples" / f"step_{step:05d}.jsonl").write_text("\n".join(lines) + "\n", encoding="utf-8")
-            save_sample_table(texts[: cfg.grid_size], self.output_dir / "samples" / f"step_{step:05d}.html", f"step {step}")
-        if acc.is_main_process and images:
-            save_image_grid(torch.stack(images), captions[: len(images)], self.output_dir / "samples" / f"step_{step:05d}.png")
-        return out
+            for writer in writers:
+                writer.add(rollout.outputs, batch)
+        return torch.cat(scores), {name: torch.cat(values) for name, values in components.items()}, per_item
 
     # ------------------------------------------------------------------------------------------- checkpoints
     def save(self) -> Path:

@@ -17,9 +17,10 @@ import torch  # noqa: E402
 from .metrics_log import read_records  # noqa: E402
 
 
-def save_image_grid(images: torch.Tensor, captions: list[str], path: str | Path, columns: int = 4) -> None:
-    """Saves images `[N, 3, H, W]` in [0, 1] as a PNG grid, each with its caption."""
-    n = images.shape[0]
+def save_image_grid(images, captions: list[str], path: str | Path, columns: int = 4) -> None:
+    """Saves images in [0, 1] as a PNG grid, each with its caption: a tensor `[N, 3, H, W]` or a list of `N` tensors
+    `[3, H_i, W_i]` (sizes may differ, e.g. frame strips or overlays on their input images)."""
+    n = len(images)
     rows = max(1, (n + columns - 1) // columns)
     fig, axes = plt.subplots(rows, columns, figsize=(columns * 2.4, rows * 2.7), squeeze=False)
     for i, ax in enumerate(axes.flat):
@@ -52,8 +53,9 @@ def plot_reward_curve(metrics_file: str | Path, path: str | Path, eval_metric: s
     plt.close(fig)
 
 
-def _thumbnail_src(image, size: int = 128) -> str | None:
-    """A data-URI PNG of `image` (a PIL image, a file path, or an array / tensor `[H, W, 3]` or `[3, H, W]`)."""
+def as_pil(image):
+    """`image` (a PIL image, a file path, or an array / tensor `[H, W, 3]` or `[3, H, W]`, floats in [0, 1]) as an RGB
+    PIL image; `None` for anything else or a missing file."""
     import numpy as np
     from PIL import Image
 
@@ -69,7 +71,16 @@ def _thumbnail_src(image, size: int = 128) -> str | None:
         image = Image.fromarray(image if image.dtype == np.uint8 else (np.clip(image, 0, 1) * 255).astype(np.uint8))
     if not isinstance(image, Image.Image):
         return None
-    image = image.convert("RGB")
+    return image.convert("RGB")
+
+
+def _thumbnail_src(image, size: int = 128) -> str | None:
+    """A data-URI PNG of `image` (a PIL image, a file path, or an array / tensor `[H, W, 3]` or `[3, H, W]`)."""
+    from PIL import Image
+
+    image = as_pil(image)
+    if image is None:
+        return None
     scale = size / max(image.size)
     image = image.resize((max(1, round(image.width * scale)), max(1, round(image.height * scale))), Image.NEAREST)
     buffer = io.BytesIO()

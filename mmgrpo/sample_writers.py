@@ -1,0 +1,230 @@
+"""Evaluation samples a person looks at, one writer per output modality, chosen by the pipeline's ``modalities``.
+
+A pipeline declares what its ``outputs`` hold with the same names the rewards use (``"image"``, ``"text"``,
+``"video"``, ``"mask"``); [`writers_for`] picks one writer per declared modality from [`WRITERS`] and refuses a
+modality it has no writer for (``mmgrpo check`` refuses it too, before any model loads). Each writer keeps the first
+``limit`` samples it is given ([`add`], per evaluation batch) and writes them under ``samples/`` ([`write`]), with
+the final rewards (after any group stage of the reward) passed at write time:
+
+- ``image``, ``outputs["images"]`` `[N, 3, H, W]`: ``step_XXXXX.png``, a grid, each image with its prompt and reward
+  (``step_XXXXX`` is the evaluated step).
+- ``text``, ``outputs["texts"]`` (`N` strings): ``step_XXXXX.jsonl`` (prompt, text, reward) and ``step_XXXXX.html``
+  (the same rows with the prompt's input images).
+- ``video``, ``outputs["videos"]`` `[N, F, 3, H, W]`: ``step_XXXXX_video/sample_NN.mp4`` (H.264), the frame strips
+  with prompt and reward in ``step_XXXXX_video.png``, and ``step_XXXXX_video.html``, which plays and links them.
+- ``mask``, ``outputs["masks"]`` `[N, H, W]` or `N` tensors `[H_i, W_i]` (`None`: no mask): ``step_XXXXX_masks.png``,
+  each mask in red over the prompt's first input image, with prompt and reward.
+
+Pixel values are in [0, 1]. A writer whose key is missing from the outputs raises: a pipeline that declares a
+modality must produce it.
+"""
+
+from __future__ import annotations
+
+import html
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .types import PromptBatch, as_list
+from .visualize import as_pil, save_image_grid, save_sample_table
+
+OUTPUT_KEYS = {"image": "images", "text": "texts", "video": "videos", "mask": "masks"}  # modality -> outputs key
+
+
+def _output(outputs: dict[str, Any], modality: str):
+    key = OUTPUT_KEYS[modality]
+    if key not in outputs:
+        raise ValueError(
+            f"the pipeline declares modality {modality!r} but its outputs hold only {sorted(outputs)}: return "
+            f"outputs[{key!r}] from sample(), or declare the modalities it produces."
+        )
+    return outputs[key]
+
+
+class _Collected:
+    """The first `limit` samples given to a writer: their prompts, conditions and outputs."""
+
+    def __init__(self, limit: int):
+        self.limit, self.prompts, self.items, self.inputs = limit, [], [], []
+
+    def room(self) -> int:
+        return self.limit - len(self.items)
+
+    def add(self, values, batch: PromptBatch) -> None:
+        k = min(self.room(), len(batch))
+        if k <= 0:
+            return
+        pictures = batch.conditions.get("images", [None] * len(batch))  # the inputs of a VLM, if any
+        self.items.extend(values[i] for i in range(k))
+        self.prompts.extend(batch.prompts[:k])
+        self.inputs.extend(as_list(pictures[i]) for i in range(k))
+
+
+class ImageGridWriter:
+    """``step_XXXXX.png``: the first `limit` images, each captioned with its prompt and reward."""
+
+    def __init__(self, limit: int):
+        self.kept = _Collected(limit)
+
+    def add(self, outputs: dict[str, Any], batch: PromptBatch) -> None:
+        self.kept.add(_output(outputs, "image"), batch)
+
+    def write(self, folder: Path, step: int, rewards: list[float]) -> list[Path]:
+        if not self.kept.items:
+            return []
+        captions = [f"{p}\nr={s:.2f}" for p, s in zip(self.kept.prompts, rewards)]
+        path = Path(folder) / f"step_{step:05d}.png"
+        save_image_grid(torch.stack(self.kept.items), captions, path)
+        return [path]
+
+
+class TextTableWriter:
+    """``step_XXXXX.jsonl`` (prompt, text, reward per line) and ``step_XXXXX.html`` (the same rows with the input
+    images of each prompt)."""
+
+    def __init__(self, limit: int):
+        self.kept = _Collected(limit)
+
+    def add(self, outputs: dict[str, Any], batch: PromptBatch) -> None:
+        self.kept.add(_output(outputs, "text"), batch)
+
+    def write(self, folder: Path, step: int, rewards: list[float]) -> list[Path]:
+        if not self.kept.items:
+            return []
+        kept = self.kept
+        rows = [{"prompt": p, "text": t, "reward": s, "images": im}
+                for p, t, s, im in zip(kept.prompts, kept.items, rewards, kept.inputs)]
+        folder = Path(folder)
+        folder.mkdir(parents=True, exist_ok=True)
+        lines = [json.dumps({k: v for k, v in row.items() if k != "images"}) for row in rows]
+        table, page = folder / f"step_{step:05d}.jsonl", folder / f"step_{step:05d}.html"
+        table.write_text("\n".join(lines) + "\n", encoding="utf-8")
+        save_sample_table(rows, page, f"step {step}")
+        return [table, page]
+
+
+def write_mp4(video: torch.Tensor, path: str | Path, fps: int = 16) -> None:
+    """Writes frames `[F, 3, H, W]` in [0, 1] as an H.264 MP4 (yuv420p; an odd height or width is padded by one
+    edge row or column, as the format needs even sizes)."""
+    import av
+
+    frames = (video.detach().float().cpu().clamp(0, 1) * 255).round().to(torch.uint8)  # [F, 3, H, W]
+    frames = torch.nn.functional.pad(frames, (0, frames.shape[-1] % 2, 0, frames.shape[-2] % 2), mode="replicate")
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    with av.open(str(path), mode="w") as container:
+        stream = container.add_stream("libx264", rate=fps)
+        stream.width, stream.height, stream.pix_fmt = frames.shape[-1], frames.shape[-2], "yuv420p"
+        for frame in frames.permute(0, 2, 3, 1).numpy():  # [H, W, 3] each
+            container.mux(stream.encode(av.VideoFrame.from_ndarray(frame, format="rgb24")))
+        container.mux(stream.encode())  # flush the encoder
+
+
+def frame_strip(video: torch.Tensor, max_frames: int = 8) -> torch.Tensor:
+    """Up to `max_frames` evenly spaced frames of `video` `[F, 3, H, W]`, side by side: `[3, H, k * W]`."""
+    count = video.shape[0]
+    index = torch.linspace(0, count - 1, min(max_frames, count)).round().long()  # [k]
+    return torch.cat(list(video[index].float().cpu()), dim=-1)
+
+
+class VideoWriter:
+    """One MP4 per sample (``step_XXXXX_video/sample_NN.mp4``), their frame strips as a PNG grid with prompts and
+    rewards (``step_XXXXX_video.png``) and an HTML page that plays and links them (``step_XXXXX_video.html``).
+
+    Args:
+        limit (`int`): samples kept.
+        fps (`int`, *optional*, defaults to 16): frame rate of the MP4 files.
+    """
+
+    def __init__(self, limit: int, fps: int = 16):
+        self.kept, self.fps = _Collected(limit), fps
+
+    def add(self, outputs: dict[str, Any], batch: PromptBatch) -> None:
+        videos = _output(outputs, "video")
+        if not isinstance(videos, torch.Tensor) or videos.dim() != 5:
+            raise ValueError(f"outputs['videos'] must be a tensor [N, F, 3, H, W] in [0, 1], got "
+                             f"{getattr(videos, 'shape', type(videos).__name__)}.")
+        self.kept.add(videos, batch)
+
+    def write(self, folder: Path, step: int, rewards: list[float]) -> list[Path]:
+        if not self.kept.items:
+            return []
+        folder, name = Path(folder), f"step_{step:05d}_video"
+        clips = [folder / name / f"sample_{i:02d}.mp4" for i in range(len(self.kept.items))]
+        for video, clip in zip(self.kept.items, clips):
+            write_mp4(video, clip, self.fps)
+        captions = [f"{p}\nr={s:.2f}" for p, s in zip(self.kept.prompts, rewards)]
+        strips = folder / f"{name}.png"
+        save_image_grid([frame_strip(v) for v in self.kept.items], captions, strips, columns=2)
+        rows = "".join(
+            f"<tr><td><video src='{name}/{clip.name}' controls loop muted></video><br><a href='{name}/{clip.name}'>"
+            f"{clip.name}</a></td><td><pre>{html.escape(p)}</pre></td><td>{s:.3f}</td></tr>"
+            for clip, p, s in zip(clips, self.kept.prompts, rewards)
+        )
+        page = folder / f"{name}.html"
+        page.write_text(
+            "<!doctype html><meta charset='utf-8'><style>body{font-family:sans-serif}td{vertical-align:top;"
+            "border-bottom:1px solid #ddd;padding:4px}pre{white-space:pre-wrap;margin:0;max-width:40em}</style>"
+            f"<h3>step {step}</h3><p><a href='{strips.name}'><img src='{strips.name}' alt='frame strips' "
+            "style='max-width:100%'></a></p><table><tr><th>video</th><th>prompt</th><th>reward</th></tr>"
+            f"{rows}</table>\n", encoding="utf-8")
+        return [*clips, strips, page]
+
+
+def overlay(mask, image) -> torch.Tensor:
+    """`mask` (`[H, W]`, bool or probabilities, or `None`) in red over `image` (see [`mmgrpo.visualize.as_pil`]; grey
+    when `None`) at the image's size: `[3, H', W']` in [0, 1]."""
+    import numpy as np
+
+    picture = as_pil(image)
+    if picture is not None:
+        base = torch.from_numpy(np.asarray(picture, dtype=np.float32) / 255).permute(2, 0, 1)  # [3, H', W']
+    else:
+        shape = mask.shape[-2:] if mask is not None else (32, 32)
+        base = torch.full((3, *shape), 0.5)
+    if mask is None:
+        return base
+    m = mask.detach().float().cpu()[None, None]  # [1, 1, H, W]
+    m = torch.nn.functional.interpolate(m, size=base.shape[-2:], mode="nearest")[0, 0].clamp(0, 1)  # [H', W']
+    red = torch.tensor([1.0, 0.0, 0.0])[:, None, None]
+    return base * (1 - 0.5 * m) + red * 0.5 * m
+
+
+class MaskOverlayWriter:
+    """``step_XXXXX_masks.png``: each predicted mask in red over the prompt's first input image, with prompt and
+    reward."""
+
+    def __init__(self, limit: int):
+        self.kept = _Collected(limit)
+
+    def add(self, outputs: dict[str, Any], batch: PromptBatch) -> None:
+        self.kept.add(list(_output(outputs, "mask")), batch)
+
+    def write(self, folder: Path, step: int, rewards: list[float]) -> list[Path]:
+        if not self.kept.items:
+            return []
+        pictures = [overlay(m, inputs[0] if inputs else None) for m, inputs in zip(self.kept.items, self.kept.inputs)]
+        captions = [f"{p}\nr={s:.2f}" for p, s in zip(self.kept.prompts, rewards)]
+        path = Path(folder) / f"step_{step:05d}_masks.png"
+        save_image_grid(pictures, captions, path)
+        return [path]
+
+
+WRITERS = {"image": ImageGridWriter, "text": TextTableWriter, "video": VideoWriter, "mask": MaskOverlayWriter}
+
+
+def writers_for(modalities, limit: int) -> list:
+    """One writer per modality in `modalities` (sorted), each keeping `limit` samples.
+
+    Raises:
+        ValueError: a modality without a writer in [`WRITERS`] (its name and the known ones).
+    """
+    unknown = sorted(set(modalities) - WRITERS.keys())
+    if unknown:
+        raise ValueError(
+            f"no sample writer for output modality {unknown}; known: {sorted(WRITERS)}. Declare one of those in the "
+            "pipeline's `modalities`, or add a writer to mmgrpo.sample_writers.WRITERS."
+        )
+    return [WRITERS[modality](limit) for modality in sorted(modalities)]
