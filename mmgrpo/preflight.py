@@ -76,13 +76,30 @@ def require_plan(pipeline, algorithm, num_steps: int, names) -> SamplingPlan:
     letting them be silently ignored. `names` carries ``algorithm.name`` and ``pipeline.name`` for the message."""
     plan = algorithm.schedule(num_steps, torch.Generator().manual_seed(0))
     missing = plan.features() - set(getattr(pipeline, "plan_features", ()))
-    if missing or not hasattr(pipeline, SCORING_METHODS[algorithm.scoring]):
+    if missing or SCORING_METHODS[algorithm.scoring] not in pipeline.provides:
         needs = sorted(missing) or [algorithm.scoring + " scoring"]
         raise ConfigError(
             f"algorithm.name: algorithm {names.algorithm.name!r} needs {needs}, "
             f"which pipeline {names.pipeline.name!r} does not implement: choose another pipeline or algorithm."
         )
+    require_scores(pipeline, algorithm, names)
     return plan
+
+
+def require_scores(pipeline, algorithm, names) -> None:
+    """The pipeline's scoring method (a class or an instance's ``provides``) fills every [`~mmgrpo.types.Score`] field
+    the algorithm's loss reads (``algorithm.traits.reads``), so an incompatible pair fails here, naming the field,
+    not in the middle of a step. `names` carries ``algorithm.name`` and ``pipeline.name`` for the message."""
+    method = SCORING_METHODS[algorithm.scoring]
+    provided = pipeline.provides[method]
+    missing = sorted(algorithm.traits.reads - provided)
+    if missing:
+        raise ConfigError(
+            f"algorithm.name: algorithm {names.algorithm.name!r} (with these options) reads the score field(s) "
+            f"{missing}, which pipeline {names.pipeline.name!r}'s {method} does not provide (it gives "
+            f"{sorted(provided)}): choose another pipeline, or algorithm options that do not read them (e.g. "
+            "kl_beta=0 when a KL term reads them)."
+        )
 
 
 def check_plan(config: ExperimentConfig) -> None:

@@ -19,6 +19,9 @@ class StochasticPolicy(Protocol):
     Config: type
     modalities: frozenset[str]  # what `outputs` holds: {"image"}, {"text"}, {"video"}...
     num_steps: int  # decisions per training rollout (denoising steps, tokens...)
+    # scoring method ("log_prob", "likelihood") -> the `Score` fields it fills; a class attribute, so the trainer
+    # checks it against the algorithm's `traits.reads` before any model loads. A method not listed is not implemented.
+    provides: dict[str, frozenset[str]]
     eval_num_steps: int  # decisions per evaluation sample
 
     def prepare(self, accelerator) -> list[torch.nn.Module]:

@@ -178,6 +178,27 @@ class Score:
         return frozenset(f.name for f in fields(self) if getattr(self, f.name) is not None)
 
 
+@dataclass(frozen=True)
+class AlgorithmTraits:
+    """What an algorithm asks of the trainer and of the pipeline, declared in one record (the trainer never probes an
+    algorithm for optional members). Each algorithm builds its own from its options, as ``self.traits``.
+
+    Args:
+        reads (`frozenset[str]`): the [`Score`] fields its loss reads, of the policy's score and of the reference's
+            (a subset of [`Score.field_names`]). The trainer refuses, before any model loads, a pipeline whose scoring
+            method does not provide one of them (see the pipeline's ``provides``).
+    """
+
+    reads: frozenset[str] = frozenset({"log_prob"})
+
+    def __post_init__(self):
+        unknown = sorted(set(self.reads) - Score.field_names())
+        if unknown:
+            raise ValueError(f"AlgorithmTraits.reads names {unknown}, which are not Score fields: use some of "
+                             f"{sorted(Score.field_names())}.")
+        object.__setattr__(self, "reads", frozenset(self.reads))
+
+
 @dataclass
 class LossOutput:
     """A scalar loss and the metrics to log with it (clip fraction, approx KL, ratio mean...)."""

@@ -25,6 +25,11 @@ from mmgrpo.samplers.flow_sde import entropy_merge_span, flow_sde_step
 from mmgrpo.types import SamplingPlan, Score
 
 PLAN_FEATURES = frozenset({"merge", "branch", "unit_selection", "dpm", "likelihood"})
+# scoring method -> the `Score` fields a flow adapter fills ([`replay_plan`], [`plan_likelihood`])
+SCORE_FIELDS = {
+    "log_prob": frozenset({"log_prob", "mask", "mean", "std"}),
+    "likelihood": frozenset({"log_prob", "velocity", "group_ids"}),
+}
 
 # velocity(latents [r, ...], sigma [], rows [r] or None for all samples) -> velocity [r, ...] in float32; `rows` pick
 # the samples' conditioning (text embeddings...)

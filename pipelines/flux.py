@@ -19,7 +19,7 @@ import torch
 
 from mmgrpo.hub import load_diffusers_pipeline
 from mmgrpo.pipelines._flow_common import DTYPES, TrainableTransformer, check_flow_config
-from mmgrpo.pipelines._flow_plans import PLAN_FEATURES, plan_likelihood, replay_plan, run_plan
+from mmgrpo.pipelines._flow_plans import PLAN_FEATURES, SCORE_FIELDS, plan_likelihood, replay_plan, run_plan
 from mmgrpo.types import PromptBatch, Rollout, SamplingPlan, Score
 
 
@@ -79,6 +79,7 @@ class FluxPolicy:
     Config = FluxConfig
     modalities = frozenset({"image"})
     plan_features = PLAN_FEATURES  # merged steps, branches, per-sample units, DPM solver, likelihood
+    provides = SCORE_FIELDS  # scoring method -> the Score fields it fills
 
     def __init__(self, config: FluxConfig):
         from diffusers import FluxPipeline

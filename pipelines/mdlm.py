@@ -170,6 +170,9 @@ class MDLMPolicy:
     Config = MDLMConfig
     modalities = frozenset({"text"})
     plan_features = frozenset({"likelihood", "token_scores"})
+    # scoring method -> the Score fields it fills (both through `_pack`)
+    provides = dict.fromkeys(("log_prob", "likelihood"),
+                             frozenset({"log_prob", "mask", "token_log_prob", "token_mask", "old_token_log_prob"}))
 
     def __init__(self, config: MDLMConfig):
         self.config = config

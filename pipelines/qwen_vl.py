@@ -148,6 +148,7 @@ class QwenVLPolicy:
     Config = QwenVLConfig
     modalities = frozenset({"text"})
     plan_features = frozenset()
+    provides = {"log_prob": frozenset({"log_prob", "mask"})}  # scoring method -> the Score fields it fills
 
     def __init__(self, config: QwenVLConfig):
         import transformers

@@ -14,7 +14,7 @@ import torch
 
 from mmgrpo.hub import load_diffusers_pipeline
 from mmgrpo.pipelines._flow_common import DTYPES, TrainableTransformer, check_flow_config
-from mmgrpo.pipelines._flow_plans import PLAN_FEATURES, plan_likelihood, replay_plan, run_plan
+from mmgrpo.pipelines._flow_plans import PLAN_FEATURES, SCORE_FIELDS, plan_likelihood, replay_plan, run_plan
 from mmgrpo.types import PromptBatch, Rollout, SamplingPlan, Score
 
 
@@ -70,6 +70,7 @@ class SD3Policy:
     Config = SD3Config
     modalities = frozenset({"image"})
     plan_features = PLAN_FEATURES  # merged steps, branches, per-sample units, DPM solver, likelihood
+    provides = SCORE_FIELDS  # scoring method -> the Score fields it fills
 
     def __init__(self, config: SD3Config):
         from diffusers import StableDiffusion3Pipeline

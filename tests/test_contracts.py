@@ -11,8 +11,9 @@ import torch
 
 from mmgrpo import registry
 from mmgrpo.protocols import Algorithm, RewardFn, StochasticPolicy
+from mmgrpo.preflight import SCORING_METHODS, require_plan
 from mmgrpo.trainer import check_plan, score_unit
-from mmgrpo.types import PromptBatch
+from mmgrpo.types import PromptBatch, Score
 from reward_fixtures import jpeg_server, tiny_aesthetic_head, tiny_clip_dir, tiny_pickscore_dir  # noqa: F401
 
 
@@ -73,7 +74,8 @@ REWARD_OPTIONS = {
     "remote": lambda request: {"url": request.getfixturevalue("jpeg_server").url, "timeout": 10.0, "retries": 0},
     "composite": {"rewards": {"format": {"weight": 0.5}, "accuracy": {}, "jpeg": {"weight": 0.01}}},
 }
-ALGORITHM_OPTIONS = {"dgpo": {"trunc_steps": 2, "num_train_timesteps": 2}}  # fit the tiny policies' 3 steps
+# fit the tiny policies' 3 steps (dgpo); read the transitions' mean and std (flow_grpo's KL term)
+ALGORITHM_OPTIONS = {"dgpo": {"trunc_steps": 2, "num_train_timesteps": 2}, "flow_grpo": {"kl_beta": 0.04}}
 
 
 def _shapes_batch(n):
@@ -107,11 +109,17 @@ def test_pipeline_contract(name, algorithm_name, request):
     algorithm = cls(cls.Config(**ALGORITHM_OPTIONS.get(algorithm_name, {})))
     plan = algorithm.schedule(policy.num_steps, torch.Generator().manual_seed(0))
     missing = plan.features() - set(getattr(policy, "plan_features", ()))
+    names = SimpleNamespace(algorithm=SimpleNamespace(name=algorithm_name), pipeline=SimpleNamespace(name=name))
     if missing:  # an unsupported pair must be refused before any step, naming what is missing
-        names = SimpleNamespace(algorithm=SimpleNamespace(name=algorithm_name), pipeline=SimpleNamespace(name=name))
         with pytest.raises(ValueError, match=f"algorithm '{algorithm_name}' needs .*{sorted(missing)[0]}"):
             check_plan(policy, algorithm, names)
         return
+    unread = algorithm.traits.reads - policy.provides[SCORING_METHODS[algorithm.scoring]]
+    if unread:  # the pipeline's score lacks a field the loss reads: refused, naming the field
+        with pytest.raises(ValueError, match=f"reads the score field.*'{sorted(unread)[0]}'"):
+            check_plan(policy, algorithm, names)
+        return
+    check_plan(policy, algorithm, names)  # the trainer accepts the pair
     batch = PromptBatch(["a red circle", "a blue square"]).repeat(2)
     rollout = policy.sample(batch, plan, generator=torch.Generator().manual_seed(1))
     assert rollout.old_log_probs.shape[0] == 4 and rollout.mask.shape == rollout.old_log_probs.shape
@@ -120,13 +128,34 @@ def test_pipeline_contract(name, algorithm_name, request):
         # what the trainer feeds the loss: the policy's score now, the old policy's (recorded, or the algorithm's own
         # old model), the reference's
         new, old, ref = score_unit(policy, algorithm, rollout, unit, torch.device("cpu"))
+        # the declarations do not lie: the score has exactly the fields the pipeline declares, among them every field
+        # the algorithm reads, and the loss reads no other (it is unchanged with every other field left out)
+        method = SCORING_METHODS[algorithm.scoring]
+        assert new.provided() == policy.provides[method] and (ref is None or ref.provided() == new.provided())
+        assert algorithm.traits.reads <= new.provided()
+        bare = {f: None for f in Score.field_names() - algorithm.traits.reads}
+        only_read = algorithm.loss(dataclasses.replace(new, **bare), old, torch.zeros(4),
+                                   ref and dataclasses.replace(ref, **bare))
         scored = torch.ones_like(old, dtype=torch.bool) if new.mask is None else new.mask  # real transitions
         assert scored.any()
         torch.testing.assert_close(new.log_prob.detach()[scored], old[scored], rtol=0, atol=1e-5)
         out = algorithm.loss(new, old, torch.zeros(4), ref)
+        assert out.metrics == only_read.metrics and torch.equal(out.loss.detach(), only_read.loss.detach())
         assert out.metrics["ratio_mean"] == pytest.approx(1.0, abs=1e-5)
         out.loss.backward()
         assert all(p.grad is None or torch.count_nonzero(p.grad) == 0 for p in policy.trainable_parameters())
+
+
+@pytest.mark.parametrize("pipeline", ["qwen_vl", "mdlm"])
+def test_a_pipeline_without_a_field_the_algorithm_reads_is_refused_before_loading(pipeline):
+    """Flow-GRPO's KL term reads the SDE transitions' ``mean`` and ``std``, which a token policy's score has not: the
+    pair is refused from the pipeline's class (no model loaded), naming the field; without the KL it is accepted."""
+    cls = registry.get("algorithm", "flow_grpo")
+    names = SimpleNamespace(algorithm=SimpleNamespace(name="flow_grpo"), pipeline=SimpleNamespace(name=pipeline))
+    policy_cls = registry.get("pipeline", pipeline)
+    with pytest.raises(ValueError, match=r"reads the score field\(s\) \['mean', 'std'\], which pipeline .*kl_beta=0"):
+        require_plan(policy_cls, cls(cls.Config(kl_beta=0.04)), 6, names)
+    require_plan(policy_cls, cls(cls.Config(kl_beta=0.0)), 6, names)
 
 
 @pytest.mark.parametrize("name", sorted(registry.available("algorithm")))

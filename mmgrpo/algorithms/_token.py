@@ -18,6 +18,7 @@ from ..types import SamplingPlan, Score
 from ..validation import check_range
 
 Aggregation = Literal["sequence_mean", "token_mean", "fixed_length"]
+TOKEN_READS = frozenset({"log_prob", "mask"})  # the Score fields every token loss reads (mask: the scored tokens)
 
 
 def token_plan(num_steps: int) -> SamplingPlan:

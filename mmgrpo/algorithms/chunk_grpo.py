@@ -18,7 +18,7 @@ import torch
 
 from ..advantages import group_normalize
 from ..losses import clipped_surrogate, k3_kl, masked_mean
-from ..types import LossOutput, SamplingPlan, Score
+from ..types import AlgorithmTraits, LossOutput, SamplingPlan, Score
 from ..validation import check_fields, check_range
 
 
@@ -84,6 +84,7 @@ class ChunkGRPO:
 
     def __init__(self, config: ChunkGRPOConfig):
         self.config = config
+        self.traits = AlgorithmTraits(reads=frozenset({"log_prob", "mask"}))  # mask: the chunks each sample trains
 
     def chunk_units(self, num_steps: int) -> list[list[int]]:
         """The chunks as lists of consecutive step indices."""

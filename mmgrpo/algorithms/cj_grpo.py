@@ -19,7 +19,7 @@ import torch
 
 from ..advantages import group_normalize
 from ..losses import clipped_surrogate, k3_kl, masked_mean
-from ..types import LossOutput, SamplingPlan, Score
+from ..types import AlgorithmTraits, LossOutput, SamplingPlan, Score
 from ..validation import check_fields, check_range
 
 
@@ -53,6 +53,10 @@ class CJGRPOConfig:
             raise ValueError(f"kl_beta must be >= 0, got {self.kl_beta}.")
 
 
+# the Score fields [`token_step_loss`] reads (``old_token_log_prob`` too with ``ratio_level="token"``)
+TOKEN_STEP_READS = frozenset({"log_prob", "mask", "token_log_prob", "token_mask"})
+
+
 def token_step_loss(new: Score, old_log_prob: torch.Tensor, advantages: torch.Tensor, ref: Score | None, *,
                     clip_low: float, clip_high: float, kl_beta: float, ratio_level: str) -> LossOutput:
     """The clipped surrogate (+ k3 KL) of one unit of scored steps or draws, from a masked-diffusion scoring
@@ -83,6 +87,8 @@ class CJGRPO:
 
     def __init__(self, config: CJGRPOConfig):
         self.config = config
+        token_ratio = {"old_token_log_prob"} if config.ratio_level == "token" else set()
+        self.traits = AlgorithmTraits(reads=TOKEN_STEP_READS | token_ratio)
         self.needs_reference = config.kl_beta > 0
 
     def schedule(self, num_steps: int, generator: torch.Generator | None = None) -> SamplingPlan:

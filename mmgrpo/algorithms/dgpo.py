@@ -34,7 +34,7 @@ import torch
 
 from ..advantages import group_normalize
 from ..ema import ParameterEMA
-from ..types import LossOutput, SamplingPlan, Score
+from ..types import AlgorithmTraits, LossOutput, SamplingPlan, Score
 from ..validation import check_fields, check_range
 
 
@@ -112,6 +112,8 @@ class DGPO:
 
     def __init__(self, config: DGPOConfig):
         self.config = config
+        kl_reads = {"velocity"} if config.kl_beta > 0 else set()  # the KL term is in velocity space
+        self.traits = AlgorithmTraits(reads=frozenset({"log_prob", "group_ids"} | kl_reads))
         self.needs_reference = config.kl_beta > 0 or not config.use_ema_ref
         self.keeps_old_model = config.clip_range > 0 or config.use_ema_ref  # the clip or the reference reads it
         # without the KL, a sample with advantage 0 adds exactly nothing to the loss: the trainer need not score it

@@ -14,8 +14,8 @@ from dataclasses import dataclass
 import torch
 
 from ..advantages import group_normalize
-from ..types import LossOutput, SamplingPlan, Score
-from .cj_grpo import token_step_loss
+from ..types import AlgorithmTraits, LossOutput, SamplingPlan, Score
+from .cj_grpo import TOKEN_STEP_READS, token_step_loss
 from ..validation import check_fields
 
 
@@ -53,6 +53,7 @@ class DiffuGRPO:
 
     def __init__(self, config: DiffuGRPOConfig):
         self.config = config
+        self.traits = AlgorithmTraits(reads=TOKEN_STEP_READS | {"old_token_log_prob"})
         self.needs_reference = config.kl_beta > 0
 
     def schedule(self, num_steps: int, generator: torch.Generator | None = None) -> SamplingPlan:

@@ -13,8 +13,8 @@ import torch
 
 from ..advantages import group_normalize
 from ..losses import clipped_objective
-from ..types import LossOutput, SamplingPlan, Score
-from ._token import add_kl, aggregate, check_options, ratio_metrics, token_mask, token_plan
+from ..types import AlgorithmTraits, LossOutput, SamplingPlan, Score
+from ._token import TOKEN_READS, add_kl, aggregate, check_options, ratio_metrics, token_mask, token_plan
 from ..validation import check_fields
 
 
@@ -44,6 +44,7 @@ class DrGRPO:
 
     def __init__(self, config: DrGRPOConfig):
         self.config = config
+        self.traits = AlgorithmTraits(reads=TOKEN_READS)
         self.needs_reference = config.kl_beta > 0
 
     def schedule(self, num_steps: int, generator: torch.Generator | None = None) -> SamplingPlan:

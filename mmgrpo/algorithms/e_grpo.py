@@ -20,7 +20,7 @@ import torch
 
 from ..advantages import group_normalize
 from ..losses import clipped_surrogate
-from ..types import LossOutput, SamplingPlan, Score
+from ..types import AlgorithmTraits, LossOutput, SamplingPlan, Score
 from ..validation import check_fields, check_range
 
 
@@ -87,6 +87,7 @@ class EGRPO:
 
     def __init__(self, config: EGRPOConfig):
         self.config = config
+        self.traits = AlgorithmTraits(reads=frozenset({"log_prob", "mask"}))  # mask: each sample's own SDE step
 
     def schedule(self, num_steps: int, generator: torch.Generator | None = None) -> SamplingPlan:
         """A branching plan: ODE anchor per group, one SDE step per sample, all SDE steps trained as one unit (each

@@ -11,7 +11,7 @@ from typing import Literal
 import torch
 
 from ..advantages import group_normalize
-from ..types import LossOutput, SamplingPlan, Score
+from ..types import AlgorithmTraits, LossOutput, SamplingPlan, Score
 from ..validation import check_fields, check_range
 
 
@@ -70,6 +70,8 @@ class FlowGRPO:
 
     def __init__(self, config: FlowGRPOConfig):
         self.config = config
+        kl_reads = {"mean", "std"} if config.kl_beta > 0 else set()  # the KL term reads the transitions
+        self.traits = AlgorithmTraits(reads=frozenset({"log_prob"} | kl_reads))
         self.needs_reference = config.kl_beta > 0
 
     def schedule(self, num_steps: int, generator: torch.Generator | None = None) -> SamplingPlan:

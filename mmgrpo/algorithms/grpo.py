@@ -15,8 +15,8 @@ import torch
 
 from ..advantages import group_normalize
 from ..losses import clipped_objective
-from ..types import LossOutput, SamplingPlan, Score
-from ._token import add_kl, check_options, aggregate, ratio_metrics, token_mask, token_plan
+from ..types import AlgorithmTraits, LossOutput, SamplingPlan, Score
+from ._token import TOKEN_READS, add_kl, check_options, aggregate, ratio_metrics, token_mask, token_plan
 from ..validation import check_fields, check_range
 
 
@@ -53,6 +53,7 @@ class GRPO:
 
     def __init__(self, config: GRPOConfig):
         self.config = config
+        self.traits = AlgorithmTraits(reads=TOKEN_READS)
         self.needs_reference = config.kl_beta > 0
 
     def schedule(self, num_steps: int, generator: torch.Generator | None = None) -> SamplingPlan:

@@ -14,8 +14,8 @@ from dataclasses import dataclass
 import torch
 
 from ..advantages import group_normalize
-from ..types import LossOutput, SamplingPlan, Score
-from ._token import add_kl, aggregate, ratio_metrics, token_mask, token_plan
+from ..types import AlgorithmTraits, LossOutput, SamplingPlan, Score
+from ._token import TOKEN_READS, add_kl, aggregate, ratio_metrics, token_mask, token_plan
 from ..validation import check_fields, check_range
 
 
@@ -50,6 +50,7 @@ class SAPO:
 
     def __init__(self, config: SAPOConfig):
         self.config = config
+        self.traits = AlgorithmTraits(reads=TOKEN_READS)
         self.needs_reference = config.kl_beta > 0
 
     def schedule(self, num_steps: int, generator: torch.Generator | None = None) -> SamplingPlan:
