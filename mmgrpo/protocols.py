@@ -5,7 +5,7 @@
 from __future__ import annotations
 
 from contextlib import AbstractContextManager
-from typing import Any, Iterable, Literal, Protocol, runtime_checkable
+from typing import Any, Callable, Iterable, Literal, Protocol, runtime_checkable
 
 import torch
 
@@ -65,12 +65,23 @@ class StochasticPolicy(Protocol):
 class RewardFn(Protocol):
     """Scores decoded outputs; expensive set-up belongs in ``__init__``.
 
-    Optional member: ``needs_whole_groups: bool``, true when a score depends on the other members of its group in the
-    same call (per-group normalisation); the trainer then refuses a layout that splits a group across processes.
+    Scoring runs in two stages, so that a score may depend on the rest of its group even when a group spans processes:
+
+    1. ``__call__(outputs, batch)``, on each process, scores that process's samples one by one: ``scores`` `[n]`,
+       ``components`` (each `[n]`) and, when the group stage needs more than scores, ``features`` `[n, ...]`.
+    2. ``group_stage``: `None` when a sample's score depends on that sample only (every reward declares it, most as
+       ``group_stage = None``). Otherwise a function ``group_stage(result, group_ids) -> RewardResult`` that the
+       trainer calls once per step, and once per evaluation, on the results gathered from every process: ``result``
+       holds ``scores`` `[N]`, ``components`` (each `[N]`) and ``features`` `[N, ...]` (or `None`) of the whole batch,
+       ``group_ids`` `[N]` are the global groups (`None` when the caller has none: the whole batch is one group). It
+       returns the final ``scores`` `[N]` (and the components to log), from which the algorithm's advantages are
+       computed. Examples: the per-group normalisation of ``composite``; a set-level diversity reward would put one
+       embedding per sample in ``features`` and score each sample against the others of its group here.
     """
 
     Config: type
     modalities: frozenset[str]
+    group_stage: Callable[[RewardResult, torch.Tensor | None], RewardResult] | None
 
     def __call__(self, outputs: dict[str, Any], batch: PromptBatch) -> RewardResult: ...
 

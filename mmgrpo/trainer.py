@@ -1,10 +1,11 @@
 """The one trainer loop, the same for every pipeline, algorithm and reward.
 
 Per step: next prompt batch repeated `G` times with global group ids -> this process's slice -> ``policy.sample``
-(no grad) -> ``reward`` -> scores and the rollout's group ids gathered from every process -> ``algorithm.advantages``
--> for each inner epoch and minibatch, each trained unit is scored (``policy.log_prob`` or ``policy.likelihood``, as
-``algorithm.scoring`` says; see [`score_unit`]), passed to ``algorithm.loss`` and back-propagated, then clipped and
-stepped. Distribution is accelerate's.
+(no grad) -> ``reward`` per sample -> scores, components, features and the rollout's group ids gathered from every
+process -> the reward's ``group_stage`` on the whole batch, if it has one ([`gather_rewards`]) ->
+``algorithm.advantages`` -> for each inner epoch and minibatch, each trained unit is scored (``policy.log_prob`` or
+``policy.likelihood``, as ``algorithm.scoring`` says; see [`score_unit`]), passed to ``algorithm.loss`` and
+back-propagated, then clipped and stepped. Distribution is accelerate's.
 
 Skip rules (decided on the batch gathered from every process, so all processes agree):
 
@@ -39,12 +40,13 @@ from tqdm.auto import tqdm
 from . import checkpoint, registry
 from .advantages import groups_with_signal
 from .config import ExperimentConfig
+from .evaluation import process_share, sample_and_score
 from .metrics_log import MetricsLog, read_records
 from .optim import build_optimizer
 from .preflight import SCORING_METHODS, check_modalities, require_plan
-from .prompt_stream import PromptStream, items_to_batch
+from .prompt_stream import PromptStream
 from .sample_writers import writers_for
-from .types import SamplingPlan
+from .types import RewardResult, SamplingPlan
 from .visualize import plot_reward_curve, write_per_prompt_scores
 
 
@@ -55,18 +57,12 @@ def _seed(*parts: int) -> int:
     return value
 
 
-def build_components(config: ExperimentConfig, samples_per_process: int | None = None):
+def build_components(config: ExperimentConfig):
     """Instantiates the plugins named by `config`; checks, before the pipeline loads, that the reward can score the
-    pipeline's outputs and, given `samples_per_process`, that a reward that needs whole groups gets them."""
+    pipeline's outputs. Any layout of groups over processes works: a reward that scores a sample against its group
+    does so in its group stage, on the gathered batch ([`Trainer.gather_rewards`])."""
     policy_cls = registry.get("pipeline", config.pipeline.name)
     reward = registry.get("reward", config.reward.name)(config.reward.options)
-    group_size = config.train.group_size
-    if getattr(reward, "needs_whole_groups", False) and samples_per_process and samples_per_process % group_size:
-        raise ValueError(
-            f"reward {config.reward.name!r} normalises within groups, but {samples_per_process} samples per process "
-            f"split groups of {group_size} across processes: make prompts_per_step * group_size / processes a "
-            "multiple of group_size, or set reward.normalize=none (the algorithm normalises after gathering)."
-        )
     check_modalities(config)
     data = registry.get("data", config.data.name)(config.data.options)
     algorithm = registry.get("algorithm", config.algorithm.name)(config.algorithm.options)
@@ -149,7 +145,8 @@ class Trainer:
         from accelerate.utils import set_seed
 
         set_seed(config.seed)  # LoRA initialisation and anything else drawn from global RNGs
-        self.policy, self.algorithm, self.reward, self.data = build_components(config, self.local_n)
+        self.policy, self.algorithm, self.reward, self.data = build_components(config)
+        self.group_stage = self.reward.group_stage  # the reward's stage after the gather, or None (see RewardFn)
         self.eval_items = self.data.eval_items()
         self.optimizer, self.lr_scheduler = build_optimizer(self.policy.trainable_parameters(), config.train)
         self.wrapped = self.policy.prepare(acc)
@@ -220,22 +217,41 @@ class Trainer:
         plan = self.algorithm.schedule(self.policy.num_steps, torch.Generator().manual_seed(_seed(cfg.seed, self.step)))
         generator = torch.Generator().manual_seed(_seed(cfg.seed, self.step, self.rank, 1))
         rollout = self.policy.sample(local, plan, generator=generator)
-        result = self.reward(rollout.outputs, local)
-        local_adv, all_scores, all_groups, advantages = self.global_advantages(result.scores, rollout.group_ids)
-        metrics = self._reward_metrics(all_scores, all_groups, result.components)
+        whole, all_groups = self.gather_rewards(self.reward(rollout.outputs, local), rollout.group_ids)
+        all_scores = whole.scores.float()  # [N] after the reward's group stage
+        advantages = self.algorithm.advantages(all_scores, all_groups)  # [N]
+        local_adv = self._this_process(advantages, len(local))
+        metrics = self._reward_metrics(all_scores, all_groups, whole.components)
         with_signal, rewarded = groups_with_signal(advantages, all_groups), torch.isfinite(all_scores)  # [N], [N]
         metrics.update(self._update(rollout, plan, local_adv, with_signal, generator, rewarded))
         metrics["lr"] = self.lr_scheduler.get_last_lr()[0]
         metrics["samples_seen"] = self.step * len(all_scores)
         return metrics
 
-    def global_advantages(self, scores: torch.Tensor, group_ids: torch.Tensor):
-        """Gathers this process's scores `[n]` and group ids `[n]` from every process (a group may span processes),
-        computes advantages on the whole batch `[N]` and returns ``(local slice [n], scores [N], groups [N],
-        advantages [N])``."""
+    def gather_rewards(self, result: RewardResult, group_ids: torch.Tensor) -> tuple[RewardResult, torch.Tensor]:
+        """Gathers this process's reward `result` (``scores`` `[n]`, ``components`` each `[n]`, ``features`` `[n, ...]`)
+        and `group_ids` `[n]` from every process (a group may span processes), then applies the reward's group stage
+        (``group_stage``, see [`mmgrpo.protocols.RewardFn`]) to the whole batch. Returns ``(result [N], groups [N])``:
+        the final scores, in the dtype the reward gave, and the global groups."""
         acc = self.accelerator
-        all_scores = acc.gather(scores.float().to(acc.device)).cpu()  # [N]
-        all_groups = acc.gather(group_ids.to(acc.device)).cpu()  # [N]
+
+        def gather(values: torch.Tensor) -> torch.Tensor:  # [n, ...] on every process -> [N, ...], rank order
+            return acc.gather(values.to(acc.device)).cpu()
+
+        groups = gather(group_ids)  # [N]
+        whole = RewardResult(
+            scores=gather(result.scores),  # [N]
+            components={name: gather(values) for name, values in result.components.items()},
+            features=None if result.features is None else gather(result.features),
+        )
+        return (whole if self.group_stage is None else self.group_stage(whole, groups)), groups
+
+    def global_advantages(self, scores: torch.Tensor, group_ids: torch.Tensor):
+        """Advantages of this process's bare scores `[n]` (a reward result without components): [`gather_rewards`],
+        then ``algorithm.advantages`` on the whole batch. Returns ``(local slice [n], scores [N], groups [N],
+        advantages [N])``."""
+        whole, all_groups = self.gather_rewards(RewardResult(scores=scores), group_ids)
+        all_scores = whole.scores.float()  # [N]
         advantages = self.algorithm.advantages(all_scores, all_groups)  # [N]
         return self._this_process(advantages, scores.shape[0]), all_scores, all_groups, advantages
 
@@ -357,46 +373,28 @@ class Trainer:
     # --------------------------------------------------------------------------------------------- evaluation
     @torch.no_grad()
     def evaluate(self, step: int, batch_size: int = 64) -> dict[str, float]:
-        """Deterministic samples of the held-out prompts (same noise every time): the reward means, the scores per
-        prompt (``eval/step_*.json``) and the samples, written by the writers of the pipeline's output modalities
-        ([`mmgrpo.sample_writers`])."""
+        """Deterministic samples of the held-out prompts (same noise every time), each its own group: the reward
+        means (after the reward's group stage, on every process's items), the scores per prompt (``eval/step_*.json``)
+        and the samples, written by the writers of the pipeline's output modalities ([`mmgrpo.sample_writers`])."""
         cfg, acc = self.config.eval, self.accelerator
         writers = writers_for(self.policy.modalities, cfg.grid_size)
-        scores, components, per_item = self._eval_batches(writers, batch_size)
-        out = {"eval/score": _finite_mean(acc.gather(scores.to(acc.device)).cpu())}
-        for name, values in components.items():
-            out[f"eval/{name}"] = _finite_mean(acc.gather(values.to(acc.device)).cpu())
+        mine, first = process_share(self.eval_items[: cfg.num_prompts], self.world, self.rank)
+        plan, generator = SamplingPlan.deterministic(self.policy.eval_num_steps), torch.Generator()
+        generator.manual_seed(_seed(cfg.seed, self.rank))
+        local, prompts = sample_and_score(self.policy, self.reward, mine, plan, generator, writers, first, batch_size)
+        whole, _ = self.gather_rewards(local, torch.arange(len(prompts)) + first)  # [N] every process's final scores
+        out = {"eval/score": _finite_mean(whole.scores.float())}
+        for name, values in whole.components.items():
+            out[f"eval/{name}"] = _finite_mean(values.float())
+        scores = self._this_process(whole.scores, len(prompts))  # [n]
+        metric = self._this_process(whole.components.get(cfg.metric, whole.scores), len(prompts))  # [n] headline
+        per_item = list(zip(prompts, scores.tolist(), metric.tolist()))
         per_item = gather_object(per_item) if self.world > 1 else per_item
         if acc.is_main_process:
             write_per_prompt_scores(per_item, self.output_dir / "eval" / f"step_{step:05d}.json", cfg.metric)
             for writer in writers:  # this process's first samples
                 writer.write(self.output_dir / "samples", step, scores[: cfg.grid_size].tolist())
         return out
-
-    def _eval_batches(self, writers: list, batch_size: int):
-        """Samples and scores this process's share of the held-out items in batches of `batch_size`, handing each
-        batch to `writers`. Returns ``(scores [n], components {name: [n]}, per_item [(prompt, reward, metric)])``."""
-        cfg = self.config.eval
-        items = self.eval_items[: cfg.num_prompts]
-        items = items[: len(items) - len(items) % self.world] or items[:1]
-        per_rank = max(1, len(items) // self.world)
-        mine = items[self.rank * per_rank : (self.rank + 1) * per_rank]
-        plan = SamplingPlan.deterministic(self.policy.eval_num_steps)
-        generator = torch.Generator().manual_seed(_seed(cfg.seed, self.rank))
-        scores, components, per_item = [], {}, []
-        for start in range(0, len(mine), batch_size):
-            batch = items_to_batch(mine[start : start + batch_size])
-            batch.group_ids = torch.arange(len(batch))
-            rollout = self.policy.sample(batch, plan, generator=generator)
-            result = self.reward(rollout.outputs, batch)
-            scores.append(result.scores.float().cpu())
-            metric = result.components.get(cfg.metric, result.scores)  # [B] the headline metric, per item
-            per_item += list(zip(batch.prompts, result.scores.tolist(), metric.tolist()))
-            for name, value in result.components.items():
-                components.setdefault(name, []).append(value.float().cpu())
-            for writer in writers:
-                writer.add(rollout.outputs, batch)
-        return torch.cat(scores), {name: torch.cat(values) for name, values in components.items()}, per_item
 
     # ------------------------------------------------------------------------------------------- checkpoints
     def save(self) -> Path:

@@ -123,10 +123,14 @@ class RewardResult:
         scores (`torch.FloatTensor` of shape `[N]`): the reward; NaN means "not applicable" and is excluded
             from group statistics (never silently 0).
         components (`dict[str, torch.FloatTensor]`): named per-sample parts of the reward, each `[N]`, logged.
+        features (`torch.FloatTensor` of shape `[N, ...]`, *optional*): per-sample features that the reward's group
+            stage reads besides the scores (e.g. embeddings for a set-level diversity score); gathered from every
+            process like the scores, never logged. See [`mmgrpo.protocols.RewardFn`].
     """
 
     scores: torch.Tensor  # [N] float32
     components: dict[str, torch.Tensor] = field(default_factory=dict)  # name -> [N]
+    features: torch.Tensor | None = None  # [N, ...]
 
 
 @dataclass

@@ -110,6 +110,7 @@ class AccuracyReward:
             check_max_completion_chars(self.max_completion_chars)
 
     modalities = frozenset({"text"})
+    group_stage = None  # each score depends on its sample only (see mmgrpo.protocols.RewardFn)
 
     def __init__(self, config: "AccuracyReward.Config | None" = None):
         self.config = config or self.Config()

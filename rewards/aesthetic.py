@@ -99,6 +99,7 @@ class AestheticScore:
             _clip.check_source("aesthetic", self.model_name, self.pretrained)
 
     modalities = frozenset({"image"})  # the default; an instance holds its configured modality
+    group_stage = None  # each score depends on its sample only (see mmgrpo.protocols.RewardFn)
 
     def __init__(self, config: "AestheticScore.Config"):
         self.config = config

@@ -115,6 +115,7 @@ class BoxIoU:
             check_max_completion_chars(self.max_completion_chars)
 
     modalities = frozenset({"text"})
+    group_stage = None  # each score depends on its sample only (see mmgrpo.protocols.RewardFn)
 
     def __init__(self, config: "BoxIoU.Config | None" = None):
         self.config = config or self.Config()

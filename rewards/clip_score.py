@@ -55,6 +55,7 @@ class ClipScore:
             _clip.check_source("clip_score", self.model_name, self.pretrained)
 
     modalities = frozenset({"image"})  # the default; an instance holds its configured modality
+    group_stage = None  # each score depends on its sample only (see mmgrpo.protocols.RewardFn)
 
     def __init__(self, config: "ClipScore.Config | None" = None):
         self.config = config or self.Config()

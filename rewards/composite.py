@@ -8,11 +8,13 @@ https://huggingface.co/docs/trl/main/en/grpo_trainer :
   large spread cannot drown the others.
 - ``"none"``: the plain weighted sum (the algorithm's own group normalisation then applies).
 
-Group statistics use `batch.group_ids` (the whole call is one group without them), population std, ``eps`` 1e-4, over
-the finite values only (`mmgrpo.advantages.group_normalize`). A component that is NaN ("not applicable") for a sample
-is left out of that sample's sum; a sample for which every component is NaN scores NaN. The groups are those present
-in the call, so a normalising composite sets ``needs_whole_groups`` and the trainer refuses to split a group across
-processes (each part would be normalised on its own).
+A normalising composite scores in two stages (see `mmgrpo.protocols.RewardFn`): ``__call__`` returns each sample's
+weighted sum and components on its process, then its ``group_stage`` normalises on the batch gathered from every
+process, so a group that spans processes is normalised as a whole. Group statistics use the global group ids (the
+whole batch is one group without them), population std, ``eps`` 1e-4, over the finite values only
+(`mmgrpo.advantages.group_normalize`). A component that is NaN ("not applicable") for a sample is left out of that
+sample's sum; a sample for which every component is NaN scores NaN. A component must score per sample (a normalising
+composite inside a composite is refused: normalise in the outer one).
 
 Config: ``rewards`` maps a component name to ``{name: <registered reward, defaults to the component name>, weight:
 <float, defaults to 1>, **that reward's options}``, e.g.::
@@ -85,35 +87,51 @@ class CompositeReward:
                 self.specs[key] = (name, weight, build_dataclass(plugin.Config, options, f"reward.rewards.{key}"))
 
     modalities = frozenset()  # depends on the components; an instance holds the union of theirs
+    group_stage = None  # the class default; an instance that normalises per group holds its own
 
     def __init__(self, config: "CompositeReward.Config"):
         self.config = config
         self.rewards = {key: registry.get("reward", name)(options) for key, (name, _, options) in config.specs.items()}
         self.weights = {key: weight for key, (_, weight, _) in config.specs.items()}
         self.modalities = frozenset().union(*(reward.modalities for reward in self.rewards.values()))
-        self.needs_whole_groups = config.normalize != "none"  # group statistics see only this call's samples
+        staged = [key for key, reward in self.rewards.items() if reward.group_stage is not None]
+        if staged:
+            raise ValueError(f"composite: reward.rewards.{staged[0]} scores against its group; a component must score "
+                             "per sample: set its normalize to none and normalise in this composite.")
+        if config.normalize != "none":
+            self.group_stage = self.normalize_per_group  # after the gather (see the module docstring)
 
     def __call__(self, outputs: dict[str, Any], batch: PromptBatch) -> RewardResult:
-        """Returns the (normalised) weighted sum `[N]` and every component's score and parts, each `[N]`."""
-        mode, eps = self.config.normalize, self.config.eps
+        """Returns each sample's weighted sum `[N]` (NaN where no component applies) and every component's score and
+        parts, each `[N]`; a normalising composite normalises it in [`normalize_per_group`], its group stage."""
         components, terms = {}, []
         for key, reward in self.rewards.items():
             result = reward(outputs, batch)
             score = result.scores.detach().float().cpu()  # [N]
             components[key] = score
             components.update({f"{key}/{name}": value.detach().float().cpu() for name, value in result.components.items()})
-            term = normalize_groups(score, batch.group_ids, eps) if mode == "normalize_then_sum" else score
-            terms.append(self.weights[key] * term)
-        stacked = torch.stack(terms)  # [K, N]
-        applicable = torch.isfinite(stacked).any(dim=0)  # [N]
-        total = torch.where(applicable, torch.nansum(stacked, dim=0), torch.full_like(stacked[0], float("nan")))
-        components["weighted_sum"] = torch.where(
-            applicable, torch.nansum(torch.stack([self.weights[k] * components[k] for k in self.rewards]), dim=0),
-            torch.full_like(total, float("nan")),
-        )
-        if mode == "sum_then_normalize":
-            total = normalize_groups(total, batch.group_ids, eps)
+            terms.append(self.weights[key] * score)
+        total = _nan_sum(torch.stack(terms))  # [N]
+        components["weighted_sum"] = _nan_sum(torch.stack([self.weights[k] * components[k] for k in self.rewards]))
         return RewardResult(scores=total.float(), components=components)
+
+    def normalize_per_group(self, result: RewardResult, group_ids: torch.Tensor | None) -> RewardResult:
+        """The group stage: `result` of the whole batch (``scores`` `[N]`, ``components`` each `[N]`) and its global
+        `group_ids` `[N]` (`None`: one group) -> the scores normalised per group, ``sum_then_normalize`` or
+        ``normalize_then_sum``, and the same components."""
+        eps = self.config.eps
+        if self.config.normalize == "normalize_then_sum":
+            parts = {k: normalize_groups(result.components[k].float(), group_ids, eps) for k in self.rewards}
+            total = _nan_sum(torch.stack([self.weights[k] * parts[k] for k in self.rewards]))  # [N]
+        else:
+            total = normalize_groups(result.scores.float(), group_ids, eps)  # [N]
+        return RewardResult(scores=total.float(), components=dict(result.components), features=result.features)
+
+
+def _nan_sum(stacked: torch.Tensor) -> torch.Tensor:
+    """The sum over the first dimension of `stacked` `[K, N]` leaving out NaN terms; NaN where every term is NaN."""
+    applicable = torch.isfinite(stacked).any(dim=0)  # [N]
+    return torch.where(applicable, torch.nansum(stacked, dim=0), torch.full_like(stacked[0], float("nan")))
 
 
 PLUGIN = CompositeReward

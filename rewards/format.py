@@ -104,6 +104,7 @@ class FormatReward:
                 )
 
     modalities = frozenset({"text"})
+    group_stage = None  # each score depends on its sample only (see mmgrpo.protocols.RewardFn)
 
     def __init__(self, config: "FormatReward.Config | None" = None):
         self.config = config or self.Config()

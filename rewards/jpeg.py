@@ -59,6 +59,7 @@ class JpegReward:
 
     Config = JpegConfig
     modalities = frozenset({"image"})  # the default; an instance holds its configured modality
+    group_stage = None  # each score depends on its sample only (see mmgrpo.protocols.RewardFn)
 
     def __init__(self, config: JpegConfig | None = None):
         self.config = config or JpegConfig()

@@ -103,6 +103,7 @@ class MaskIoU:
             check_text("gt_key", self.gt_key)
 
     modalities = frozenset({"mask"})
+    group_stage = None  # each score depends on its sample only (see mmgrpo.protocols.RewardFn)
 
     def __init__(self, config: "MaskIoU.Config | None" = None):
         self.config = config or self.Config()

@@ -120,6 +120,7 @@ class MiniGenEval:
                 )
 
     modalities = frozenset({"image"})
+    group_stage = None  # each score depends on its sample only (see mmgrpo.protocols.RewardFn)
 
     def __init__(self, config: "MiniGenEval.Config | None" = None):
         self.config = config or self.Config()

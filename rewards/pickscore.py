@@ -55,6 +55,7 @@ class PickScore:
                 resolve_pretrained(self.processor, "pickscore.processor")
 
     modalities = frozenset({"image"})  # the default; an instance holds its configured modality
+    group_stage = None  # each score depends on its sample only (see mmgrpo.protocols.RewardFn)
 
     def __init__(self, config: "PickScore.Config | None" = None):
         from transformers import CLIPModel, CLIPProcessor

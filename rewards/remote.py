@@ -129,6 +129,7 @@ class RemoteReward:
                 raise ValueError(f"reward.token_file / reward.token_env: {err}") from None
 
     modalities = frozenset()  # depends on the served reward; an instance holds its configured modalities
+    group_stage = None  # the server scores per sample: serve a reward without a group stage
 
     def __init__(self, config: "RemoteReward.Config | None" = None):
         self.config = config or self.Config()

@@ -1,4 +1,5 @@
-"""composite: the weighted sum and its two per-group normalisations against hand-computed values; NaN handling."""
+"""composite: the weighted sum and its two per-group normalisations (its group stage, after the gather) against
+hand-computed values and against normalising inside one call; NaN handling; any split of a batch gives the same."""
 
 import math
 
@@ -7,7 +8,7 @@ import torch
 
 from mmgrpo.config import ConfigError, build_dataclass
 from mmgrpo.rewards.composite import CompositeReward
-from mmgrpo.types import PromptBatch
+from mmgrpo.types import PromptBatch, RewardResult
 
 # format scores [1, 0, 1, 1]; accuracy scores [1, 1, 0, NaN] (the last sample has no ground truth)
 TEXTS = ["<think>a</think><answer>7</answer>", "<answer>7</answer>", "<think>a</think><answer>8</answer>",
@@ -17,11 +18,17 @@ GROUPS = torch.tensor([0, 0, 1, 1])
 EPS = 1e-4
 
 
-def run(normalize, rewards=None):
+def composite(normalize, rewards=None):
     rewards = rewards or {"format": {"weight": 0.5}, "accuracy": {"weight": 1.0, "mode": "numeric"}}
-    config = build_dataclass(CompositeReward.Config, {"rewards": rewards, "normalize": normalize}, "reward")
-    batch = PromptBatch(["p"] * 4, metadata=METADATA, group_ids=GROUPS)
-    return CompositeReward(config)({"texts": TEXTS}, batch)
+    options = {"rewards": rewards, "normalize": normalize}
+    return CompositeReward(build_dataclass(CompositeReward.Config, options, "reward"))
+
+
+def run(normalize, rewards=None):
+    """Scores the four samples per sample, then the group stage on the whole batch, as the trainer does."""
+    reward = composite(normalize, rewards)
+    result = reward({"texts": TEXTS}, PromptBatch(["p"] * 4, metadata=METADATA, group_ids=GROUPS))
+    return result if reward.group_stage is None else reward.group_stage(result, GROUPS)
 
 
 def test_plain_weighted_sum_skips_not_applicable_components():
@@ -68,24 +75,49 @@ def test_modalities_are_the_union_of_the_components():
     assert CompositeReward(config).modalities == {"text", "image"}
 
 
-def test_trainer_refuses_to_split_a_normalised_group_across_processes(tmp_path, tiny_sd3_dir):
-    from mmgrpo import config as config_mod
-    from mmgrpo.trainer import build_components
+def in_one_call(reward, outputs, batch):
+    """The normalisation as a single call computed it when each call held whole groups (an independent transcription:
+    per-sample components, then the per-group z-scores of the call's groups)."""
+    from mmgrpo.rewards.composite import normalize_groups
 
-    (tmp_path / "prompts.txt").write_text("a red circle\na blue square\n")
-    raw = {
-        "output_dir": str(tmp_path / "run"),
-        "pipeline": {"name": "sd3", "pretrained": tiny_sd3_dir, "resolution": 32, "num_steps": 2},
-        "algorithm": {"name": "flow_grpo"},
-        "reward": {"name": "composite", "normalize": "sum_then_normalize", "rewards": {"jpeg": {"weight": 1.0}}},
-        "data": {"name": "prompt_file", "train_file": str(tmp_path / "prompts.txt")},
-        "train": {"prompts_per_step": 3, "group_size": 2},
-    }
-    config = config_mod.from_dict(raw)
-    # 6 samples over 2 processes = 3 each: group 1 would be normalised in two halves
-    with pytest.raises(ValueError, match="split groups of 2 across processes"):
-        build_components(config, samples_per_process=3)
-    policy, _, reward, _ = build_components(config, samples_per_process=6)  # one process: whole groups
-    assert reward.needs_whole_groups and policy is not None
-    raw["reward"]["normalize"] = "none"  # the algorithm's normalisation after the gather: any layout works
-    assert not build_components(config_mod.from_dict(raw), samples_per_process=3)[2].needs_whole_groups
+    mode, eps, terms, components = reward.config.normalize, reward.config.eps, [], {}
+    for key, part in reward.rewards.items():
+        components[key] = part(outputs, batch).scores.float()
+        normalized = mode == "normalize_then_sum"
+        term = normalize_groups(components[key], batch.group_ids, eps) if normalized else components[key]
+        terms.append(reward.weights[key] * term)
+    stacked = torch.stack(terms)
+    total = torch.where(torch.isfinite(stacked).any(0), torch.nansum(stacked, 0), torch.full_like(stacked[0], math.nan))
+    return normalize_groups(total, batch.group_ids, eps) if mode == "sum_then_normalize" else total
+
+
+@pytest.mark.parametrize("normalize", ["sum_then_normalize", "normalize_then_sum"])
+def test_group_stage_on_whole_groups_equals_normalising_in_one_call_and_any_split_agrees(normalize):
+    reward = composite(normalize, {"format": {"weight": 0.5}, "ink": {"name": "jpeg", "weight": 2.0}})
+    generator = torch.Generator().manual_seed(0)
+    images = torch.rand(12, 3, 8, 8, generator=generator) * torch.rand(12, 1, 1, 1, generator=generator)  # [12, ...]
+    texts = ["<think>a</think><answer>1</answer>" if i % 3 else "no tags" for i in range(12)]
+    groups = torch.arange(12) // 4  # [12]: three groups of 4
+    batch = PromptBatch(["p"] * 12, group_ids=groups)
+    outputs = {"images": images, "texts": texts}
+    whole = reward.group_stage(reward(outputs, batch), groups)
+    assert torch.equal(whole.scores, in_one_call(reward, outputs, batch))
+    assert whole.scores.abs().sum() > 1  # something to compare
+    # the layout of two processes holding 5 and 7 samples (groups 1 split): per-sample parts, gathered, then the stage
+    splits = [slice(0, 5), slice(5, 12)]
+    parts = [reward({"images": images[s], "texts": texts[s]}, batch.select(range(12)[s])) for s in splits]
+    gathered = RewardResult(scores=torch.cat([p.scores for p in parts]),
+                            components={k: torch.cat([p.components[k] for p in parts]) for k in parts[0].components})
+    assert torch.equal(reward.group_stage(gathered, groups).scores, whole.scores)
+    # normalising each part on its own (what a call holding part of a group computed) differs
+    alone = [in_one_call(reward, {"images": images[s], "texts": texts[s]}, batch.select(range(12)[s])) for s in splits]
+    assert not torch.equal(torch.cat(alone), whole.scores)
+
+
+def test_only_a_normalising_composite_has_a_group_stage_and_components_score_per_sample():
+    assert composite("none").group_stage is None
+    assert composite("sum_then_normalize").group_stage is not None
+    inner = {"name": "composite", "normalize": "sum_then_normalize", "rewards": {"format": {}}}
+    with pytest.raises(ValueError, match=r"reward\.rewards\.inner scores against its group"):
+        composite("none", {"inner": inner})
+    assert composite("none", {"inner": {**inner, "normalize": "none"}}).group_stage is None
