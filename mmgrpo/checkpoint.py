@@ -92,7 +92,7 @@ def save(
         policy.save_pretrained(str(tmp / WEIGHTS))
         save_state(optimizer.state_dict(), tmp / OPTIMIZER_FILE)
         save_state(lr_scheduler.state_dict(), tmp / SCHEDULER_FILE)
-        if hasattr(algorithm, "state_dict"):
+        if algorithm is not None and algorithm.traits.has_state:
             save_state(algorithm.state_dict(), tmp / ALGORITHM_FILE)
         _write_json(tmp / STATE_FILE, {"step": step, "format": FORMAT, **state})
     accelerator.wait_for_everyone()
@@ -172,10 +172,11 @@ def load(accelerator, path: Path, policy, optimizer, lr_scheduler, algorithm=Non
     """Restores weights, optimizer, LR schedule, the algorithm's own state and RNG states; returns the trainer state
     (step, data position). Reads safetensors and JSON only."""
     meta = check_format(path)
-    if hasattr(algorithm, "load_state_dict") and not (path / ALGORITHM_FILE).is_file():
+    has_state = algorithm is not None and algorithm.traits.has_state
+    if has_state and not (path / ALGORITHM_FILE).is_file():
         raise FileNotFoundError(f"{path} has no {ALGORITHM_FILE}: it was written by a run of another algorithm.")
     policy.load_trainable(str(path / WEIGHTS))
-    if hasattr(algorithm, "load_state_dict"):
+    if has_state:
         algorithm.load_state_dict(load_state(path / ALGORITHM_FILE))
     optimizer.load_state_dict(load_state(path / OPTIMIZER_FILE))
     lr_scheduler.load_state_dict(load_state(path / SCHEDULER_FILE))

@@ -9,7 +9,7 @@ from typing import Any, Callable, Iterable, Literal, Protocol, runtime_checkable
 
 import torch
 
-from .types import LossOutput, PromptBatch, RewardResult, Rollout, SamplingPlan, Score
+from .types import AlgorithmTraits, LossOutput, PromptBatch, RewardResult, Rollout, SamplingPlan, Score
 
 
 @runtime_checkable
@@ -91,20 +91,22 @@ class Algorithm(Protocol):
     """An advantage estimator and a loss, plus the sampling schedule it asks of a pipeline.
 
     `scoring` says which policy method scores a unit: ``"trajectory"`` -> ``policy.log_prob`` (replay of the sampled
-    transitions), ``"likelihood"`` -> ``policy.likelihood`` (a sample-only surrogate). Optional members:
+    transitions), ``"likelihood"`` -> ``policy.likelihood`` (a sample-only surrogate). `traits` (an
+    [`~mmgrpo.types.AlgorithmTraits`], built from the options) declares everything else the trainer needs to know,
+    with documented defaults: the score fields the loss reads, whether it reads the reference, whether zero advantages
+    are inert, and which optional members it has. The trainer reads the declaration and never probes for a member:
 
+    - ``after_update(policy)``, when ``traits.after_update``: called after every optimizer update taken.
+    - ``state_dict() -> dict`` / ``load_state_dict(state)``, when ``traits.has_state``: saved in and restored from
+      checkpoints.
     - ``old_policy(policy) -> ContextManager``: the algorithm keeps its own "old" model (DGPO's fast EMA); the trainer
       scores the unit inside this context and passes its ``log_prob`` as `old_log_prob` instead of the rollout's. It
       may return `None` when this run reads no old model; `old_log_prob` is then the detached new score.
-    - ``after_update(policy)``: called after every optimizer step.
-    - ``zero_advantage_is_inert``: `True` when a sample with advantage 0 adds exactly nothing to the loss's gradient
-      (e.g. no KL term); the trainer then does not score groups whose advantages are all 0.
-    - ``state_dict()`` / ``load_state_dict(state)``: state saved in and restored from checkpoints.
     """
 
     Config: type
     scoring: Literal["trajectory", "likelihood"]
-    needs_reference: bool
+    traits: AlgorithmTraits
 
     def schedule(self, num_steps: int, generator: torch.Generator | None = None) -> SamplingPlan:
         """Which steps are stochastic and which are trained; `generator` is seeded identically on every process."""

@@ -15,7 +15,7 @@ Skip rules (decided on the batch gathered from every process, so all processes a
   learning-rate schedule and the algorithm's state (e.g. DGPO's old model) stay as they are, KL term or not.
 - Every advantage is exactly 0 and the algorithm reads no reference (no KL term): no update, as above (a step would
   only apply weight decay). With a KL term the step is taken: it pulls the policy towards the reference.
-- The algorithm declares ``zero_advantage_is_inert``: members of groups whose advantages are all 0 are not scored
+- The algorithm declares ``traits.zero_advantage_is_inert``: members of groups whose advantages are all 0 are not scored
   either (the gradient is unchanged); a step with no sample left to score is not taken.
 - No process scores a sample of one optimizer update (it holds only samples without reward): that update is not taken.
 - The loss or the gradient of an update is NaN or infinite: that update is not taken, its gradient is discarded.
@@ -83,7 +83,7 @@ def score_unit(policy, algorithm, sub, unit: list[int], device) -> tuple[dict, t
     `algorithm.scoring` says. `old_log_prob` `[n, k]` is what the rollout recorded or, when the algorithm keeps its own
     old model (an ``old_policy(policy)`` context, e.g. DGPO's fast EMA), the ``log_prob`` entry of the score under it
     (or of `new`, detached, when ``old_policy`` returns `None`: nothing reads an old model this run).
-    `ref` is the reference policy's score when `algorithm.needs_reference`.
+    `ref` is the reference policy's score when ``algorithm.traits.needs_reference``.
     """
     score = getattr(policy, SCORING_METHODS[algorithm.scoring])
     old_policy = getattr(algorithm, "old_policy", None)
@@ -96,7 +96,7 @@ def score_unit(policy, algorithm, sub, unit: list[int], device) -> tuple[dict, t
     if old is None:
         old = new.log_prob.detach()  # the algorithm reads no old model: it is the current one, no extra forward
     ref = None
-    if algorithm.needs_reference:
+    if algorithm.traits.needs_reference:
         with torch.no_grad(), policy.reference():
             ref = score(sub, unit)
     return new, old, ref
@@ -269,7 +269,7 @@ class Trainer:
             rewarded (`torch.BoolTensor` of shape `[N]`, *optional*): whether a sample's reward is finite (default:
                 every sample). A sample without a reward is never scored: it adds nothing to the loss, KL included.
 
-        When the algorithm declares ``zero_advantage_is_inert`` (such samples add exactly nothing to its loss's
+        When the algorithm declares ``traits.zero_advantage_is_inert`` (such samples add exactly nothing to its loss's
         gradient, e.g. no KL term), the members of groups without signal are not scored either. Samples not scored
         keep their weight in the minibatch mean, so the gradient is the one of scoring them with advantage 0 and no KL.
         """
@@ -277,9 +277,9 @@ class Trainer:
         if not plan.train_units:
             return {}
         rewarded = torch.ones_like(with_signal) if rewarded is None else rewarded
-        inert = getattr(self.algorithm, "zero_advantage_is_inert", False)
-        scored = rewarded & with_signal if inert else rewarded  # [N] samples whose loss is computed
-        if not scored.any() or (not with_signal.any() and not self.algorithm.needs_reference):
+        traits = self.algorithm.traits
+        scored = rewarded & with_signal if traits.zero_advantage_is_inert else rewarded  # [N] samples to score
+        if not scored.any() or (not with_signal.any() and not traits.needs_reference):
             # no reward at all, or nothing but weight decay to apply: no update, and the schedule does not advance
             self.skipped_updates += self._planned_updates(len(rollout))
             return {"train/skipped_updates": self.skipped_updates, "train/unscored_share": 1.0}
@@ -303,7 +303,7 @@ class Trainer:
                 self.optimizer.step()
                 self.lr_scheduler.step()
                 self.optimizer.zero_grad(set_to_none=True)
-                if hasattr(self.algorithm, "after_update"):
+                if traits.after_update:
                     self.algorithm.after_update(self.policy)  # e.g. DGPO's fast-EMA old model follows the weights
                 grad_norms.append(float(grad_norm))
         keys = dict.fromkeys(key for metrics in passes for key in metrics)

@@ -191,9 +191,21 @@ class AlgorithmTraits:
         reads (`frozenset[str]`): the [`Score`] fields its loss reads, of the policy's score and of the reference's
             (a subset of [`Score.field_names`]). The trainer refuses, before any model loads, a pipeline whose scoring
             method does not provide one of them (see the pipeline's ``provides``).
+        needs_reference (`bool`): the loss reads the frozen reference policy's score (`ref`; a KL term, DGPO's
+            preference); otherwise the trainer skips the reference forward and passes `ref=None`.
+        zero_advantage_is_inert (`bool`): a sample with advantage 0 adds exactly nothing to the loss's gradient (e.g.
+            no KL term), so the trainer does not score the members of groups whose advantages are all 0.
+        has_state (`bool`): the algorithm keeps state of its own (DGPO's fast-EMA old model) and has
+            ``state_dict() -> dict`` and ``load_state_dict(state)``; checkpoints save and restore it.
+        after_update (`bool`): the algorithm has an ``after_update(policy)`` hook, which the trainer calls after every
+            optimizer update taken (DGPO's old model follows the weights).
     """
 
     reads: frozenset[str] = frozenset({"log_prob"})
+    needs_reference: bool = False
+    zero_advantage_is_inert: bool = False
+    has_state: bool = False
+    after_update: bool = False
 
     def __post_init__(self):
         unknown = sorted(set(self.reads) - Score.field_names())

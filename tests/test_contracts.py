@@ -176,6 +176,12 @@ def test_algorithm_contract(name):
         assert all(s in plan.sde_steps for unit in plan.train_units for s in unit)
     same = algorithm.schedule(6, torch.Generator().manual_seed(0))
     assert same == plan  # identical on every process that seeds the generator identically
+    # optional members are declared: an algorithm has the hook and the state methods exactly when its traits say so
+    traits = algorithm.traits
+    assert callable(getattr(algorithm, "after_update", None)) == traits.after_update
+    assert all(callable(getattr(algorithm, m, None)) == traits.has_state for m in ("state_dict", "load_state_dict"))
+    if traits.has_state:
+        algorithm.load_state_dict(algorithm.state_dict())
 
 
 @pytest.mark.parametrize("name", sorted(registry.available("reward")))

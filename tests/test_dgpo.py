@@ -1,12 +1,13 @@
 """DGPO: the group-preference loss against an independent computation, its direction and sigmoid weight, the
 flow-matching likelihood with group-shared noise, the DPM-Solver rollout, the fast-EMA old model and exact resume."""
 
+import dataclasses
 import math
 
 import pytest
 import torch
 
-from mmgrpo import config as config_mod
+from mmgrpo import checkpoint, config as config_mod
 from mmgrpo.algorithms.dgpo import DGPO, DGPOConfig, group_weights
 from mmgrpo.pipelines._flow_plans import group_noise
 from mmgrpo.pipelines.sd3 import SD3Config, SD3Policy
@@ -223,7 +224,7 @@ def test_without_clip_the_old_model_is_not_scored(tiny_sd3_dir):
     the detached new one and the loss equals the clipped loss of a batch in which nothing is clipped."""
     policy = make_policy(tiny_sd3_dir)
     algorithm = DGPO(DGPOConfig(trunc_steps=2, num_train_timesteps=1, clip_range=0.0, kl_beta=0.0))
-    assert algorithm.old_policy(policy) is None and algorithm.needs_reference
+    assert algorithm.old_policy(policy) is None and algorithm.traits.needs_reference
     plan = algorithm.schedule(4, torch.Generator().manual_seed(0))
     rollout = policy.sample(PromptBatch(PROMPTS).repeat(2), plan, generator=torch.Generator().manual_seed(0))
     calls = []
@@ -287,7 +288,7 @@ def test_groups_without_signal_are_not_scored_and_the_gradient_is_unchanged(tmp_
     raw["algorithm"].update(kl_beta=0.0, clip_range=0.0)
     raw["train"].update(prompts_per_step=3, minibatch_size=4)  # 6 samples: minibatches of 4 and 2
     trainer = Trainer(config_mod.from_dict(raw))
-    assert trainer.algorithm.zero_advantage_is_inert
+    assert trainer.algorithm.traits.zero_advantage_is_inert
     plan = trainer.algorithm.schedule(trainer.policy.num_steps, torch.Generator().manual_seed(0))
     batch = PromptBatch(["a red circle", "a blue square", "a green triangle"]).repeat(2)
     rollout = trainer.policy.sample(batch, plan, generator=torch.Generator().manual_seed(0))
@@ -301,7 +302,7 @@ def test_groups_without_signal_are_not_scored_and_the_gradient_is_unchanged(tmp_
     trainer.optimizer.step = lambda: grads.append([p.grad.clone() for p in trainer.policy.trainable_parameters()])
     runs = []
     for inert in (True, False):
-        trainer.algorithm.zero_advantage_is_inert = inert
+        trainer.algorithm.traits = dataclasses.replace(trainer.algorithm.traits, zero_advantage_is_inert=inert)
         scored.clear(), grads.clear()
         metrics = trainer._update(rollout, plan, advantages, with_signal, torch.Generator().manual_seed(1))
         trainer.optimizer.zero_grad(set_to_none=True)
@@ -314,3 +315,15 @@ def test_groups_without_signal_are_not_scored_and_the_gradient_is_unchanged(tmp_
     for a, b in zip(grads_inert, grads_all):  # equal up to float summation order (2 threads sum differently)
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5 * float(b.abs().max()) + 1e-12)
     assert all(torch.equal(v, trainer.policy.transformer.state_dict()[k]) for k, v in state.items())  # no step taken
+
+
+def test_the_trainer_and_checkpoints_follow_the_declared_traits(tmp_path, tiny_sd3_dir):
+    """Optional members are declared, not probed: DGPO has `after_update` and `state_dict`, but once its traits say
+    it has neither, the trainer does not call the hook and a checkpoint holds no algorithm state."""
+    trainer = Trainer(config_mod.from_dict(dgpo_config(tmp_path, tiny_sd3_dir, 1)))
+    assert trainer.algorithm.traits.after_update and trainer.algorithm.traits.has_state
+    trainer.algorithm.traits = dataclasses.replace(trainer.algorithm.traits, after_update=False, has_state=False)
+    assert trainer.train_step()["train/skipped_updates"] == 0  # an update was taken...
+    assert trainer.algorithm.updates == 0  # ...and the hook not called
+    saved = trainer.save()
+    assert not (saved / checkpoint.ALGORITHM_FILE).exists() and (saved / checkpoint.OPTIMIZER_FILE).exists()

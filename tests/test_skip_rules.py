@@ -63,7 +63,7 @@ def trainer(request, tmp_path):
     fixture = {"flow": "tiny_sd3_dir", "token": "tiny_qwen2_vl_dir", "masked": "tiny_mdlm_dir"}[family]
     raw = make_config(tmp_path, family, request.getfixturevalue(fixture), kl, algorithm)
     built = Trainer(config_mod.from_dict(raw))
-    assert built.algorithm.needs_reference == (kl > 0 or algorithm == "dgpo")
+    assert built.algorithm.traits.needs_reference == (kl > 0 or algorithm == "dgpo")
     return built
 
 

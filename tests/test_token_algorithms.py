@@ -126,7 +126,7 @@ def test_on_policy_ratio_one_zero_advantage_zero_gradient_and_group_size_two(nam
     assert adv[0] > 0 > adv[1] and adv[2] == 0 and adv[3] == 0
     log_prob = torch.randn(4, 5, generator=torch.Generator().manual_seed(0))
     new = Score(log_prob=log_prob.clone().requires_grad_(True), mask=torch.ones(4, 5, dtype=torch.bool))
-    ref = Score(log_prob=log_prob - 0.1) if algorithm.needs_reference else None
+    ref = Score(log_prob=log_prob - 0.1) if algorithm.traits.needs_reference else None
     out = algorithm.loss(new, log_prob, torch.zeros(4), ref)
     assert out.metrics["ratio_mean"] == pytest.approx(1.0) and out.metrics["clip_frac"] == 0.0
     if ref is None:

@@ -80,7 +80,6 @@ class ChunkGRPO:
 
     Config = ChunkGRPOConfig
     scoring = "trajectory"
-    needs_reference = False
 
     def __init__(self, config: ChunkGRPOConfig):
         self.config = config

@@ -88,8 +88,7 @@ class CJGRPO:
     def __init__(self, config: CJGRPOConfig):
         self.config = config
         token_ratio = {"old_token_log_prob"} if config.ratio_level == "token" else set()
-        self.traits = AlgorithmTraits(reads=TOKEN_STEP_READS | token_ratio)
-        self.needs_reference = config.kl_beta > 0
+        self.traits = AlgorithmTraits(reads=TOKEN_STEP_READS | token_ratio, needs_reference=config.kl_beta > 0)
 
     def schedule(self, num_steps: int, generator: torch.Generator | None = None) -> SamplingPlan:
         """Every decoding step samples and is trained, one step per unit."""

@@ -113,11 +113,15 @@ class DGPO:
     def __init__(self, config: DGPOConfig):
         self.config = config
         kl_reads = {"velocity"} if config.kl_beta > 0 else set()  # the KL term is in velocity space
-        self.traits = AlgorithmTraits(reads=frozenset({"log_prob", "group_ids"} | kl_reads))
-        self.needs_reference = config.kl_beta > 0 or not config.use_ema_ref
         self.keeps_old_model = config.clip_range > 0 or config.use_ema_ref  # the clip or the reference reads it
-        # without the KL, a sample with advantage 0 adds exactly nothing to the loss: the trainer need not score it
-        self.zero_advantage_is_inert = config.kl_beta == 0
+        self.traits = AlgorithmTraits(
+            reads=frozenset({"log_prob", "group_ids"} | kl_reads),
+            needs_reference=config.kl_beta > 0 or not config.use_ema_ref,
+            # without the KL, a sample with advantage 0 adds exactly nothing to the loss: the trainer need not score it
+            zero_advantage_is_inert=config.kl_beta == 0,
+            has_state=True,  # the update count and the fast-EMA old model, checkpointed
+            after_update=True,  # the old model follows the weights
+        )
         self.ema = ParameterEMA()
         self.updates = 0
 

@@ -53,8 +53,8 @@ class DiffuGRPO:
 
     def __init__(self, config: DiffuGRPOConfig):
         self.config = config
-        self.traits = AlgorithmTraits(reads=TOKEN_STEP_READS | {"old_token_log_prob"})
-        self.needs_reference = config.kl_beta > 0
+        reads = TOKEN_STEP_READS | {"old_token_log_prob"}  # the ratio is per token
+        self.traits = AlgorithmTraits(reads=reads, needs_reference=config.kl_beta > 0)
 
     def schedule(self, num_steps: int, generator: torch.Generator | None = None) -> SamplingPlan:
         """Every decoding step samples; the units are the likelihood draws ``[[0], [1], ...]``."""

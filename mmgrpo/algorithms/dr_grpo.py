@@ -44,8 +44,7 @@ class DrGRPO:
 
     def __init__(self, config: DrGRPOConfig):
         self.config = config
-        self.traits = AlgorithmTraits(reads=TOKEN_READS)
-        self.needs_reference = config.kl_beta > 0
+        self.traits = AlgorithmTraits(reads=TOKEN_READS, needs_reference=config.kl_beta > 0)
 
     def schedule(self, num_steps: int, generator: torch.Generator | None = None) -> SamplingPlan:
         return token_plan(num_steps)

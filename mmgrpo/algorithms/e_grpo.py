@@ -83,7 +83,6 @@ class EGRPO:
 
     Config = EGRPOConfig
     scoring = "trajectory"
-    needs_reference = False
 
     def __init__(self, config: EGRPOConfig):
         self.config = config

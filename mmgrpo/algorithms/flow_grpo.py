@@ -71,8 +71,7 @@ class FlowGRPO:
     def __init__(self, config: FlowGRPOConfig):
         self.config = config
         kl_reads = {"mean", "std"} if config.kl_beta > 0 else set()  # the KL term reads the transitions
-        self.traits = AlgorithmTraits(reads=frozenset({"log_prob"} | kl_reads))
-        self.needs_reference = config.kl_beta > 0
+        self.traits = AlgorithmTraits(reads=frozenset({"log_prob"} | kl_reads), needs_reference=config.kl_beta > 0)
 
     def schedule(self, num_steps: int, generator: torch.Generator | None = None) -> SamplingPlan:
         """All steps SDE (training the first `timestep_fraction`), or a random window of SDE steps."""
@@ -122,7 +121,7 @@ class FlowGRPO:
             "clip_frac": ((ratio - 1).abs() > eps).float().mean().item(),
             "approx_kl": 0.5 * (log_ratio.detach() ** 2).mean().item(),
         }
-        if self.needs_reference and ref is not None:
+        if self.traits.needs_reference and ref is not None:
             kl = gaussian_mean_kl(new.mean, ref.mean, new.std)
             loss = loss + self.config.kl_beta * kl
             metrics["kl"] = kl.item()

@@ -50,8 +50,7 @@ class SAPO:
 
     def __init__(self, config: SAPOConfig):
         self.config = config
-        self.traits = AlgorithmTraits(reads=TOKEN_READS)
-        self.needs_reference = config.kl_beta > 0
+        self.traits = AlgorithmTraits(reads=TOKEN_READS, needs_reference=config.kl_beta > 0)
 
     def schedule(self, num_steps: int, generator: torch.Generator | None = None) -> SamplingPlan:
         return token_plan(num_steps)
