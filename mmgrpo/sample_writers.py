@@ -1,10 +1,10 @@
 """Evaluation samples a person looks at, one writer per output modality, chosen by the pipeline's ``modalities``.
 
 A pipeline declares what its ``outputs`` hold with the same names the rewards use (``"image"``, ``"text"``,
-``"video"``, ``"mask"``); [`writers_for`] picks one writer per declared modality from [`WRITERS`] and refuses a
-modality it has no writer for (``mmgrpo check`` refuses it too, before any model loads). Each writer keeps the first
-``limit`` samples it is given ([`add`], per evaluation batch) and writes them under ``samples/`` ([`write`]), with
-the final rewards (after any group stage of the reward) passed at write time:
+``"video"``, ``"mask"``); [`writers_for`] gives one [`SampleWriter`] per declared modality, which keeps the first
+``limit`` samples it is given (``add``, per evaluation batch) and writes them under ``samples/`` (``write``, with the
+final rewards, after any group stage of the reward) with its modality's function in [`WRITERS`]. A modality without
+one is refused there and by ``mmgrpo check``, before any model loads:
 
 - ``image``, ``outputs["images"]`` `[N, 3, H, W]`: ``step_XXXXX.png``, a grid, each image with its prompt and reward
   (``step_XXXXX`` is the evaluated step).
@@ -32,81 +32,71 @@ from .types import PromptBatch, as_list
 from .visualize import as_pil, save_image_grid, save_sample_table
 
 OUTPUT_KEYS = {"image": "images", "text": "texts", "video": "videos", "mask": "masks"}  # modality -> outputs key
+VIDEO_FPS = 16  # frame rate of the MP4 files
 
 
-def _output(outputs: dict[str, Any], modality: str):
-    key = OUTPUT_KEYS[modality]
-    if key not in outputs:
-        raise ValueError(
-            f"the pipeline declares modality {modality!r} but its outputs hold only {sorted(outputs)}: return "
-            f"outputs[{key!r}] from sample(), or declare the modalities it produces."
-        )
-    return outputs[key]
+class SampleWriter:
+    """Keeps the first `limit` samples of one output `modality` (prompts, input images, outputs) and writes them.
 
+    Args:
+        modality (`str`): a key of [`WRITERS`].
+        limit (`int`): samples kept.
+    """
 
-class _Collected:
-    """The first `limit` samples given to a writer: their prompts, conditions and outputs."""
+    def __init__(self, modality: str, limit: int):
+        if modality not in WRITERS:
+            raise ValueError(
+                f"no sample writer for output modality {[modality]}; known: {sorted(WRITERS)}. Declare one of those in "
+                "the pipeline's `modalities`, or add a writer to mmgrpo.sample_writers.WRITERS."
+            )
+        self.modality, self.limit, self.prompts, self.items, self.inputs = modality, limit, [], [], []
 
-    def __init__(self, limit: int):
-        self.limit, self.prompts, self.items, self.inputs = limit, [], [], []
-
-    def room(self) -> int:
-        return self.limit - len(self.items)
-
-    def add(self, values, batch: PromptBatch) -> None:
-        k = min(self.room(), len(batch))
+    def add(self, outputs: dict[str, Any], batch: PromptBatch) -> None:
+        """Keeps the first samples of `batch` while fewer than `limit` are kept; `outputs` must hold the modality's
+        key ([`OUTPUT_KEYS`])."""
+        key = OUTPUT_KEYS[self.modality]
+        if key not in outputs:
+            raise ValueError(
+                f"the pipeline declares modality {self.modality!r} but its outputs hold only {sorted(outputs)}: return "
+                f"outputs[{key!r}] from sample(), or declare the modalities it produces."
+            )
+        k = min(self.limit - len(self.items), len(batch))
         if k <= 0:
             return
         pictures = batch.conditions.get("images", [None] * len(batch))  # the inputs of a VLM, if any
-        self.items.extend(values[i] for i in range(k))
+        self.items.extend(outputs[key][i] for i in range(k))
         self.prompts.extend(batch.prompts[:k])
         self.inputs.extend(as_list(pictures[i]) for i in range(k))
 
+    def write(self, folder: str | Path, step: int, rewards: list[float]) -> list[Path]:
+        """Writes the kept samples, with their `rewards`, in `folder` for `step`; returns the files written."""
+        return WRITERS[self.modality](self, Path(folder), step, rewards) if self.items else []
 
-class ImageGridWriter:
-    """``step_XXXXX.png``: the first `limit` images, each captioned with its prompt and reward."""
-
-    def __init__(self, limit: int):
-        self.kept = _Collected(limit)
-
-    def add(self, outputs: dict[str, Any], batch: PromptBatch) -> None:
-        self.kept.add(_output(outputs, "image"), batch)
-
-    def write(self, folder: Path, step: int, rewards: list[float]) -> list[Path]:
-        if not self.kept.items:
-            return []
-        captions = [f"{p}\nr={s:.2f}" for p, s in zip(self.kept.prompts, rewards)]
-        path = Path(folder) / f"step_{step:05d}.png"
-        save_image_grid(torch.stack(self.kept.items), captions, path)
-        return [path]
+    def captions(self, rewards: list[float]) -> list[str]:
+        return [f"{p}\nr={s:.2f}" for p, s in zip(self.prompts, rewards)]
 
 
-class TextTableWriter:
+def write_image_grid(kept: SampleWriter, folder: Path, step: int, rewards: list[float]) -> list[Path]:
+    """``step_XXXXX.png``: the kept images `[3, H, W]`, each captioned with its prompt and reward."""
+    path = folder / f"step_{step:05d}.png"
+    save_image_grid(torch.stack(kept.items), kept.captions(rewards), path)
+    return [path]
+
+
+def write_text_table(kept: SampleWriter, folder: Path, step: int, rewards: list[float]) -> list[Path]:
     """``step_XXXXX.jsonl`` (prompt, text, reward per line) and ``step_XXXXX.html`` (the same rows with the input
     images of each prompt)."""
-
-    def __init__(self, limit: int):
-        self.kept = _Collected(limit)
-
-    def add(self, outputs: dict[str, Any], batch: PromptBatch) -> None:
-        self.kept.add(_output(outputs, "text"), batch)
-
-    def write(self, folder: Path, step: int, rewards: list[float]) -> list[Path]:
-        if not self.kept.items:
-            return []
-        kept = self.kept
-        rows = [{"prompt": p, "text": t, "reward": s, "images": im}
-                for p, t, s, im in zip(kept.prompts, kept.items, rewards, kept.inputs)]
-        folder = Path(folder)
-        folder.mkdir(parents=True, exist_ok=True)
-        lines = [json.dumps({k: v for k, v in row.items() if k != "images"}) for row in rows]
-        table, page = folder / f"step_{step:05d}.jsonl", folder / f"step_{step:05d}.html"
-        table.write_text("\n".join(lines) + "\n", encoding="utf-8")
-        save_sample_table(rows, page, f"step {step}")
-        return [table, page]
+    rows = [{"prompt": p, "text": t, "reward": s, "images": im}
+            for p, t, s, im in zip(kept.prompts, kept.items, rewards, kept.inputs)]
+    folder.mkdir(parents=True, exist_ok=True)
+    lines = [json.dumps({k: v for k, v in row.items() if k != "images"}) for row in rows]
+    table, page = folder / f"step_{step:05d}.jsonl", folder / f"step_{step:05d}.html"
+    table.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    save_sample_table(rows, page, f"step {step}")
+    return [table, page]
 
 
-def write_mp4(video: torch.Tensor, path: str | Path, fps: int = 16) -> None:
+def write_mp4(video: torch.Tensor, path: str | Path, fps: int = VIDEO_FPS) -> None:
     """Writes frames `[F, 3, H, W]` in [0, 1] as an H.264 MP4 (yuv420p; an odd height or width is padded by one
     edge row or column, as the format needs even sizes)."""
     import av
@@ -129,48 +119,31 @@ def frame_strip(video: torch.Tensor, max_frames: int = 8) -> torch.Tensor:
     return torch.cat(list(video[index].float().cpu()), dim=-1)
 
 
-class VideoWriter:
-    """One MP4 per sample (``step_XXXXX_video/sample_NN.mp4``), their frame strips as a PNG grid with prompts and
-    rewards (``step_XXXXX_video.png``) and an HTML page that plays and links them (``step_XXXXX_video.html``).
-
-    Args:
-        limit (`int`): samples kept.
-        fps (`int`, *optional*, defaults to 16): frame rate of the MP4 files.
-    """
-
-    def __init__(self, limit: int, fps: int = 16):
-        self.kept, self.fps = _Collected(limit), fps
-
-    def add(self, outputs: dict[str, Any], batch: PromptBatch) -> None:
-        videos = _output(outputs, "video")
-        if not isinstance(videos, torch.Tensor) or videos.dim() != 5:
-            raise ValueError(f"outputs['videos'] must be a tensor [N, F, 3, H, W] in [0, 1], got "
-                             f"{getattr(videos, 'shape', type(videos).__name__)}.")
-        self.kept.add(videos, batch)
-
-    def write(self, folder: Path, step: int, rewards: list[float]) -> list[Path]:
-        if not self.kept.items:
-            return []
-        folder, name = Path(folder), f"step_{step:05d}_video"
-        clips = [folder / name / f"sample_{i:02d}.mp4" for i in range(len(self.kept.items))]
-        for video, clip in zip(self.kept.items, clips):
-            write_mp4(video, clip, self.fps)
-        captions = [f"{p}\nr={s:.2f}" for p, s in zip(self.kept.prompts, rewards)]
-        strips = folder / f"{name}.png"
-        save_image_grid([frame_strip(v) for v in self.kept.items], captions, strips, columns=2)
-        rows = "".join(
-            f"<tr><td><video src='{name}/{clip.name}' controls loop muted></video><br><a href='{name}/{clip.name}'>"
-            f"{clip.name}</a></td><td><pre>{html.escape(p)}</pre></td><td>{s:.3f}</td></tr>"
-            for clip, p, s in zip(clips, self.kept.prompts, rewards)
-        )
-        page = folder / f"{name}.html"
-        page.write_text(
-            "<!doctype html><meta charset='utf-8'><style>body{font-family:sans-serif}td{vertical-align:top;"
-            "border-bottom:1px solid #ddd;padding:4px}pre{white-space:pre-wrap;margin:0;max-width:40em}</style>"
-            f"<h3>step {step}</h3><p><a href='{strips.name}'><img src='{strips.name}' alt='frame strips' "
-            "style='max-width:100%'></a></p><table><tr><th>video</th><th>prompt</th><th>reward</th></tr>"
-            f"{rows}</table>\n", encoding="utf-8")
-        return [*clips, strips, page]
+def write_videos(kept: SampleWriter, folder: Path, step: int, rewards: list[float]) -> list[Path]:
+    """One MP4 per kept video `[F, 3, H, W]` (``step_XXXXX_video/sample_NN.mp4``, [`VIDEO_FPS`]), their frame strips
+    as a PNG grid with prompts and rewards (``step_XXXXX_video.png``) and an HTML page that plays and links them
+    (``step_XXXXX_video.html``)."""
+    if any(not isinstance(v, torch.Tensor) or v.dim() != 4 for v in kept.items):
+        raise ValueError("outputs['videos'] must be a tensor [N, F, 3, H, W] in [0, 1].")
+    name = f"step_{step:05d}_video"
+    clips = [folder / name / f"sample_{i:02d}.mp4" for i in range(len(kept.items))]
+    for video, clip in zip(kept.items, clips):
+        write_mp4(video, clip)
+    strips = folder / f"{name}.png"
+    save_image_grid([frame_strip(v) for v in kept.items], kept.captions(rewards), strips, columns=2)
+    rows = "".join(
+        f"<tr><td><video src='{name}/{clip.name}' controls loop muted></video><br><a href='{name}/{clip.name}'>"
+        f"{clip.name}</a></td><td><pre>{html.escape(p)}</pre></td><td>{s:.3f}</td></tr>"
+        for clip, p, s in zip(clips, kept.prompts, rewards)
+    )
+    page = folder / f"{name}.html"
+    page.write_text(
+        "<!doctype html><meta charset='utf-8'><style>body{font-family:sans-serif}td{vertical-align:top;"
+        "border-bottom:1px solid #ddd;padding:4px}pre{white-space:pre-wrap;margin:0;max-width:40em}</style>"
+        f"<h3>step {step}</h3><p><a href='{strips.name}'><img src='{strips.name}' alt='frame strips' "
+        "style='max-width:100%'></a></p><table><tr><th>video</th><th>prompt</th><th>reward</th></tr>"
+        f"{rows}</table>\n", encoding="utf-8")
+    return [*clips, strips, page]
 
 
 def overlay(mask, image) -> torch.Tensor:
@@ -192,39 +165,21 @@ def overlay(mask, image) -> torch.Tensor:
     return base * (1 - 0.5 * m) + red * 0.5 * m
 
 
-class MaskOverlayWriter:
-    """``step_XXXXX_masks.png``: each predicted mask in red over the prompt's first input image, with prompt and
-    reward."""
-
-    def __init__(self, limit: int):
-        self.kept = _Collected(limit)
-
-    def add(self, outputs: dict[str, Any], batch: PromptBatch) -> None:
-        self.kept.add(list(_output(outputs, "mask")), batch)
-
-    def write(self, folder: Path, step: int, rewards: list[float]) -> list[Path]:
-        if not self.kept.items:
-            return []
-        pictures = [overlay(m, inputs[0] if inputs else None) for m, inputs in zip(self.kept.items, self.kept.inputs)]
-        captions = [f"{p}\nr={s:.2f}" for p, s in zip(self.kept.prompts, rewards)]
-        path = Path(folder) / f"step_{step:05d}_masks.png"
-        save_image_grid(pictures, captions, path)
-        return [path]
+def write_mask_overlays(kept: SampleWriter, folder: Path, step: int, rewards: list[float]) -> list[Path]:
+    """``step_XXXXX_masks.png``: each kept mask in red over its prompt's first input image, with prompt and reward."""
+    pictures = [overlay(m, inputs[0] if inputs else None) for m, inputs in zip(kept.items, kept.inputs)]
+    path = folder / f"step_{step:05d}_masks.png"
+    save_image_grid(pictures, kept.captions(rewards), path)
+    return [path]
 
 
-WRITERS = {"image": ImageGridWriter, "text": TextTableWriter, "video": VideoWriter, "mask": MaskOverlayWriter}
+WRITERS = {"image": write_image_grid, "text": write_text_table, "video": write_videos, "mask": write_mask_overlays}
 
 
-def writers_for(modalities, limit: int) -> list:
-    """One writer per modality in `modalities` (sorted), each keeping `limit` samples.
+def writers_for(modalities, limit: int) -> list[SampleWriter]:
+    """One [`SampleWriter`] per modality in `modalities` (sorted), each keeping `limit` samples.
 
     Raises:
-        ValueError: a modality without a writer in [`WRITERS`] (its name and the known ones).
+        ValueError: a modality without a write function in [`WRITERS`] (its name and the known ones).
     """
-    unknown = sorted(set(modalities) - WRITERS.keys())
-    if unknown:
-        raise ValueError(
-            f"no sample writer for output modality {unknown}; known: {sorted(WRITERS)}. Declare one of those in the "
-            "pipeline's `modalities`, or add a writer to mmgrpo.sample_writers.WRITERS."
-        )
-    return [WRITERS[modality](limit) for modality in sorted(modalities)]
+    return [SampleWriter(modality, limit) for modality in sorted(modalities)]

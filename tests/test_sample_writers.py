@@ -11,7 +11,7 @@ from PIL import Image
 
 from mmgrpo import config as config_mod, registry
 from mmgrpo.preflight import check_modalities
-from mmgrpo.sample_writers import WRITERS, MaskOverlayWriter, VideoWriter, overlay, writers_for
+from mmgrpo.sample_writers import WRITERS, SampleWriter, overlay, writers_for
 from mmgrpo.types import PromptBatch
 from mmgrpo.validation import ConfigError
 
@@ -23,7 +23,7 @@ def decoded_frames(path) -> list[np.ndarray]:
 
 def test_table_has_one_writer_per_modality_and_refuses_an_unknown_one():
     assert sorted(WRITERS) == ["image", "mask", "text", "video"]
-    assert [type(w).__name__ for w in writers_for({"video", "text"}, 4)] == ["TextTableWriter", "VideoWriter"]
+    assert [w.modality for w in writers_for({"video", "text"}, 4)] == ["text", "video"]
     with pytest.raises(ValueError, match=r"no sample writer for output modality \['hologram'\].*WRITERS"):
         writers_for({"image", "hologram"}, 4)
 
@@ -40,7 +40,7 @@ def test_video_writer_writes_mp4s_that_decode_to_their_frames_strips_and_a_page(
     for i in range(n):
         for t in range(f):
             videos[i, t, i % 3] = t / (f - 1)  # sample i brightens one channel over time
-    writer = VideoWriter(limit=2, fps=8)
+    writer = SampleWriter("video", limit=2)
     writer.add({"videos": videos[:1]}, PromptBatch(["a red fade"]))
     writer.add({"videos": videos[1:]}, PromptBatch(["a green fade", "a blue fade"]))  # only one more is kept
     written = writer.write(tmp_path, 12, [0.25, -1.5])
@@ -67,7 +67,7 @@ def test_mask_overlay_reddens_the_mask_over_its_input_image(tmp_path):
     assert picture.shape == (3, 20, 30)
     assert picture[0, :, :10].min() > 0.7 and picture[1, :, :10].max() < 0.3  # red where the mask is
     torch.testing.assert_close(picture[:, :, 10:], torch.full((3, 20, 20), 128 / 255))  # untouched elsewhere
-    writer = MaskOverlayWriter(limit=4)
+    writer = SampleWriter("mask", limit=4)
     batch = PromptBatch(["the left part", "nothing"], conditions={"images": [image, [image]]})
     writer.add({"masks": [mask, None]}, batch)
     (path,) = writer.write(tmp_path, 3, [0.9, float("nan")])
