@@ -99,3 +99,22 @@ def test_preflight_refuses_a_pipeline_modality_without_writer(tmp_path, monkeypa
     monkeypatch.setattr(registry.get("pipeline", "sd3"), "modalities", frozenset())
     with pytest.raises(ConfigError, match="which has none"):
         check_modalities(config)
+
+
+def test_drawn_figures_do_not_pile_up(tmp_path):
+    import gc
+
+    from matplotlib.figure import Figure
+
+    from mmgrpo.visualize import save_image_grid
+
+    gc.collect()
+    gc.disable()  # a run holding a model rarely reaches a full collection: the figures must not wait for one
+    try:
+        before = sum(isinstance(o, Figure) for o in gc.get_objects())
+        for i in range(3):
+            save_image_grid(torch.rand(4, 3, 8, 8), [f"p{j}" for j in range(4)], tmp_path / f"grid{i}.png")
+        after = sum(isinstance(o, Figure) for o in gc.get_objects())
+    finally:
+        gc.enable()
+    assert after <= before + 1  # the last one is still referenced by its drawing function while it collects
