@@ -56,7 +56,14 @@ def load_reward(path: str | Path, overrides: list[str] = ()) -> tuple[str, Any]:
     raw = apply_overrides(read_yaml(path), list(overrides))  # YAML 1.2 scalars, duplicate keys refused
     section = raw.get("reward", raw) if isinstance(raw, dict) else raw
     spec = plugin_spec("reward", section)  # a mapping with a single-string name, options checked
-    return spec.name, registry.get("reward", spec.name)(spec.options)
+    reward = registry.get("reward", spec.name)(spec.options)
+    if reward.group_stage is not None:  # it scores a sample against its group, which one request may not hold
+        raise ConfigError(
+            f"reward {spec.name!r} scores each sample against its group (a group stage), which a server cannot do: "
+            "a batch sent to it may hold part of a group. Serve it with normalize: none, and normalise in training "
+            "with a local composite whose components are `remote` rewards."
+        )
+    return spec.name, reward
 
 
 def require_token_off_loopback(host: str, token: str | None) -> None:

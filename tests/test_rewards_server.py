@@ -24,6 +24,7 @@ from mmgrpo.rewards.accuracy import AccuracyReward
 from mmgrpo.rewards.jpeg import JpegReward
 from mmgrpo.rewards.remote import RemoteReward, RemoteRewardError
 from mmgrpo.types import PromptBatch
+from mmgrpo.validation import ConfigError
 from reward_fixtures import jpeg_server  # noqa: F401 (fixture)
 
 
@@ -120,6 +121,16 @@ def test_load_reward_reads_an_experiment_config_or_a_reward_file(tmp_path):
     alone = tmp_path / "reward.yaml"
     alone.write_text("name: box_iou\ncoords: norm1000\n")
     assert load_reward(alone)[1].config.coords == "norm1000"
+
+
+def test_a_reward_with_a_group_stage_is_not_served(tmp_path):
+    grouped = tmp_path / "grouped.yaml"
+    grouped.write_text("name: composite\nnormalize: normalize_then_sum\nrewards:\n  jpeg: {weight: 1.0}\n")
+    with pytest.raises(ConfigError, match="normalize: none"):
+        load_reward(grouped)
+    plain = tmp_path / "plain.yaml"
+    plain.write_text("name: composite\nnormalize: none\nrewards:\n  jpeg: {weight: 1.0}\n")
+    assert load_reward(plain)[1].group_stage is None
 
 
 def test_serve_reward_command(tmp_path):
