@@ -99,9 +99,9 @@ class Algorithm(Protocol):
     - ``after_update(policy)``, when ``traits.after_update``: called after every optimizer update taken.
     - ``state_dict() -> dict`` / ``load_state_dict(state)``, when ``traits.has_state``: saved in and restored from
       checkpoints.
-    - ``old_policy(policy) -> ContextManager``: the algorithm keeps its own "old" model (DGPO's fast EMA); the trainer
-      scores the unit inside this context and passes its ``log_prob`` as `old_log_prob` instead of the rollout's. It
-      may return `None` when this run reads no old model; `old_log_prob` is then the detached new score.
+    - ``old_policy(policy) -> ContextManager``, when ``traits.old_source`` is ``"old_model"``: the algorithm keeps its
+      own "old" model (DGPO's fast EMA); the trainer scores the unit inside this context, without gradients, and passes
+      its `log_prob` as `old_log_prob` (the other sources, the rollout's record and the current score, need nothing).
     """
 
     Config: type

@@ -46,7 +46,7 @@ from .optim import build_optimizer
 from .preflight import SCORING_METHODS, check_modalities, require_plan
 from .prompt_stream import PromptStream
 from .sample_writers import writers_for
-from .types import RewardResult, SamplingPlan
+from .types import RewardResult, SamplingPlan, Score
 from .visualize import plot_reward_curve, write_per_prompt_scores
 
 
@@ -76,24 +76,25 @@ def check_plan(policy, algorithm, config: ExperimentConfig) -> None:
     require_plan(policy, algorithm, policy.num_steps, config)
 
 
-def score_unit(policy, algorithm, sub, unit: list[int], device) -> tuple[dict, torch.Tensor, dict | None]:
+def score_unit(policy, algorithm, sub, unit: list[int], device) -> tuple[Score, torch.Tensor, Score | None]:
     """The inputs of `algorithm.loss` for one unit of a minibatch: ``(new, old_log_prob, ref)``.
 
     `new` is the policy's score of `sub` at `unit`, with gradients: ``policy.log_prob`` or ``policy.likelihood`` as
-    `algorithm.scoring` says. `old_log_prob` `[n, k]` is what the rollout recorded or, when the algorithm keeps its own
-    old model (an ``old_policy(policy)`` context, e.g. DGPO's fast EMA), the ``log_prob`` entry of the score under it
-    (or of `new`, detached, when ``old_policy`` returns `None`: nothing reads an old model this run).
+    `algorithm.scoring` says. `old_log_prob` `[n, k]` is what ``algorithm.traits.old_source`` declares (see
+    [`~mmgrpo.types.AlgorithmTraits`]): the log-probs the rollout recorded (``"rollout"``), the `log_prob` of the score
+    under the algorithm's own old model (``"old_model"``: inside its ``old_policy(policy)`` context, e.g. DGPO's fast
+    EMA) or that of `new`, detached (``"current"``: no old model is read, no extra forward).
     `ref` is the reference policy's score when ``algorithm.traits.needs_reference``.
     """
     score = getattr(policy, SCORING_METHODS[algorithm.scoring])
-    old_policy = getattr(algorithm, "old_policy", None)
-    old_context = old_policy(policy) if old_policy is not None else None
-    old = sub.old_log_probs[:, unit].to(device) if old_policy is None else None
-    if old_context is not None:
-        with torch.no_grad(), old_context:  # before `new`: swapping weights must not touch a live graph
+    source = algorithm.traits.old_source
+    if source == "old_model":
+        with torch.no_grad(), algorithm.old_policy(policy):  # before `new`: a weight swap must not touch a live graph
             old = score(sub, unit).log_prob
     new = score(sub, unit)
-    if old is None:
+    if source == "rollout":
+        old = sub.old_log_probs[:, unit].to(device)
+    elif source == "current":
         old = new.log_prob.detach()  # the algorithm reads no old model: it is the current one, no extra forward
     ref = None
     if algorithm.traits.needs_reference:

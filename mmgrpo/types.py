@@ -7,7 +7,7 @@ tokens), ``C/H/W`` channels and pixels.
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
@@ -199,6 +199,15 @@ class AlgorithmTraits:
             ``state_dict() -> dict`` and ``load_state_dict(state)``; checkpoints save and restore it.
         after_update (`bool`): the algorithm has an ``after_update(policy)`` hook, which the trainer calls after every
             optimizer update taken (DGPO's old model follows the weights).
+        old_source (`str`): what the loss gets as `old_log_prob` `[n, k]`, the "old" policy of its ratio:
+
+            - ``"rollout"``: the log-probs the rollout recorded at sampling (``Rollout.old_log_probs``), the policy
+              that sampled (PPO's old policy; every replayed-trajectory algorithm).
+            - ``"old_model"``: the `log_prob` of the score under an old model the algorithm keeps itself: the trainer
+              scores the unit, without gradients, inside the algorithm's ``old_policy(policy)`` context (DGPO's fast
+              EMA of the weights), which the algorithm then must have.
+            - ``"current"``: the current score's `log_prob`, detached, with no extra forward (the ratio is 1: the
+              loss reads no old model this run, e.g. DGPO without its clip or EMA reference).
     """
 
     reads: frozenset[str] = frozenset({"log_prob"})
@@ -206,8 +215,12 @@ class AlgorithmTraits:
     zero_advantage_is_inert: bool = False
     has_state: bool = False
     after_update: bool = False
+    old_source: Literal["rollout", "old_model", "current"] = "rollout"
 
     def __post_init__(self):
+        if self.old_source not in ("rollout", "old_model", "current"):
+            raise ValueError(f"AlgorithmTraits.old_source must be 'rollout', 'old_model' or 'current', got "
+                             f"{self.old_source!r}.")
         unknown = sorted(set(self.reads) - Score.field_names())
         if unknown:
             raise ValueError(f"AlgorithmTraits.reads names {unknown}, which are not Score fields: use some of "

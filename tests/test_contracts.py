@@ -182,6 +182,8 @@ def test_algorithm_contract(name):
     assert all(callable(getattr(algorithm, m, None)) == traits.has_state for m in ("state_dict", "load_state_dict"))
     if traits.has_state:
         algorithm.load_state_dict(algorithm.state_dict())
+    if traits.old_source == "old_model":
+        assert callable(algorithm.old_policy)
 
 
 @pytest.mark.parametrize("name", sorted(registry.available("reward")))

@@ -219,12 +219,39 @@ def test_old_model_scores_under_the_ema_weights(tiny_sd3_dir):
     assert not torch.allclose(new.log_prob.detach(), old)
 
 
+def test_the_old_log_probs_are_the_ones_the_traits_declare(tiny_sd3_dir):
+    """One meaning of "old" per algorithm, declared: the same DGPO, whose fast-EMA old model differs from the current
+    weights, gets the rollout's record, its old model's score or the detached current score exactly as
+    ``traits.old_source`` says, whatever members it has."""
+    policy = make_policy(tiny_sd3_dir)
+    algorithm = DGPO(DGPOConfig(trunc_steps=2, num_train_timesteps=1, kl_beta=0.0))
+    plan = algorithm.schedule(4, torch.Generator().manual_seed(0))
+    rollout = policy.sample(PromptBatch(PROMPTS).repeat(2), plan, generator=torch.Generator().manual_seed(0))
+    unit = plan.train_units[0]
+    algorithm.after_update(policy)  # decay 0: the old model is the current weights...
+    with torch.no_grad():
+        for p in policy.trainable_parameters():
+            p.add_(0.05 * torch.randn_like(p))  # ...which then move
+    with torch.no_grad(), algorithm.old_policy(policy):
+        under_ema = policy.likelihood(rollout, unit).log_prob  # [n, 1]
+    olds = {}
+    for source in ("rollout", "old_model", "current"):
+        algorithm.traits = dataclasses.replace(algorithm.traits, old_source=source)
+        new, olds[source], _ = score_unit(policy, algorithm, rollout, unit, torch.device("cpu"))
+        assert olds[source].shape == new.log_prob.shape == (4, 1)
+    torch.testing.assert_close(olds["rollout"], rollout.old_log_probs[:, unit], rtol=0, atol=0)
+    torch.testing.assert_close(olds["old_model"], under_ema, rtol=0, atol=0)
+    torch.testing.assert_close(olds["current"], new.log_prob.detach(), rtol=0, atol=0)
+    assert not torch.allclose(olds["old_model"], olds["current"])
+    assert not torch.allclose(olds["rollout"], olds["current"])
+
+
 def test_without_clip_the_old_model_is_not_scored(tiny_sd3_dir):
     """clip_range 0 (and no use_ema_ref): nothing reads the old model, so its forward pass is skipped, the old score is
     the detached new one and the loss equals the clipped loss of a batch in which nothing is clipped."""
     policy = make_policy(tiny_sd3_dir)
     algorithm = DGPO(DGPOConfig(trunc_steps=2, num_train_timesteps=1, clip_range=0.0, kl_beta=0.0))
-    assert algorithm.old_policy(policy) is None and algorithm.traits.needs_reference
+    assert algorithm.traits.old_source == "current" and algorithm.traits.needs_reference
     plan = algorithm.schedule(4, torch.Generator().manual_seed(0))
     rollout = policy.sample(PromptBatch(PROMPTS).repeat(2), plan, generator=torch.Generator().manual_seed(0))
     calls = []

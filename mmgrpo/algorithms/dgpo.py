@@ -113,7 +113,6 @@ class DGPO:
     def __init__(self, config: DGPOConfig):
         self.config = config
         kl_reads = {"velocity"} if config.kl_beta > 0 else set()  # the KL term is in velocity space
-        self.keeps_old_model = config.clip_range > 0 or config.use_ema_ref  # the clip or the reference reads it
         self.traits = AlgorithmTraits(
             reads=frozenset({"log_prob", "group_ids"} | kl_reads),
             needs_reference=config.kl_beta > 0 or not config.use_ema_ref,
@@ -121,6 +120,8 @@ class DGPO:
             zero_advantage_is_inert=config.kl_beta == 0,
             has_state=True,  # the update count and the fast-EMA old model, checkpointed
             after_update=True,  # the old model follows the weights
+            # the clip or the EMA reference reads the fast-EMA old model; otherwise nothing does and it is not scored
+            old_source="old_model" if config.clip_range > 0 or config.use_ema_ref else "current",
         )
         self.ema = ParameterEMA()
         self.updates = 0
@@ -150,13 +151,14 @@ class DGPO:
 
     # ---------------------------------------------------------------------------------- the fast-EMA old model
     def old_policy(self, policy):
-        """Context in which `policy` holds the fast-EMA weights (the trainer scores the old model inside it), or `None`
-        when nothing reads the old model (no clip, no `use_ema_ref`): the trainer then skips its forward pass."""
-        return self.ema.swapped(policy.trainable_parameters()) if self.keeps_old_model else None
+        """Context in which `policy` holds the fast-EMA weights; the trainer scores the old model inside it when
+        ``traits.old_source`` is ``"old_model"`` (a clip or `use_ema_ref`; otherwise nothing reads the old model and
+        its forward pass is skipped)."""
+        return self.ema.swapped(policy.trainable_parameters())
 
     def after_update(self, policy) -> None:
         """One EMA step after an optimizer update, decay ``min(ema_decay_max, ema_decay_rate * updates)``."""
-        if self.keeps_old_model:
+        if self.traits.old_source == "old_model":
             decay = min(self.config.ema_decay_max, self.config.ema_decay_rate * self.updates)
             self.ema.update(policy.trainable_parameters(), decay)
         self.updates += 1
