@@ -75,7 +75,7 @@ def require_plan(pipeline, algorithm, num_steps: int, names) -> SamplingPlan:
     every feature it asks for (branches, merged steps, a solver...) and the algorithm's scoring method, instead of
     letting them be silently ignored. `names` carries ``algorithm.name`` and ``pipeline.name`` for the message."""
     plan = algorithm.schedule(num_steps, torch.Generator().manual_seed(0))
-    missing = plan.features() - set(getattr(pipeline, "plan_features", ()))
+    missing = plan.features() - pipeline.plan_features
     if missing or SCORING_METHODS[algorithm.scoring] not in pipeline.provides:
         needs = sorted(missing) or [algorithm.scoring + " scoring"]
         raise ConfigError(

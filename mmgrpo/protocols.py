@@ -22,6 +22,9 @@ class StochasticPolicy(Protocol):
     # scoring method ("log_prob", "likelihood") -> the `Score` fields it fills; a class attribute, so the trainer
     # checks it against the algorithm's `traits.reads` before any model loads. A method not listed is not implemented.
     provides: dict[str, frozenset[str]]
+    # the `SamplingPlan.features` it implements ("merge", "branch", "unit_selection", "dpm", "likelihood",
+    # "token_scores"; empty for plain plans only): the trainer refuses a plan asking for more
+    plan_features: frozenset[str]
     eval_num_steps: int  # decisions per evaluation sample
 
     def prepare(self, accelerator) -> list[torch.nn.Module]:
@@ -38,10 +41,8 @@ class StochasticPolicy(Protocol):
         transitions (used for a KL to the reference) and `mask` (`[N, len(steps)]`, bool): the entries that are
         trained transitions of that sample (`rollout.mask`); the others are placeholders losses must ignore.
 
-        Optional members, needed only by the plans and algorithms that use them:
+        Optional member, declared by a ``"likelihood"`` entry in `provides` (the trainer never probes for it):
 
-        - ``plan_features`` (`frozenset[str]`): the [`SamplingPlan.features`] this policy implements (``"merge"``,
-          ``"branch"``, ``"unit_selection"``, ``"dpm"``, ``"likelihood"``); the trainer refuses a plan asking for more.
         - ``likelihood(rollout, steps) -> Score``: for ``scoring = "likelihood"`` algorithms, a sample-only score of the
           final outputs with gradients, `log_prob` `[N, len(steps)]` (minus the flow-matching loss at the plan's noise
           levels for diffusion), plus what the algorithm's loss reads (`velocity`, `group_ids`).

@@ -108,7 +108,7 @@ def test_pipeline_contract(name, algorithm_name, request):
     cls = registry.get("algorithm", algorithm_name)
     algorithm = cls(cls.Config(**ALGORITHM_OPTIONS.get(algorithm_name, {})))
     plan = algorithm.schedule(policy.num_steps, torch.Generator().manual_seed(0))
-    missing = plan.features() - set(getattr(policy, "plan_features", ()))
+    missing = plan.features() - policy.plan_features
     names = SimpleNamespace(algorithm=SimpleNamespace(name=algorithm_name), pipeline=SimpleNamespace(name=name))
     if missing:  # an unsupported pair must be refused before any step, naming what is missing
         with pytest.raises(ValueError, match=f"algorithm '{algorithm_name}' needs .*{sorted(missing)[0]}"):
