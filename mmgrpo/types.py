@@ -263,11 +263,11 @@ class SamplingPlan:
             anchor trajectory; member `m` of each group (see `PromptBatch.member_ids`) takes a single SDE step, at
             ``sde_steps[m % len(sde_steps)]``, and continues deterministically. The rollout's group ids become
             ``group_id * len(sde_steps) + branch`` (samples sharing a prompt *and* an SDE step, E-GRPO's multi-step
-            group normalisation); see [`~SamplingPlan.branch_group_ids`].
+            group normalisation); see [`mmgrpo.samplers.flow_plan.branch_group_ids`].
         seed (`int`): seed of the noise shared within a group (the branch anchor's initial noise, the likelihood's
             noise); drawn by the algorithm from the generator that is seeded identically on every process.
         units_per_sample (`int`): feature ``"unit_selection"``: each sample trains only this many of `train_units`
-            (0: all), drawn per sample after sampling, see [`~SamplingPlan.select_units`].
+            (0: all), drawn per sample after sampling, see [`mmgrpo.samplers.flow_plan.select_units`].
         unit_weighting (`str`): ``"uniform"`` or ``"latent_change"`` (a unit is drawn with probability proportional
             to the mean relative L1 change of the latent over its steps, Chunk-GRPO's weighted chunk sampling).
         solver (`str`): ``"flow"`` (Euler ODE / flow SDE steps) or, feature ``"dpm"``, ``"dpm"``: diffusers'
@@ -349,43 +349,6 @@ class SamplingPlan:
     @property
     def trained_steps(self) -> list[int]:
         return [s for unit in self.train_units for s in unit]
-
-    def branch_index(self, member_ids: torch.Tensor) -> torch.Tensor:
-        """Which branch (index into `sde_steps`) each sample takes: ``member_ids % len(sde_steps)``, `[N]`."""
-        if member_ids is None:
-            raise ValueError("A branching plan needs PromptBatch.member_ids (set by PromptBatch.repeat).")
-        return member_ids.long() % len(self.sde_steps)
-
-    def branch_group_ids(self, group_ids: torch.Tensor, member_ids: torch.Tensor) -> torch.Tensor:
-        """Group ids after branching, `[N]`: samples share one iff they share the prompt group and the SDE step."""
-        return group_ids.long() * len(self.sde_steps) + self.branch_index(member_ids)
-
-    def select_units(self, n: int, step_change: torch.Tensor | None, generator: torch.Generator | None) -> torch.Tensor:
-        """Per-sample choice of `units_per_sample` trained units (feature ``"unit_selection"``).
-
-        Args:
-            n (`int`): number of samples.
-            step_change (`torch.FloatTensor` of shape `[n, S]`, *optional*): relative latent change of each step,
-                needed by ``unit_weighting="latent_change"``.
-            generator (`torch.Generator`, *optional*): draws the units.
-
-        Returns:
-            `torch.BoolTensor` of shape `[n, S]`: the trained steps of each sample (all steps of its chosen units).
-        """
-        mask = torch.zeros(n, self.num_steps, dtype=torch.bool)
-        k = self.units_per_sample or len(self.train_units)
-        if self.unit_weighting == "latent_change":
-            if step_change is None:
-                raise ValueError("unit_weighting='latent_change' needs the per-step latent change of the samples.")
-            weights = torch.stack([step_change[:, unit].float().mean(dim=1) for unit in self.train_units], dim=1)
-            weights = weights.clamp_min(0) + 1e-8  # [n, U]
-        else:
-            weights = torch.ones(n, len(self.train_units))  # [n, U]
-        probabilities = weights / weights.sum(dim=1, keepdim=True)  # [n, U]
-        chosen = torch.multinomial(probabilities, k, replacement=False, generator=generator)  # [n, k]
-        for row, units in enumerate(chosen.tolist()):
-            mask[row, [s for u in units for s in self.train_units[u]]] = True
-        return mask  # [n, S]
 
     @classmethod
     def deterministic(cls, num_steps: int) -> "SamplingPlan":

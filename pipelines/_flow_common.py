@@ -1,6 +1,6 @@
 """Pieces shared by the flow-matching image adapters (`sd3`, `flux`): the trained transformer (LoRA adapter or full
-fine-tuning, its reference, its checkpoints) and the plain SDE/ODE sampling loop around
-[`mmgrpo.samplers.flow_sde.flow_sde_step`] (replay and the richer plans: `mmgrpo.pipelines._flow_plans`).
+fine-tuning, its reference, its checkpoints) and the checks of their configs. Sampling, replay and likelihood
+follow the plan in [`mmgrpo.samplers.flow_plan`].
 
 Not a plugin: it defines no ``PLUGIN`` and its name starts with an underscore, so the registry skips it.
 """
@@ -14,16 +14,11 @@ from typing import Callable
 import torch
 
 from mmgrpo.reference import ReferenceSwitch
-from mmgrpo.samplers.flow_sde import flow_sde_step
 from mmgrpo.hub import resolve_pretrained
-from mmgrpo.types import SamplingPlan
 from mmgrpo.validation import check_fields, check_range
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 LORA_WEIGHTS = "pytorch_lora_weights.safetensors"
-
-# velocity(latents [n, ...], step index i) -> velocity [n, ...] in float32, at the step's noise level
-Velocity = Callable[[torch.Tensor, int], torch.Tensor]
 
 
 def check_flow_config(config) -> None:
@@ -141,47 +136,3 @@ class TrainableTransformer:
         else:
             loaded = type(self.module).from_pretrained(path / "transformer", use_safetensors=True)  # never a pickle
             self.module.load_state_dict(loaded.state_dict())
-
-
-def sample_flow(
-    velocity: Velocity,
-    latents: torch.Tensor,
-    sigmas: torch.Tensor,
-    plan: SamplingPlan,
-    generator: torch.Generator | None = None,
-) -> tuple[dict, torch.Tensor, torch.Tensor]:
-    """Runs a flow sampler from pure noise following `plan`: SDE on `plan.sde_steps`, ODE elsewhere.
-
-    Args:
-        velocity (`Callable`): ``velocity(latents, i)``, the (guided) model velocity at step `i`.
-        latents (`torch.FloatTensor` of shape `[N, ...]`): the initial noise (at ``sigmas[0]``).
-        sigmas (`torch.FloatTensor` of shape `[S + 1]`): the noise levels, ending at 0.
-        plan ([`SamplingPlan`]): which steps are stochastic and which are trained.
-        generator (`torch.Generator`, *optional*): draws the SDE noise (on the CPU, then moved to the latents' device).
-
-    Returns:
-        `tuple`: the replay state (``latents`` `[N, S + 1, ...]` and the ``shared_*`` step parameters), the
-        log-probabilities `[N, S]` of the steps taken (on the CPU) and the trained-step mask `[N, S]`.
-    """
-    n = latents.shape[0]
-    noise_levels = torch.tensor([plan.noise_level if i in plan.sde_steps else 0.0 for i in range(plan.num_steps)])
-    states, log_probs = [latents], []
-    for i in range(plan.num_steps):
-        v = velocity(latents, i)
-        noise = torch.randn(latents.shape, generator=generator).to(latents.device) if noise_levels[i] > 0 else None
-        step = flow_sde_step(
-            v, latents, sigmas[i], sigmas[i + 1], noise_level=float(noise_levels[i]), sde_type=plan.sde_type,
-            sigma_at_one=sigmas[1], noise=noise,
-        )
-        latents = step.prev_sample
-        states.append(latents)
-        log_probs.append(step.log_prob)
-    mask = torch.zeros(n, plan.num_steps, dtype=torch.bool)
-    mask[:, [s for unit in plan.train_units for s in unit]] = True
-    trajectory = {
-        "latents": torch.stack(states, dim=1),  # [N, S + 1, ...]
-        "shared_sigmas": sigmas,  # [S + 1]
-        "shared_noise_levels": noise_levels,  # [S]
-        "shared_sde_type": plan.sde_type,
-    }
-    return trajectory, torch.stack(log_probs, dim=1).cpu(), mask  # [N, S], [N, S]

@@ -5,7 +5,7 @@ Wraps diffusers' `FluxPipeline` components (`FluxTransformer2DModel` with its gu
 are packed in 2x2 patches as the pipeline does. Guidance is FLUX.1-dev's distilled guidance embedding: the scale is
 an input of the transformer, one forward per step, no classifier-free batch doubling. The adapter supplies the
 model, the initial noise, text encoding and decoding; the sampling and replay loops are shared with `sd3`
-(`mmgrpo.pipelines._flow_plans`), their steps taken by [`mmgrpo.samplers.flow_sde.flow_sde_step`].
+(`mmgrpo.samplers.flow_plan`), their steps taken by [`mmgrpo.samplers.flow_sde.flow_sde_step`].
 Model: https://github.com/black-forest-labs/flux ; Flow-GRPO on FLUX: https://arxiv.org/abs/2505.05470
 """
 
@@ -19,7 +19,7 @@ import torch
 
 from mmgrpo.hub import load_diffusers_pipeline
 from mmgrpo.pipelines._flow_common import DTYPES, TrainableTransformer, check_flow_config
-from mmgrpo.pipelines._flow_plans import PLAN_FEATURES, SCORE_FIELDS, plan_likelihood, replay_plan, run_plan
+from mmgrpo.samplers.flow_plan import PLAN_FEATURES, SCORE_FIELDS, plan_likelihood, replay_plan, run_plan
 from mmgrpo.types import PromptBatch, Rollout, SamplingPlan, Score
 
 
@@ -207,7 +207,7 @@ class FluxPolicy:
     @torch.no_grad()
     def sample(self, batch: PromptBatch, plan: SamplingPlan, *, generator: torch.Generator | None = None) -> Rollout:
         """Samples one image per prompt following `plan` (SDE on `plan.sde_steps`, ODE elsewhere; merged steps,
-        branches from a shared anchor, the DPM solver: see `mmgrpo.pipelines._flow_plans`).
+        branches from a shared anchor, the DPM solver: see `mmgrpo.samplers.flow_plan`).
 
         The trajectory keeps every packed latent (`latents` `[N, S + 1, L, 4C]`), the text embeddings and the noise
         level of each step, so `log_prob` can re-score exactly the transitions taken.

@@ -14,7 +14,7 @@ import torch
 
 from mmgrpo.hub import load_diffusers_pipeline
 from mmgrpo.pipelines._flow_common import DTYPES, TrainableTransformer, check_flow_config
-from mmgrpo.pipelines._flow_plans import PLAN_FEATURES, SCORE_FIELDS, plan_likelihood, replay_plan, run_plan
+from mmgrpo.samplers.flow_plan import PLAN_FEATURES, SCORE_FIELDS, plan_likelihood, replay_plan, run_plan
 from mmgrpo.types import PromptBatch, Rollout, SamplingPlan, Score
 
 
@@ -208,7 +208,7 @@ class SD3Policy:
     @torch.no_grad()
     def sample(self, batch: PromptBatch, plan: SamplingPlan, *, generator: torch.Generator | None = None) -> Rollout:
         """Samples one image per prompt following `plan` (SDE on `plan.sde_steps`, ODE elsewhere; merged steps,
-        branches from a shared anchor, the DPM solver: see `mmgrpo.pipelines._flow_plans`).
+        branches from a shared anchor, the DPM solver: see `mmgrpo.samplers.flow_plan`).
 
         The trajectory keeps every latent (`latents` `[N, S + 1, C, h, w]`), the text embeddings and the noise level
         of each step, so `log_prob` can re-score exactly the transitions taken.

@@ -9,7 +9,7 @@ import torch
 
 from mmgrpo import checkpoint, config as config_mod
 from mmgrpo.algorithms.dgpo import DGPO, DGPOConfig, group_weights
-from mmgrpo.pipelines._flow_plans import group_noise
+from mmgrpo.samplers.flow_plan import group_noise
 from mmgrpo.pipelines.sd3 import SD3Config, SD3Policy
 from mmgrpo.trainer import Trainer, score_unit
 from mmgrpo.types import PromptBatch, SamplingPlan, Score

@@ -87,7 +87,7 @@ def test_guidance_embedding_is_fed(tiny_flux_dir):
 
 
 def test_branched_merged_plan_replays_and_likelihood_is_differentiable(tiny_flux_dir):
-    """The opt-in plan features (shared for sd3 and flux in `_flow_plans`) run on FLUX's packed latents."""
+    """The opt-in plan features (shared for sd3 and flux in `mmgrpo.samplers.flow_plan`) run on FLUX's packed latents."""
     policy = make_policy(tiny_flux_dir)
     batch = PromptBatch(PROMPTS[:2]).repeat(2)
     plan = SamplingPlan(num_steps=4, sde_steps=[0, 1], train_units=[[0, 1]], noise_level=0.9, merge={0: 2}, branch=True,

@@ -1,18 +1,17 @@
-"""Sampling plans beyond a plain SDE/ODE schedule, for the flow-matching image adapters (`sd3`, `flux`).
+"""Everything that interprets a flow-matching sampling plan, for the flow adapters (`sd3`, `flux`), which wire their
+model in as small callables (see `pipelines/sd3.py`) and own no sampling loop:
 
-One entry point per policy method, each taking the adapter's model as small callables, so an adapter only wires
-them (see `pipelines/sd3.py`):
-
-- [`run_plan`] (``sample``): plain plans go to [`mmgrpo.pipelines._flow_common.sample_flow`] unchanged; merged SDE
-  steps and group branches from one shared ODE anchor (E-GRPO), per-sample trained units (Chunk-GRPO) and the
-  deterministic DPM-Solver++ rollout (DGPO) are handled here.
+- [`run_plan`] (``sample``): plain plans go to [`sample_flow`] (SDE on the plan's SDE steps, ODE elsewhere); merged
+  SDE steps and group branches from one shared ODE anchor (E-GRPO), per-sample trained units (Chunk-GRPO,
+  [`select_units`]) and the deterministic DPM-Solver++ rollout (DGPO) are handled here.
 - [`replay_plan`] (``log_prob``): replays only the transitions a sample trains; a step taken from a group's shared
   anchor is forwarded once per group, not once per sample.
 - [`plan_likelihood`] (``likelihood``): minus the flow-matching loss of the final samples at the plan's noise levels,
   with noise shared within a group (DGPO).
 
-Not a plugin: it defines no ``PLUGIN`` and its name starts with an underscore, so the registry skips it.
+The steps themselves are [`mmgrpo.samplers.flow_sde.flow_sde_step`] (stateless math, fp32 inside).
 """
+
 
 from __future__ import annotations
 
@@ -20,7 +19,6 @@ from typing import Callable
 
 import torch
 
-from mmgrpo.pipelines._flow_common import sample_flow
 from mmgrpo.samplers.flow_sde import entropy_merge_span, flow_sde_step
 from mmgrpo.types import SamplingPlan, Score
 
@@ -34,6 +32,8 @@ SCORE_FIELDS = {
 # velocity(latents [r, ...], sigma [], rows [r] or None for all samples) -> velocity [r, ...] in float32; `rows` pick
 # the samples' conditioning (text embeddings...)
 Velocity = Callable[[torch.Tensor, torch.Tensor, "torch.Tensor | None"], torch.Tensor]
+# velocity(latents [n, ...], step index i) -> velocity [n, ...] in float32 at the step's noise level (plain loop)
+StepVelocity = Callable[[torch.Tensor, int], torch.Tensor]
 # noise(count, generator) -> standard normal initial latents [count, ...] in the adapter's latent layout
 Noise = Callable[[int, "torch.Generator | None"], torch.Tensor]
 
@@ -59,6 +59,93 @@ def relative_change(latents: torch.Tensor) -> torch.Tensor:
     dims = tuple(range(2, latents.dim()))
     change = (latents[:, 1:] - latents[:, :-1]).abs().mean(dim=dims)
     return (change / (latents[:, :-1].abs().mean(dim=dims) + 1e-8)).float().cpu()
+
+
+def branch_index(plan: SamplingPlan, member_ids: torch.Tensor) -> torch.Tensor:
+    """Which branch (index into `sde_steps`) each sample takes: ``member_ids % len(sde_steps)``, `[N]`."""
+    if member_ids is None:
+        raise ValueError("A branching plan needs PromptBatch.member_ids (set by PromptBatch.repeat).")
+    return member_ids.long() % len(plan.sde_steps)
+
+
+def branch_group_ids(plan: SamplingPlan, group_ids: torch.Tensor, member_ids: torch.Tensor) -> torch.Tensor:
+    """Group ids after branching, `[N]`: samples share one iff they share the prompt group and the SDE step."""
+    return group_ids.long() * len(plan.sde_steps) + branch_index(plan, member_ids)
+
+
+def select_units(
+    plan: SamplingPlan, n: int, step_change: torch.Tensor | None, generator: torch.Generator | None
+) -> torch.Tensor:
+    """Per-sample choice of the plan's `units_per_sample` trained units (feature ``"unit_selection"``).
+
+    Args:
+        plan ([`SamplingPlan`]): the plan, with `train_units`, `units_per_sample` and `unit_weighting`.
+        n (`int`): number of samples.
+        step_change (`torch.FloatTensor` of shape `[n, S]`, *optional*): relative latent change of each step,
+            needed by ``unit_weighting="latent_change"``.
+        generator (`torch.Generator`, *optional*): draws the units.
+
+    Returns:
+        `torch.BoolTensor` of shape `[n, S]`: the trained steps of each sample (all steps of its chosen units).
+    """
+    mask = torch.zeros(n, plan.num_steps, dtype=torch.bool)
+    k = plan.units_per_sample or len(plan.train_units)
+    if plan.unit_weighting == "latent_change":
+        if step_change is None:
+            raise ValueError("unit_weighting='latent_change' needs the per-step latent change of the samples.")
+        weights = torch.stack([step_change[:, unit].float().mean(dim=1) for unit in plan.train_units], dim=1)
+        weights = weights.clamp_min(0) + 1e-8  # [n, U]
+    else:
+        weights = torch.ones(n, len(plan.train_units))  # [n, U]
+    probabilities = weights / weights.sum(dim=1, keepdim=True)  # [n, U]
+    chosen = torch.multinomial(probabilities, k, replacement=False, generator=generator)  # [n, k]
+    for row, units in enumerate(chosen.tolist()):
+        mask[row, [s for u in units for s in plan.train_units[u]]] = True
+    return mask  # [n, S]
+
+
+def sample_flow(
+    velocity: StepVelocity,
+    latents: torch.Tensor,
+    sigmas: torch.Tensor,
+    plan: SamplingPlan,
+    generator: torch.Generator | None = None,
+) -> tuple[dict, torch.Tensor, torch.Tensor]:
+    """Runs a flow sampler from pure noise following `plan`: SDE on `plan.sde_steps`, ODE elsewhere.
+
+    Args:
+        velocity (`Callable`): ``velocity(latents, i)``, the (guided) model velocity at step `i`.
+        latents (`torch.FloatTensor` of shape `[N, ...]`): the initial noise (at ``sigmas[0]``).
+        sigmas (`torch.FloatTensor` of shape `[S + 1]`): the noise levels, ending at 0.
+        plan ([`SamplingPlan`]): which steps are stochastic and which are trained.
+        generator (`torch.Generator`, *optional*): draws the SDE noise (on the CPU, then moved to the latents' device).
+
+    Returns:
+        `tuple`: the replay state (``latents`` `[N, S + 1, ...]` and the ``shared_*`` step parameters), the
+        log-probabilities `[N, S]` of the steps taken (on the CPU) and the trained-step mask `[N, S]`.
+    """
+    n = latents.shape[0]
+    noise_levels = torch.tensor([plan.noise_level if i in plan.sde_steps else 0.0 for i in range(plan.num_steps)])
+    states, log_probs = [latents], []
+    for i in range(plan.num_steps):
+        v = velocity(latents, i)
+        noise = torch.randn(latents.shape, generator=generator).to(latents.device) if noise_levels[i] > 0 else None
+        step = flow_sde_step(
+            v, latents, sigmas[i], sigmas[i + 1], noise_level=float(noise_levels[i]), sde_type=plan.sde_type,
+            sigma_at_one=sigmas[1], noise=noise,
+        )
+        latents = step.prev_sample
+        states.append(latents)
+        log_probs.append(step.log_prob)
+    mask = torch.zeros(n, plan.num_steps, dtype=torch.bool)
+    mask[:, [s for unit in plan.train_units for s in unit]] = True
+    trajectory = {
+        "latents": torch.stack(states, dim=1),  # [N, S + 1, ...]
+        "shared_sigmas": sigmas,  # [S + 1]
+        "shared_noise_levels": noise_levels,  # [S]
+        "shared_sde_type": plan.sde_type,
+    }
+    return trajectory, torch.stack(log_probs, dim=1).cpu(), mask  # [N, S], [N, S]
 
 
 def run_plan(
@@ -90,14 +177,14 @@ def run_plan(
     elif plan.branch or plan.merge or plan.merge_entropy is not None:
         trajectory, log_probs, mask = _sample_paths(velocity, noise, sigmas, plan, group_ids, member_ids, generator)
         if plan.branch:
-            group_ids = plan.branch_group_ids(group_ids, member_ids)
+            group_ids = branch_group_ids(plan, group_ids, member_ids)
     else:  # a plain plan: exactly the shared loop (same random draws, same numbers)
         trajectory, log_probs, mask = sample_flow(
             lambda x, i: velocity(x, sigmas[i], None), noise(n, generator), sigmas, plan, generator
         )
     if plan.units_per_sample:
         change = relative_change(trajectory["latents"]) if plan.unit_weighting == "latent_change" else None
-        mask = plan.select_units(n, change, generator)
+        mask = select_units(plan, n, change, generator)
     trajectory["shared_seed"] = plan.seed
     return trajectory, log_probs, mask, group_ids
 
@@ -144,7 +231,7 @@ def _sample_paths(velocity, noise, sigmas, plan, group_ids, member_ids, generato
     else:
         reps = torch.stack([torch.nonzero(group_ids == g)[0, 0] for g in unique])  # first sample of each group
         anchor, anchor_v = _anchor(velocity, x, reps, sigmas, plan)
-        branch = plan.branch_index(member_ids)
+        branch = branch_index(plan, member_ids)
         for k, step in enumerate(plan.sde_steps):
             rows = torch.nonzero(branch == k).flatten()
             if rows.numel() == 0:
