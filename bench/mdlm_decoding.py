@@ -46,7 +46,7 @@ def decoding_table(seed: int = 0) -> list[dict]:
     from mmgrpo import registry
     from mmgrpo.config import load
     from mmgrpo.prompt_stream import items_to_batch
-    from mmgrpo.types import SamplingPlan
+    from mmgrpo.types import MaskedPlan
 
     cfg = load(ROOT / CONFIG)
     reward = registry.get("reward", cfg.reward.name)(cfg.reward.options)
@@ -57,8 +57,8 @@ def decoding_table(seed: int = 0) -> list[dict]:
         policy_cls = registry.get("pipeline", "mdlm")
         policy = policy_cls(policy_cls.Config(**{"pretrained": "mmgrpo:mdlm_arith", "gen_length": 4, "lora_rank": 0, **options}))
         row = {"decoding": name, "steps": policy.num_steps}
-        for label, plan in (("greedy", SamplingPlan.deterministic(policy.num_steps)),
-                            ("sampled", SamplingPlan(policy.num_steps, list(range(policy.num_steps)), []))):
+        for label, plan in (("greedy", MaskedPlan.deterministic(policy.num_steps)),
+                            ("sampled", MaskedPlan(policy.num_steps, []))):
             rollout = policy.sample(batch, plan, generator=torch.Generator().manual_seed(seed))
             row[label] = float(reward(rollout.outputs, batch).scores.mean())
         rows.append(row)

@@ -53,7 +53,7 @@ def held_out_accuracy(path: str, n_eval: int, size: int) -> float:
     from mmgrpo.pipelines.qwen_vl import QwenVLConfig, QwenVLPolicy
     from mmgrpo.prompt_stream import items_to_batch
     from mmgrpo.rewards.accuracy import AccuracyReward
-    from mmgrpo.types import SamplingPlan
+    from mmgrpo.types import TokenPlan
 
     policy = QwenVLPolicy(QwenVLConfig(pretrained=path, max_new_tokens=20, lora_rank=0))
     data = VLMShapes(VLMShapesConfig(n_train=0, n_eval=n_eval, size=size))
@@ -63,7 +63,7 @@ def held_out_accuracy(path: str, n_eval: int, size: int) -> float:
     for start in range(0, len(items), 50):
         batch = items_to_batch(items[start : start + 50])
         batch.group_ids = torch.arange(len(batch))
-        rollout = policy.sample(batch, SamplingPlan.deterministic(20))
+        rollout = policy.sample(batch, TokenPlan.deterministic(20))
         scores.append(reward(rollout.outputs, batch).scores)
     return float(torch.cat(scores).nan_to_num(0.0).mean())
 

@@ -15,7 +15,7 @@ import torch
 
 from . import registry
 from .config import ExperimentConfig
-from .types import SamplingPlan
+from .types import FlowPlan, SamplingPlan
 from .validation import ConfigError
 
 
@@ -74,6 +74,7 @@ def require_plan(pipeline, algorithm, num_steps: int, names) -> SamplingPlan:
     """The algorithm's plan over `num_steps` steps, after checking that `pipeline` (a class or an instance) implements
     every feature it asks for (branches, merged steps, a solver...) and the algorithm's scoring method, instead of
     letting them be silently ignored. `names` carries ``algorithm.name`` and ``pipeline.name`` for the message."""
+    require_family(pipeline, algorithm, names)
     plan = algorithm.schedule(num_steps, torch.Generator().manual_seed(0))
     missing = plan.features() - pipeline.plan_features
     if missing or SCORING_METHODS[algorithm.scoring] not in pipeline.provides:
@@ -84,6 +85,18 @@ def require_plan(pipeline, algorithm, num_steps: int, names) -> SamplingPlan:
         )
     require_scores(pipeline, algorithm, names)
     return plan
+
+
+def require_family(pipeline, algorithm, names) -> None:
+    """The algorithm emits plans of a family the pipeline speaks (``algorithm.plan_family`` among
+    ``pipeline.plan_families``), so no pipeline is handed another family's plan. `names` as in [`require_plan`]."""
+    if algorithm.plan_family not in pipeline.plan_families:
+        raise ConfigError(
+            f"algorithm.name: algorithm {names.algorithm.name!r} emits {algorithm.plan_family!r} plans, but pipeline "
+            f"{names.pipeline.name!r} reads only {list(pipeline.plan_families)} plans (plan family mismatch): choose an "
+            f"algorithm of the {pipeline.plan_families[0]!r} family, or a pipeline that speaks "
+            f"{algorithm.plan_family!r} plans."
+        )
 
 
 def require_scores(pipeline, algorithm, names) -> None:
@@ -110,8 +123,10 @@ def check_plan(config: ExperimentConfig) -> None:
     with _named("algorithm", f" (pipeline.num_steps is {num_steps})"):
         algorithm = registry.get("algorithm", config.algorithm.name)(config.algorithm.options)
         plan = require_plan(policy_cls, algorithm, num_steps, config)
+    if not isinstance(plan, FlowPlan) or not plan.branch:  # only a flow plan branches
+        return
     branches, group = len(plan.sde_steps), config.train.group_size
-    if plan.branch and (group % branches or group // branches < 2):
+    if group % branches or group // branches < 2:
         raise ConfigError(
             f"train.group_size {group} does not split into {branches} branch sub-groups (one per "
             f"algorithm.sde_steps entry) of at least 2 samples: make it a multiple of {branches}, >= {2 * branches}."

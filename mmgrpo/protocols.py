@@ -22,7 +22,10 @@ class StochasticPolicy(Protocol):
     # scoring method ("log_prob", "likelihood") -> the `Score` fields it fills; a class attribute, so the trainer
     # checks it against the algorithm's `traits.reads` before any model loads. A method not listed is not implemented.
     provides: dict[str, frozenset[str]]
-    # the `SamplingPlan.features` it implements ("merge", "branch", "unit_selection", "dpm", "likelihood",
+    # the plan families whose plans `sample` reads ("flow", "token", "masked"; its own first, whose deterministic plan
+    # evaluation samples with): the trainer refuses an algorithm emitting another family's plans before any model loads
+    plan_families: tuple[str, ...]
+    # the plan `features()` it implements ("merge", "branch", "unit_selection", "dpm", "likelihood",
     # "token_scores"; empty for plain plans only): the trainer refuses a plan asking for more
     plan_features: frozenset[str]
     eval_num_steps: int  # decisions per evaluation sample
@@ -107,10 +110,12 @@ class Algorithm(Protocol):
 
     Config: type
     scoring: Literal["trajectory", "likelihood"]
+    plan_family: Literal["flow", "token", "masked"]  # the plan type `schedule` returns (FlowPlan, TokenPlan, MaskedPlan)
     traits: AlgorithmTraits
 
     def schedule(self, num_steps: int, generator: torch.Generator | None = None) -> SamplingPlan:
-        """Which steps are stochastic and which are trained; `generator` is seeded identically on every process."""
+        """The plan of its `plan_family`: which decisions sample and which are trained; `generator` is seeded
+        identically on every process."""
 
     def advantages(self, scores: torch.Tensor, group_ids: torch.Tensor) -> torch.Tensor:
         """`scores` `[N]` and `group_ids` `[N]` gathered from all ranks -> advantages `[N]`."""

@@ -46,7 +46,7 @@ from .optim import build_optimizer
 from .preflight import SCORING_METHODS, check_modalities, require_plan
 from .prompt_stream import PromptStream
 from .sample_writers import writers_for
-from .types import RewardResult, SamplingPlan, Score
+from .types import RewardResult, SamplingPlan, Score, deterministic_plan
 from .visualize import plot_reward_curve, write_per_prompt_scores
 
 
@@ -380,7 +380,8 @@ class Trainer:
         cfg, acc = self.config.eval, self.accelerator
         writers = writers_for(self.policy.modalities, cfg.grid_size)
         mine, first = process_share(self.eval_items[: cfg.num_prompts], self.world, self.rank)
-        plan, generator = SamplingPlan.deterministic(self.policy.eval_num_steps), torch.Generator()
+        plan = deterministic_plan(self.policy.plan_families[0], self.policy.eval_num_steps)  # the pipeline's own family
+        generator = torch.Generator()
         generator.manual_seed(_seed(cfg.seed, self.rank))
         local, prompts = sample_and_score(self.policy, self.reward, mine, plan, generator, writers, first, batch_size)
         whole, _ = self.gather_rewards(local, torch.arange(len(prompts)) + first)  # [N] every process's final scores

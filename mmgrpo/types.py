@@ -7,7 +7,7 @@ tokens), ``C/H/W`` channels and pixels.
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal, Union
 
 import torch
 
@@ -237,11 +237,12 @@ class LossOutput:
 
 
 @dataclass
-class SamplingPlan:
-    """Which denoising steps (or decisions) are stochastic and which are trained, as an algorithm asks.
+class FlowPlan:
+    """A flow-matching plan (family ``"flow"``): which denoising steps are stochastic (SDE) and which are trained.
+    [`mmgrpo.samplers.flow_plan`] interprets it for the flow adapters (`sd3`, `flux`).
 
     The first five fields describe a plain plan (every sample follows the same steps); the others are opt-in
-    features named by [`~SamplingPlan.features`]. A policy lists the features it implements in its
+    features named by [`~FlowPlan.features`]. A policy lists the features it implements in its
     ``plan_features`` attribute and the trainer refuses a plan that asks for more, so no feature is silently ignored.
 
     Args:
@@ -275,9 +276,9 @@ class SamplingPlan:
         flow_shift (`float`): the ``flow_shift`` of the ``"dpm"`` solver's noise levels.
         scoring (`str`): ``"trajectory"`` or, feature ``"likelihood"``, ``"likelihood"`` (the policy's
             ``likelihood`` scores the final samples at the noise levels of `train_units`).
-        token_scores (`bool`): feature ``"token_scores"``: the loss needs per-token scores of each step
-            (``token_log_prob``, ``token_mask``, ``old_token_log_prob``), as masked-diffusion LMs return them.
     """
+
+    family: ClassVar[str] = "flow"
 
     num_steps: int
     sde_steps: list[int]
@@ -294,21 +295,20 @@ class SamplingPlan:
     solver: str = "flow"
     flow_shift: float = 3.0
     scoring: str = "trajectory"
-    token_scores: bool = False
 
     def __post_init__(self):
-        trained = [s for unit in self.train_units for s in unit]
+        trained = self.trained_steps
         if self.scoring == "trajectory":
             bad = [s for s in trained if s not in self.sde_steps]
             if bad:
-                raise ValueError(f"SamplingPlan trains steps {bad} that are not stochastic (sde_steps={self.sde_steps}).")
+                raise ValueError(f"FlowPlan trains steps {bad} that are not stochastic (sde_steps={self.sde_steps}).")
         elif self.scoring == "likelihood":
             if any(not 0 <= s < self.num_steps for s in trained):
-                raise ValueError(f"SamplingPlan scores noise levels {trained} outside 0..{self.num_steps - 1}.")
+                raise ValueError(f"FlowPlan scores noise levels {trained} outside 0..{self.num_steps - 1}.")
         else:
-            raise ValueError(f"SamplingPlan.scoring must be 'trajectory' or 'likelihood', got {self.scoring!r}.")
+            raise ValueError(f"FlowPlan.scoring must be 'trajectory' or 'likelihood', got {self.scoring!r}.")
         if self.solver not in ("flow", "dpm"):
-            raise ValueError(f"SamplingPlan.solver must be 'flow' or 'dpm', got {self.solver!r}.")
+            raise ValueError(f"FlowPlan.solver must be 'flow' or 'dpm', got {self.solver!r}.")
         if self.solver == "dpm" and self.sde_steps:
             raise ValueError("The 'dpm' solver is deterministic: a plan using it cannot have sde_steps.")
         if self.unit_weighting not in ("uniform", "latent_change"):
@@ -322,7 +322,7 @@ class SamplingPlan:
     def _check_merges(self) -> None:
         if any(i not in self.sde_steps or m < 1 or i + m > self.num_steps for i, m in self.merge.items()):
             raise ValueError(
-                f"SamplingPlan.merge {self.merge}: each key must be an SDE step i and each value m >= 1 with "
+                f"FlowPlan.merge {self.merge}: each key must be an SDE step i and each value m >= 1 with "
                 f"i + m <= num_steps ({self.num_steps})."
             )
         if self.max_merge < 1:
@@ -335,14 +335,13 @@ class SamplingPlan:
 
     def features(self) -> set[str]:
         """The opt-in features this plan uses (a subset of ``{"merge", "branch", "unit_selection", "dpm",
-        "likelihood", "token_scores"}``); a policy must list them all in its ``plan_features``."""
+        "likelihood"}``); a policy must list them all in its ``plan_features``."""
         used = {
             "merge": bool(self.merge) or self.merge_entropy is not None,
             "branch": self.branch,
             "unit_selection": self.units_per_sample > 0,
             "dpm": self.solver == "dpm",
             "likelihood": self.scoring == "likelihood",
-            "token_scores": self.token_scores,
         }
         return {name for name, on in used.items() if on}
 
@@ -351,6 +350,106 @@ class SamplingPlan:
         return [s for unit in self.train_units for s in unit]
 
     @classmethod
-    def deterministic(cls, num_steps: int) -> "SamplingPlan":
+    def deterministic(cls, num_steps: int) -> "FlowPlan":
         """An ODE plan (no stochastic step, nothing trained), used for evaluation."""
         return cls(num_steps=num_steps, sde_steps=[], train_units=[], noise_level=0.0)
+
+
+@dataclass
+class TokenPlan:
+    """A token-decoding plan (family ``"token"``, emitted by the token algorithms `grpo`, `dr_grpo`, `dapo`, `gspo`,
+    `sapo`): every decision samples unless the plan is greedy, and the trained decisions form `train_units`. The
+    sampling distribution itself (temperature, top-p, top-k) is the pipeline's option, since its scores use it too.
+
+    Args:
+        num_steps (`int`): decisions `S` (tokens, or decoding steps of a masked-diffusion LM).
+        train_units (`list[list[int]]`): the trained decisions, grouped into units scored together.
+        greedy (`bool`): decode deterministically (argmax; a masked-diffusion LM: its evaluation temperature).
+        seed (`int`): seed shared by every process (unused by plain decoding).
+    """
+
+    family: ClassVar[str] = "token"
+    scoring: ClassVar[str] = "trajectory"
+    num_steps: int
+    train_units: list[list[int]]
+    greedy: bool = False
+    seed: int = 0
+
+    def __post_init__(self):
+        check_units(self)
+
+    def features(self) -> set[str]:
+        """No opt-in features: a token plan is always plain."""
+        return set()
+
+    @property
+    def trained_steps(self) -> list[int]:
+        return [s for unit in self.train_units for s in unit]
+
+    @classmethod
+    def deterministic(cls, num_steps: int) -> "TokenPlan":
+        """Greedy decoding, nothing trained: evaluation."""
+        return cls(num_steps=num_steps, train_units=[], greedy=True)
+
+
+@dataclass
+class MaskedPlan:
+    """A masked-diffusion decoding plan (family ``"masked"``, emitted by `cj_grpo` and `diffu_grpo`): which decoding
+    steps are trained and how they are scored. The decoding itself (blocks, remasking, EOSER, ASS, temperatures) is
+    the pipeline's option, since replay must decode exactly as the rollout did.
+
+    Args:
+        num_steps (`int`): decoding steps `S`.
+        train_units (`list[list[int]]`): with ``"trajectory"`` scoring, the replayed steps, one unit each; with
+            ``"likelihood"`` scoring, indices of the one-step likelihood draws.
+        greedy (`bool`): decode at the pipeline's evaluation temperature instead of its sampling temperature.
+        seed (`int`): seed of the likelihood draws' prompt masks, the same on every process.
+        scoring (`str`): ``"trajectory"`` or, feature ``"likelihood"``, ``"likelihood"``.
+        token_scores (`bool`): feature ``"token_scores"``: the loss needs per-token scores of each step
+            (``token_log_prob``, ``token_mask``, ``old_token_log_prob``).
+    """
+
+    family: ClassVar[str] = "masked"
+    num_steps: int
+    train_units: list[list[int]]
+    greedy: bool = False
+    seed: int = 0
+    scoring: str = "trajectory"
+    token_scores: bool = False
+
+    def __post_init__(self):
+        if self.scoring not in ("trajectory", "likelihood"):
+            raise ValueError(f"MaskedPlan.scoring must be 'trajectory' or 'likelihood', got {self.scoring!r}.")
+        check_units(self)
+
+    def features(self) -> set[str]:
+        """The opt-in features this plan uses (a subset of ``{"likelihood", "token_scores"}``)."""
+        return {name for name, on in (("likelihood", self.scoring == "likelihood"),
+                                      ("token_scores", self.token_scores)) if on}
+
+    @property
+    def trained_steps(self) -> list[int]:
+        return [s for unit in self.train_units for s in unit]
+
+    @classmethod
+    def deterministic(cls, num_steps: int) -> "MaskedPlan":
+        """Decoding at the evaluation temperature, nothing trained: evaluation."""
+        return cls(num_steps=num_steps, train_units=[], greedy=True)
+
+
+def check_units(plan) -> None:
+    """The trained decisions of a token or masked plan lie in ``0 .. num_steps - 1``."""
+    outside = [s for s in plan.trained_steps if not 0 <= s < plan.num_steps]
+    if plan.num_steps < 1 or outside:
+        raise ValueError(f"{type(plan).__name__} of {plan.num_steps} steps trains steps {outside} outside 0..num_steps-1.")
+
+
+SamplingPlan = Union[FlowPlan, TokenPlan, MaskedPlan]  # what `algorithm.schedule` returns and `policy.sample` reads
+PLAN_TYPES = {plan.family: plan for plan in (FlowPlan, TokenPlan, MaskedPlan)}  # family -> plan type
+
+
+def deterministic_plan(family: str, num_steps: int) -> SamplingPlan:
+    """The evaluation plan of a plan `family` (no stochastic step, nothing trained), over `num_steps` decisions."""
+    if family not in PLAN_TYPES:
+        raise ValueError(f"Unknown plan family {family!r}: use one of {sorted(PLAN_TYPES)}.")
+    return PLAN_TYPES[family].deterministic(num_steps)

@@ -24,7 +24,7 @@ import torch
 from mmgrpo.hub import resolve_pretrained
 from mmgrpo.reference import ReferenceSwitch
 from mmgrpo.samplers.masked_diffusion import eoser_gamma, make_schedule, rebuild_state, token_log_probs, unmask_step
-from mmgrpo.types import PromptBatch, Rollout, SamplingPlan, Score
+from mmgrpo.types import MaskedPlan, PromptBatch, Rollout, Score, TokenPlan
 from mmgrpo.validation import check_fields, check_range
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -169,6 +169,7 @@ class MDLMPolicy:
 
     Config = MDLMConfig
     modalities = frozenset({"text"})
+    plan_families = ("masked", "token")  # its own MaskedPlan, and token algorithms' TokenPlan (a decision per step)
     plan_features = frozenset({"likelihood", "token_scores"})
     # scoring method -> the Score fields it fills (both through `_pack`)
     provides = dict.fromkeys(("log_prob", "likelihood"),
@@ -317,9 +318,10 @@ class MDLMPolicy:
         return eoser_gamma(step, self.num_steps, c.eoser_gamma_min, c.eoser_gamma_max, kind)
 
     @torch.no_grad()
-    def sample(self, batch: PromptBatch, plan: SamplingPlan, *, generator: torch.Generator | None = None) -> Rollout:
-        """Decodes one completion per prompt; steps in ``plan.sde_steps`` sample at `temperature`, the others at
-        `eval_temperature` (a deterministic plan is greedy evaluation).
+    def sample(self, batch: PromptBatch, plan: MaskedPlan | TokenPlan, *, generator: torch.Generator | None = None) -> Rollout:
+        """Decodes one completion per prompt at `temperature`, or at `eval_temperature` when the plan is greedy
+        (evaluation). A masked plan may ask for likelihood scoring (d1's prompt-mask draws); a token plan trains its
+        decoding steps as tokens.
 
         The trajectory holds the prompt `[N, P]` and its attention mask, the final completion `[N, L]`, each token's
         commit step `[N, L]` and log-prob `[N, L]`, and the temperature of every step; nothing per intermediate state.
@@ -335,7 +337,7 @@ class MDLMPolicy:
         completion = torch.full((n, length), self.mask_id, dtype=torch.long, device=self.device)  # [N, L]
         commit_step = torch.full((n, length), -1, dtype=torch.long, device=self.device)  # [N, L]
         token_lp = torch.zeros(n, length, device=self.device)  # [N, L]
-        temperatures = torch.tensor([c.temperature if s in plan.sde_steps else c.eval_temperature for s in range(d.num_steps)])
+        temperatures = torch.tensor([c.eval_temperature if plan.greedy else c.temperature for _ in range(d.num_steps)])
         position = torch.arange(length, device=self.device)
         for s in range(d.num_steps):
             block = d.block_of_step[s]
@@ -359,7 +361,7 @@ class MDLMPolicy:
             "completion": completion.cpu(), "commit_step": commit_step.cpu(), "token_log_probs": token_lp.cpu(),  # [N, L]
             "shared_temperatures": temperatures,  # [S]
         }
-        if plan.scoring == "likelihood":
+        if "likelihood" in plan.features():
             old, mask = self._record_likelihood(trajectory, plan)
         else:
             mask &= committed.any(-1).cpu()
@@ -418,7 +420,7 @@ class MDLMPolicy:
         logits = self._completion_logits(prompt, prompt_attention, torch.full_like(completion, self.mask_id))
         return token_log_probs(logits, completion)  # [n, L]
 
-    def _record_likelihood(self, trajectory: dict, plan: SamplingPlan) -> tuple[torch.Tensor, torch.Tensor]:
+    def _record_likelihood(self, trajectory: dict, plan: MaskedPlan) -> tuple[torch.Tensor, torch.Tensor]:
         """Draws the prompt masks of the plan's likelihood draws (from ``plan.seed``) and records the sampling
         policy's one-step log-probs (d1 computes its "old" log-probs at rollout time with the same masks)."""
         generator = torch.Generator().manual_seed(plan.seed)

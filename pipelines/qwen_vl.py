@@ -9,7 +9,7 @@ Qwen2.5-VL https://arxiv.org/abs/2502.13923.
 ``old_log_probs`` and ``mask`` are `[N, max_new_tokens]` (``mask`` false after the end-of-turn token, and on the
 padding). The token algorithms (`grpo`, `dr_grpo`, `dapo`, `gspo`, `sapo`) train the whole completion as one unit,
 ``train_units = [[0, ..., T - 1]]``; `log_prob(rollout, steps)` returns ``log_prob`` and ``mask`` `[n, len(steps)]`.
-A plan without stochastic steps (``SamplingPlan.deterministic``, evaluation) decodes greedily.
+A greedy plan (``TokenPlan.deterministic``, evaluation) decodes greedily.
 
 **The policy.** ``pi(token) = softmax(logits / temperature)`` with Qwen's vision special tokens (image / video pads,
 vision start / end / pad) removed from the support: they are never sampled and never scored. ``top_p`` / ``top_k``
@@ -38,7 +38,7 @@ import torch
 from mmgrpo.hub import resolve_pretrained
 from mmgrpo.pipelines._qwen_vl_forward import GroupForward, collate_prompts, unique_rows
 from mmgrpo.pipelines._qwen_vl_inputs import PromptEncoder, vision_inputs
-from mmgrpo.types import PromptBatch, Rollout, SamplingPlan, Score
+from mmgrpo.types import PromptBatch, Rollout, Score, TokenPlan
 from mmgrpo.validation import ConfigError, check_fields, check_range
 
 # transformers' attention backends (besides hub kernels "org/name")
@@ -147,6 +147,7 @@ class QwenVLPolicy:
 
     Config = QwenVLConfig
     modalities = frozenset({"text"})
+    plan_families = ("token",)  # it reads TokenPlan only
     plan_features = frozenset()
     provides = {"log_prob": frozenset({"log_prob", "mask"})}  # scoring method -> the Score fields it fills
 
@@ -284,9 +285,9 @@ class QwenVLPolicy:
 
     # ------------------------------------------------------------------------------------------------- sampling
     @torch.no_grad()
-    def sample(self, batch: PromptBatch, plan: SamplingPlan, *, generator: torch.Generator | None = None) -> Rollout:
+    def sample(self, batch: PromptBatch, plan: TokenPlan, *, generator: torch.Generator | None = None) -> Rollout:
         """Decodes up to ``plan.num_steps`` tokens per sample with a KV cache: sampled (temperature, top-p, top-k)
-        when the plan has stochastic steps, greedy otherwise. The prompt and images of a group are forwarded once.
+        unless the plan is greedy. The prompt and images of a group are forwarded once.
 
         Returns:
             [`Rollout`]: ``outputs["texts"]`` (`N` strings), ``old_log_probs`` `[N, S]`, ``mask`` `[N, S]` (completion
@@ -307,7 +308,7 @@ class QwenVLPolicy:
         attention = prompt_mask
         for t in range(steps):
             logp = module.log_softmax(logits, self.config.temperature).cpu()  # [N, V]
-            chosen = self._choose(logp, greedy=not plan.sde_steps, generator=generator)  # [N]
+            chosen = self._choose(logp, greedy=plan.greedy, generator=generator)  # [N]
             chosen = torch.where(alive, chosen, torch.full_like(chosen, self.pad_id))
             tokens[:, t] = chosen
             log_probs[:, t] = torch.where(alive, logp.gather(1, chosen[:, None]).squeeze(1), torch.zeros(n))

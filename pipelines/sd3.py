@@ -15,7 +15,7 @@ import torch
 from mmgrpo.hub import load_diffusers_pipeline
 from mmgrpo.pipelines._flow_common import DTYPES, TrainableTransformer, check_flow_config
 from mmgrpo.samplers.flow_plan import PLAN_FEATURES, SCORE_FIELDS, plan_likelihood, replay_plan, run_plan
-from mmgrpo.types import PromptBatch, Rollout, SamplingPlan, Score
+from mmgrpo.types import FlowPlan, PromptBatch, Rollout, Score
 
 
 @dataclass
@@ -69,6 +69,7 @@ class SD3Policy:
 
     Config = SD3Config
     modalities = frozenset({"image"})
+    plan_families = ("flow",)  # it reads FlowPlan only
     plan_features = PLAN_FEATURES  # merged steps, branches, per-sample units, DPM solver, likelihood
     provides = SCORE_FIELDS  # scoring method -> the Score fields it fills
 
@@ -206,7 +207,7 @@ class SD3Policy:
         return {k: trajectory[k].to(self.device) for k in names if k in trajectory}
 
     @torch.no_grad()
-    def sample(self, batch: PromptBatch, plan: SamplingPlan, *, generator: torch.Generator | None = None) -> Rollout:
+    def sample(self, batch: PromptBatch, plan: FlowPlan, *, generator: torch.Generator | None = None) -> Rollout:
         """Samples one image per prompt following `plan` (SDE on `plan.sde_steps`, ODE elsewhere; merged steps,
         branches from a shared anchor, the DPM solver: see `mmgrpo.samplers.flow_plan`).
 

@@ -7,7 +7,7 @@ import torch
 from mmgrpo.algorithms.chunk_grpo import ChunkGRPO, ChunkGRPOConfig
 from mmgrpo.pipelines.sd3 import SD3Config, SD3Policy
 from mmgrpo.samplers.flow_plan import select_units
-from mmgrpo.types import PromptBatch, SamplingPlan, Score
+from mmgrpo.types import FlowPlan, PromptBatch, Score
 
 PROMPTS = ["a red circle", "two blue squares"]
 
@@ -62,12 +62,12 @@ def test_samples_not_training_a_chunk_are_ignored():
 
 
 def test_each_sample_trains_its_share_of_chunks():
-    plan = SamplingPlan(num_steps=6, sde_steps=list(range(6)), train_units=[[0, 1], [2, 3], [4]], units_per_sample=2)
+    plan = FlowPlan(num_steps=6, sde_steps=list(range(6)), train_units=[[0, 1], [2, 3], [4]], units_per_sample=2)
     mask = select_units(plan, 200, None, torch.Generator().manual_seed(0))
     per_unit = torch.stack([mask[:, u].all(1) for u in plan.train_units], 1)  # [200, 3]
     assert (per_unit.sum(1) == 2).all() and not mask[:, 5].any()
     assert (per_unit.float().mean(0) - 2 / 3).abs().max() < 0.12  # uniform
-    weighted = SamplingPlan(num_steps=6, sde_steps=list(range(6)), train_units=[[0, 1], [2, 3], [4]],
+    weighted = FlowPlan(num_steps=6, sde_steps=list(range(6)), train_units=[[0, 1], [2, 3], [4]],
                             units_per_sample=1, unit_weighting="latent_change")
     change = torch.tensor([[0.3, 0.3, 0.0, 0.0, 0.1, 0.0]]).repeat(300, 1)  # chunk means 0.3, 0, 0.1
     picked = torch.stack([select_units(weighted, 300, change, torch.Generator().manual_seed(1))[:, u].all(1)

@@ -156,16 +156,18 @@ def test_bad_schedule_is_named(tmp_path):
 
 @pytest.mark.parametrize("path", ALL_CONFIGS, ids=lambda p: p.name)
 def test_shipped_configs_schedule_on_their_pipeline(path, monkeypatch):
-    """The algorithm's plan fits the pipeline's steps and asks only for features the pipeline implements (what the
-    trainer checks at start-up, here without loading any weights)."""
+    """The algorithm's plan is of a family the pipeline reads, fits its steps and asks only for features it implements
+    (what the trainer checks at start-up, here without loading any weights)."""
     from mmgrpo import registry
 
     monkeypatch.chdir(ROOT)
     cfg = config_mod.load(path)
     algorithm = registry.get("algorithm", cfg.algorithm.name)(cfg.algorithm.options)
     plan = algorithm.schedule(cfg.pipeline.options.num_steps, torch.Generator().manual_seed(0))
-    assert plan.features() <= set(getattr(registry.get("pipeline", cfg.pipeline.name), "plan_features", ()))
-    if plan.branch:  # whole sub-groups of at least 2 samples per branch
+    pipeline = registry.get("pipeline", cfg.pipeline.name)
+    assert plan.family == algorithm.plan_family and plan.family in pipeline.plan_families  # a plan it reads
+    assert plan.features() <= pipeline.plan_features
+    if plan.family == "flow" and plan.branch:  # whole sub-groups of at least 2 samples per branch
         assert cfg.train.group_size % len(plan.sde_steps) == 0 and cfg.train.group_size // len(plan.sde_steps) >= 2
 
 
@@ -292,7 +294,7 @@ def test_check_prints_the_resolved_config_and_ok(capsys, monkeypatch):
 
 @pytest.mark.parametrize("changes, fragment", [
     ({"reward": {"name": "accuracy"}, "eval": {"every": 0}}, "reward.name: reward 'accuracy' scores ['text']"),
-    ({"algorithm": {"name": "cj_grpo"}, "eval": {"every": 0}}, "algorithm.name: algorithm 'cj_grpo' needs"),
+    ({"algorithm": {"name": "cj_grpo"}, "eval": {"every": 0}}, "algorithm.name: algorithm 'cj_grpo' emits 'masked'"),
     ({"eval": {"every": 5}}, "eval.every: prompt source 'prompt_file' has no held-out items"),
 ])
 def test_check_runs_the_compatibility_checks_before_any_model_loads(tmp_path, capsys, changes, fragment):

@@ -11,7 +11,7 @@ import torch
 
 from mmgrpo import registry
 from mmgrpo.protocols import Algorithm, RewardFn, StochasticPolicy
-from mmgrpo.preflight import SCORING_METHODS, require_plan
+from mmgrpo.preflight import SCORING_METHODS, require_plan, require_scores
 from mmgrpo.trainer import check_plan, score_unit
 from mmgrpo.types import PromptBatch, Score
 from reward_fixtures import jpeg_server, tiny_aesthetic_head, tiny_clip_dir, tiny_pickscore_dir  # noqa: F401
@@ -107,9 +107,13 @@ def test_pipeline_contract(name, algorithm_name, request):
     assert isinstance(policy, StochasticPolicy)
     cls = registry.get("algorithm", algorithm_name)
     algorithm = cls(cls.Config(**ALGORITHM_OPTIONS.get(algorithm_name, {})))
+    names = SimpleNamespace(algorithm=SimpleNamespace(name=algorithm_name), pipeline=SimpleNamespace(name=name))
+    if algorithm.plan_family not in policy.plan_families:  # another family's plan: refused, naming the families
+        with pytest.raises(ValueError, match=f"emits '{algorithm.plan_family}' plans.*plan family mismatch"):
+            check_plan(policy, algorithm, names)
+        return
     plan = algorithm.schedule(policy.num_steps, torch.Generator().manual_seed(0))
     missing = plan.features() - policy.plan_features
-    names = SimpleNamespace(algorithm=SimpleNamespace(name=algorithm_name), pipeline=SimpleNamespace(name=name))
     if missing:  # an unsupported pair must be refused before any step, naming what is missing
         with pytest.raises(ValueError, match=f"algorithm '{algorithm_name}' needs .*{sorted(missing)[0]}"):
             check_plan(policy, algorithm, names)
@@ -149,13 +153,45 @@ def test_pipeline_contract(name, algorithm_name, request):
 @pytest.mark.parametrize("pipeline", ["qwen_vl", "mdlm"])
 def test_a_pipeline_without_a_field_the_algorithm_reads_is_refused_before_loading(pipeline):
     """Flow-GRPO's KL term reads the SDE transitions' ``mean`` and ``std``, which a token policy's score has not: the
-    pair is refused from the pipeline's class (no model loaded), naming the field; without the KL it is accepted."""
+    score check refuses it from the pipeline's class (no model loaded), naming the field; without the KL it passes."""
     cls = registry.get("algorithm", "flow_grpo")
     names = SimpleNamespace(algorithm=SimpleNamespace(name="flow_grpo"), pipeline=SimpleNamespace(name=pipeline))
     policy_cls = registry.get("pipeline", pipeline)
     with pytest.raises(ValueError, match=r"reads the score field\(s\) \['mean', 'std'\], which pipeline .*kl_beta=0"):
-        require_plan(policy_cls, cls(cls.Config(kl_beta=0.04)), 6, names)
-    require_plan(policy_cls, cls(cls.Config(kl_beta=0.0)), 6, names)
+        require_scores(policy_cls, cls(cls.Config(kl_beta=0.04)), names)
+    require_scores(policy_cls, cls(cls.Config(kl_beta=0.0)), names)
+
+
+@pytest.mark.parametrize(("pipeline", "algorithm", "speaks"), [
+    ("sd3", "grpo", "['flow']"), ("flux", "dapo", "['flow']"), ("qwen_vl", "flow_grpo", "['token']"),
+    ("qwen_vl", "cj_grpo", "['token']"), ("mdlm", "dgpo", "['masked', 'token']"),
+])
+def test_an_algorithm_of_another_plan_family_is_refused_before_loading(pipeline, algorithm, speaks, monkeypatch):
+    """A pipeline reads only the plan families it declares: an algorithm emitting another family's plan (a token
+    algorithm on a flow pipeline...) is refused from the pipeline's class, before any model loads and before the plan
+    is even built, naming both families."""
+    cls = registry.get("algorithm", algorithm)
+    instance = cls(cls.Config(**ALGORITHM_OPTIONS.get(algorithm, {})))
+    monkeypatch.setattr(instance, "schedule", lambda *args: pytest.fail("the plan was built before the family check"))
+    names = SimpleNamespace(algorithm=SimpleNamespace(name=algorithm), pipeline=SimpleNamespace(name=pipeline))
+    with pytest.raises(ValueError, match=rf"algorithm '{algorithm}' emits '{instance.plan_family}' plans, but pipeline "
+                                         rf"'{pipeline}' reads only \{speaks}\ plans \(plan family mismatch\)"):
+        require_plan(registry.get("pipeline", pipeline), instance, 6, names)
+
+
+def test_every_plan_family_has_a_pipeline_and_an_algorithm():
+    """Each family's plans are emitted by some algorithm and read by some pipeline, and its deterministic plan (the
+    evaluation's) is of that family, greedy / ODE, with nothing trained."""
+    from mmgrpo.types import PLAN_TYPES, deterministic_plan
+
+    emitted = {registry.get("algorithm", n).plan_family for n in registry.available("algorithm")}
+    spoken = {f for n in registry.available("pipeline") for f in registry.get("pipeline", n).plan_families}
+    assert emitted == spoken == set(PLAN_TYPES) == {"flow", "token", "masked"}
+    for family in PLAN_TYPES:
+        plan = deterministic_plan(family, 3)
+        assert plan.family == family and plan.train_units == [] and not plan.features()
+    with pytest.raises(ValueError, match="Unknown plan family 'video'"):
+        deterministic_plan("video", 3)
 
 
 @pytest.mark.parametrize("name", sorted(registry.available("algorithm")))
@@ -172,7 +208,8 @@ def test_algorithm_contract(name):
     assert torch.count_nonzero(tied) == 0  # identical rewards: exactly no signal
     plan = algorithm.schedule(6, torch.Generator().manual_seed(0))
     assert plan.train_units and plan.scoring == algorithm.scoring
-    if algorithm.scoring == "trajectory":
+    assert type(plan).family == algorithm.plan_family  # the declared family is the plan's type
+    if algorithm.plan_family == "flow" and algorithm.scoring == "trajectory":
         assert all(s in plan.sde_steps for unit in plan.train_units for s in unit)
     same = algorithm.schedule(6, torch.Generator().manual_seed(0))
     assert same == plan  # identical on every process that seeds the generator identically

@@ -12,7 +12,7 @@ from mmgrpo.algorithms.dgpo import DGPO, DGPOConfig, group_weights
 from mmgrpo.samplers.flow_plan import group_noise
 from mmgrpo.pipelines.sd3 import SD3Config, SD3Policy
 from mmgrpo.trainer import Trainer, score_unit
-from mmgrpo.types import PromptBatch, SamplingPlan, Score
+from mmgrpo.types import FlowPlan, PromptBatch, Score
 
 PROMPTS = ["a red circle", "two blue squares"]
 
@@ -169,7 +169,7 @@ def test_euler_rollout_is_the_evaluation_sampler(tiny_sd3_dir):
     plan = DGPO(DGPOConfig(trunc_steps=2, num_train_timesteps=2, solver="euler")).schedule(4)
     batch = PromptBatch(PROMPTS)
     rollout = policy.sample(batch, plan, generator=torch.Generator().manual_seed(3))
-    evaluated = policy.sample(batch, SamplingPlan.deterministic(4), generator=torch.Generator().manual_seed(3))
+    evaluated = policy.sample(batch, FlowPlan.deterministic(4), generator=torch.Generator().manual_seed(3))
     assert torch.equal(rollout.trajectory["latents"][:, -1], evaluated.trajectory["latents"][:, -1])
     # its likelihood is scored at the Euler noise levels of the high-noise end
     assert plan.solver == "flow" and {j for unit in plan.train_units for j in unit} <= {0, 1, 2}

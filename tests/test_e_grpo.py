@@ -151,6 +151,7 @@ def test_trainer_refuses_a_plan_the_pipeline_cannot_follow():
 
     class PlainPolicy:  # samples plain SDE/ODE plans only and has no likelihood
         num_steps = 6
+        plan_families = ("flow",)
         plan_features = frozenset()
         provides = {"log_prob": frozenset({"log_prob", "mask"})}
 

@@ -13,7 +13,7 @@ import torch
 
 from mmgrpo import config as config_mod
 from mmgrpo.prompt_stream import items_to_batch
-from mmgrpo.types import SamplingPlan
+from mmgrpo.types import FlowPlan
 
 ROOT = Path(__file__).resolve().parent.parent
 CONFIG = ROOT / "configs" / "tiny" / "t2i_shapes.yaml"
@@ -67,7 +67,7 @@ def test_shipped_base_model_is_clearly_imperfect(monkeypatch):
     policy, _, reward, data = build_components(cfg)
     items = data.eval_items()[:96]
     batch = items_to_batch(items)
-    rollout = policy.sample(batch, SamplingPlan.deterministic(policy.eval_num_steps), generator=torch.Generator().manual_seed(0))
+    rollout = policy.sample(batch, FlowPlan.deterministic(policy.eval_num_steps), generator=torch.Generator().manual_seed(0))
     strict = reward(rollout.outputs, batch).components["strict"]
     accuracy = strict.mean().item()
     assert 0.15 <= accuracy <= 0.75, accuracy  # room to improve, but the model draws shapes

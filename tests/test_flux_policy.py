@@ -9,7 +9,7 @@ import torch
 
 from mmgrpo.algorithms.flow_grpo import FlowGRPO, FlowGRPOConfig
 from mmgrpo.pipelines.flux import FluxConfig, FluxPolicy
-from mmgrpo.types import PromptBatch, SamplingPlan
+from mmgrpo.types import FlowPlan, PromptBatch
 
 PROMPTS = ["a red circle", "two blue squares", "a green triangle left of a yellow circle"]
 ROOT = Path(__file__).resolve().parent.parent
@@ -80,7 +80,7 @@ def test_sigmas_follow_flux_dynamic_shift(tiny_flux_dir):
 
 def test_guidance_embedding_is_fed(tiny_flux_dir):
     low, high = make_policy(tiny_flux_dir, guidance_scale=1.0), make_policy(tiny_flux_dir, guidance_scale=5.0)
-    plan = SamplingPlan.deterministic(2)
+    plan = FlowPlan.deterministic(2)
     a = low.sample(PromptBatch(PROMPTS[:1]), plan, generator=torch.Generator().manual_seed(0)).outputs["images"]
     b = high.sample(PromptBatch(PROMPTS[:1]), plan, generator=torch.Generator().manual_seed(0)).outputs["images"]
     assert not torch.equal(a, b)
@@ -90,13 +90,13 @@ def test_branched_merged_plan_replays_and_likelihood_is_differentiable(tiny_flux
     """The opt-in plan features (shared for sd3 and flux in `mmgrpo.samplers.flow_plan`) run on FLUX's packed latents."""
     policy = make_policy(tiny_flux_dir)
     batch = PromptBatch(PROMPTS[:2]).repeat(2)
-    plan = SamplingPlan(num_steps=4, sde_steps=[0, 1], train_units=[[0, 1]], noise_level=0.9, merge={0: 2}, branch=True,
+    plan = FlowPlan(num_steps=4, sde_steps=[0, 1], train_units=[[0, 1]], noise_level=0.9, merge={0: 2}, branch=True,
                         seed=7)
     rollout = policy.sample(batch, plan, generator=torch.Generator().manual_seed(0))
     replay = policy.log_prob(rollout, [0, 1])
     torch.testing.assert_close(replay.log_prob.detach()[replay.mask], rollout.old_log_probs[:, [0, 1]][replay.mask],
                                rtol=0, atol=1e-5)
-    plan = SamplingPlan(num_steps=4, sde_steps=[], train_units=[[0], [2]], noise_level=0.0, scoring="likelihood", seed=5)
+    plan = FlowPlan(num_steps=4, sde_steps=[], train_units=[[0], [2]], noise_level=0.0, scoring="likelihood", seed=5)
     rollout = policy.sample(batch, plan, generator=torch.Generator().manual_seed(0))
     first, second = policy.likelihood(rollout, [0, 2]), policy.likelihood(rollout, [0, 2])
     assert first.log_prob.shape == (4, 2) and torch.isfinite(first.log_prob).all()
@@ -170,7 +170,7 @@ def test_full_finetune_reference_is_frozen_copy(tiny_flux_dir):
 def test_save_and_reload_reproduce_samples(tiny_flux_dir, tmp_path, lora_rank):
     policy = make_policy(tiny_flux_dir, lora_rank=lora_rank)
     perturb(policy)
-    plan = SamplingPlan.deterministic(4)
+    plan = FlowPlan.deterministic(4)
     batch = PromptBatch(PROMPTS)
     expected = policy.sample(batch, plan, generator=torch.Generator().manual_seed(5)).outputs["images"]
     policy.save_pretrained(tmp_path / "ckpt")
@@ -198,7 +198,7 @@ def test_lora_checkpoint_loads_in_plain_diffusers(tiny_flux_dir, tmp_path):
     with safe_open(str(tmp_path / "lora" / "pytorch_lora_weights.safetensors"), "pt") as f:
         metadata = json.loads(f.metadata()["lora_adapter_metadata"])
     assert metadata["transformer.r"] == 4 and metadata["transformer.lora_alpha"] == 8
-    ours = policy.sample(PromptBatch(PROMPTS[:2]), SamplingPlan.deterministic(4), generator=torch.Generator().manual_seed(2))
+    ours = policy.sample(PromptBatch(PROMPTS[:2]), FlowPlan.deterministic(4), generator=torch.Generator().manual_seed(2))
     pipe = load_diffusers_pipeline(FluxPipeline, tiny_flux_dir)
     pipe.set_progress_bar_config(disable=True)
     pipe.load_lora_weights(tmp_path / "lora")

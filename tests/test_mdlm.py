@@ -299,14 +299,14 @@ def test_shipped_base_model_is_clearly_imperfect():
     from mmgrpo import registry
     from mmgrpo.hub import shipped_weights_dir
     from mmgrpo.prompt_stream import items_to_batch
-    from mmgrpo.types import SamplingPlan
+    from mmgrpo.types import MaskedPlan
 
     metrics = json.loads((shipped_weights_dir() / "mdlm_arith" / "metrics.json").read_text())
     assert 0.3 <= metrics["held_out_accuracy"] <= 0.6
     policy = _policy("mmgrpo:mdlm_arith", gen_length=4, block_length=None, steps_per_block=4, lora_rank=0)
     data = registry.get("data", "arith")(registry.get("data", "arith").Config(digits=2, n_train=100, n_eval=200))
     batch = items_to_batch(data.eval_items())
-    rollout = policy.sample(batch, SamplingPlan.deterministic(4), generator=torch.Generator().manual_seed(0))
+    rollout = policy.sample(batch, MaskedPlan.deterministic(4), generator=torch.Generator().manual_seed(0))
     reward = registry.get("reward", "accuracy")(registry.get("reward", "accuracy").Config(mode="numeric"))
     assert float(reward(rollout.outputs, batch).scores.mean()) == pytest.approx(metrics["held_out_accuracy"], abs=1e-6)
 

@@ -13,7 +13,7 @@ from qwen_vl_utils import fetch_video, smart_resize
 from transformers import AutoProcessor
 
 from mmgrpo.pipelines.qwen_vl import QwenVLConfig, QwenVLPolicy
-from mmgrpo.types import PromptBatch, SamplingPlan
+from mmgrpo.types import PromptBatch, TokenPlan
 
 PATCH, FACTOR = 14, 28  # the tiny models' patch size; patch x spatial merge
 SAVED = (56 * 56, 112 * 112)  # the budget the tiny processors were saved with (data/tiny_vlm.py)
@@ -59,7 +59,7 @@ def test_images_are_resized_once_within_the_configured_budget(request, fixture, 
     low, high = budget or SAVED
     calls = capture_vision_grids(pol)
     batch = image_batch()
-    pol.sample(batch, SamplingPlan.deterministic(1))
+    pol.sample(batch, TokenPlan.deterministic(1))
     assert len(calls) == 1 and calls[0]["patches"] == sum(t * h * w for t, h, w in calls[0]["grid"])
     for (width, height), grid, metadata in zip(SIZES, calls[0]["grid"], batch.metadata):
         expected_h, expected_w = smart_resize(height, width, factor=FACTOR, min_pixels=low, max_pixels=high)
@@ -97,7 +97,7 @@ def test_video_frames_are_resized_once_within_the_configured_budget(request, bud
     _, _, height, width = expected.shape  # [frames, 3, H, W]
     calls = capture_vision_grids(pol)
     batch = PromptBatch(["what moves?"], metadata=[{}], conditions={"video": [frames]})
-    pol.sample(batch, SamplingPlan.deterministic(1))
+    pol.sample(batch, TokenPlan.deterministic(1))
     assert len(calls) == 1 and calls[0]["grid"] == [[2, height // PATCH, width // PATCH]]
     assert low <= height * width <= high
 
@@ -158,7 +158,7 @@ def test_a_budget_too_small_for_an_image_shape_names_the_key(request):
     pol = make_policy(request, min_pixels=784, max_pixels=2000)
     batch = PromptBatch(["where?"], metadata=[{}], conditions={"images": [Image.new("RGB", (300, 10))]})
     with pytest.raises(ValueError, match=r"zero pixels.*pipeline\.max_pixels=2000"):
-        pol.sample(batch, SamplingPlan.deterministic(1))
+        pol.sample(batch, TokenPlan.deterministic(1))
 
 
 def test_budget_below_one_cell_of_the_resize_grid_is_refused(tmp_path):

@@ -9,7 +9,7 @@ from PIL import Image
 from mmgrpo.algorithms.grpo import GRPO, GRPOConfig
 from mmgrpo.pipelines.qwen_vl import QwenVLConfig, QwenVLPolicy
 from mmgrpo.trainer import score_unit
-from mmgrpo.types import PromptBatch, SamplingPlan
+from mmgrpo.types import PromptBatch, TokenPlan
 
 KINDS = ["tiny_qwen2_vl_dir", "tiny_qwen2_5_vl_dir"]
 
@@ -133,7 +133,7 @@ def test_greedy_evaluation_and_input_size(request):
     pol = policy(request, "tiny_qwen2_5_vl_dir", max_new_tokens=5)
     batch = vision_batch(1)
     batch.group_ids = torch.arange(len(batch))
-    plan = SamplingPlan.deterministic(pol.eval_num_steps)
+    plan = TokenPlan.deterministic(pol.eval_num_steps)
     first = pol.sample(batch, plan)
     second = pol.sample(batch, plan, generator=torch.Generator().manual_seed(9))
     assert first.outputs["texts"] == second.outputs["texts"]

@@ -7,7 +7,7 @@ import torch
 
 from mmgrpo.algorithms.flow_grpo import FlowGRPO, FlowGRPOConfig
 from mmgrpo.pipelines.sd3 import SD3Config, SD3Policy
-from mmgrpo.types import PromptBatch, SamplingPlan
+from mmgrpo.types import FlowPlan, PromptBatch
 
 PROMPTS = ["a red circle", "two blue squares", "a green triangle left of a yellow circle"]
 
@@ -141,7 +141,7 @@ def test_save_and_reload_reproduce_samples(tiny_sd3_dir, tmp_path, lora_rank):
     with torch.no_grad():
         for p in policy.trainable_parameters():
             p.add_(torch.randn_like(p) * 0.05)
-    plan = SamplingPlan.deterministic(4)
+    plan = FlowPlan.deterministic(4)
     batch = PromptBatch(PROMPTS)
     expected = policy.sample(batch, plan, generator=torch.Generator().manual_seed(5)).outputs["images"]
     policy.save_pretrained(tmp_path / "ckpt")
@@ -162,7 +162,7 @@ def test_lora_checkpoint_loads_in_plain_diffusers(tiny_sd3_dir, tmp_path):
         for p in policy.trainable_parameters():
             p.add_(torch.randn_like(p) * 0.05)
     policy.save_pretrained(tmp_path / "lora")
-    ours = policy.sample(PromptBatch(PROMPTS[:2]), SamplingPlan.deterministic(4), generator=torch.Generator().manual_seed(2))
+    ours = policy.sample(PromptBatch(PROMPTS[:2]), FlowPlan.deterministic(4), generator=torch.Generator().manual_seed(2))
     pipe = load_diffusers_pipeline(StableDiffusion3Pipeline, tiny_sd3_dir)
     pipe.load_lora_weights(tmp_path / "lora")
     theirs = pipe(

@@ -121,7 +121,7 @@ def test_sapo_soft_gate_value_and_gradient():
 def test_on_policy_ratio_one_zero_advantage_zero_gradient_and_group_size_two(name):
     algorithm = build(name)
     plan = algorithm.schedule(5)
-    assert plan.train_units == [[0, 1, 2, 3, 4]] and plan.sde_steps == [0, 1, 2, 3, 4] and not plan.features()
+    assert plan.train_units == [[0, 1, 2, 3, 4]] and not plan.greedy and not plan.features() and plan.family == "token"
     adv = algorithm.advantages(torch.tensor([1.0, 0.0, 0.5, 0.5]), torch.tensor([7, 7, 9, 9]))  # G = 2
     assert adv[0] > 0 > adv[1] and adv[2] == 0 and adv[3] == 0
     log_prob = torch.randn(4, 5, generator=torch.Generator().manual_seed(0))

@@ -53,7 +53,7 @@ def test_shipped_vlm_shapes_base_model_is_imperfect_and_answers_in_the_r1_layout
     from mmgrpo.pipelines.qwen_vl import QwenVLConfig, QwenVLPolicy
     from mmgrpo.prompt_stream import items_to_batch
     from mmgrpo.rewards.format import FormatReward
-    from mmgrpo.types import SamplingPlan
+    from mmgrpo.types import TokenPlan
 
     path = resolve_pretrained("mmgrpo:vlm_shapes")
     metrics = json.loads(open(f"{path}/metrics.json", encoding="utf-8").read())
@@ -62,5 +62,5 @@ def test_shipped_vlm_shapes_base_model_is_imperfect_and_answers_in_the_r1_layout
                                        min_pixels=3136, max_pixels=3136))
     batch = items_to_batch(VLMShapes(VLMShapesConfig(n_train=0, n_eval=8)).eval_items())
     batch.group_ids = torch.arange(len(batch))
-    rollout = policy.sample(batch, SamplingPlan.deterministic(20))
+    rollout = policy.sample(batch, TokenPlan.deterministic(20))
     assert FormatReward()(rollout.outputs, batch).scores.mean() >= 0.75

@@ -14,21 +14,19 @@ from typing import Literal
 import torch
 
 from ..losses import k3_kl
-from ..types import SamplingPlan, Score
+from ..types import Score, TokenPlan
 from ..validation import check_range
 
 Aggregation = Literal["sequence_mean", "token_mean", "fixed_length"]
 TOKEN_READS = frozenset({"log_prob", "mask"})  # the Score fields every token loss reads (mask: the scored tokens)
 
 
-def token_plan(num_steps: int) -> SamplingPlan:
-    """Every decision is stochastic and the whole completion is one trained unit, ``[[0, ..., T - 1]]``: the
-    trainer scores all tokens of a minibatch in one forward (the ratio of a token needs the tokens before it).
-
-    Token pipelines ignore the noise level; on a flow-matching pipeline this plan is an SDE on every step at the
-    default noise level, all steps trained as one unit (the token losses then apply per denoising step)."""
+def token_plan(num_steps: int) -> TokenPlan:
+    """Every decision samples and the whole completion is one trained unit, ``[[0, ..., T - 1]]``: the trainer
+    scores all tokens of a minibatch in one forward (the ratio of a token needs the tokens before it). A token plan
+    runs on the pipelines that speak the ``"token"`` family (`qwen_vl`; `mdlm`, one decoding step per decision)."""
     steps = list(range(num_steps))
-    return SamplingPlan(num_steps=num_steps, sde_steps=steps, train_units=[steps])
+    return TokenPlan(num_steps=num_steps, train_units=[steps])
 
 
 def token_mask(new: Score, like: torch.Tensor) -> torch.Tensor:

@@ -18,7 +18,7 @@ import torch
 
 from ..advantages import group_normalize
 from ..losses import clipped_surrogate, k3_kl, masked_mean
-from ..types import AlgorithmTraits, LossOutput, SamplingPlan, Score
+from ..types import AlgorithmTraits, FlowPlan, LossOutput, Score
 from ..validation import check_fields, check_range
 
 
@@ -80,6 +80,7 @@ class ChunkGRPO:
 
     Config = ChunkGRPOConfig
     scoring = "trajectory"
+    plan_family = "flow"  # the plan type `schedule` returns
 
     def __init__(self, config: ChunkGRPOConfig):
         self.config = config
@@ -102,11 +103,11 @@ class ChunkGRPO:
         starts = [sum(sizes[:k]) for k in range(len(sizes))]
         return [list(range(start, start + size)) for start, size in zip(starts, sizes)]
 
-    def schedule(self, num_steps: int, generator: torch.Generator | None = None) -> SamplingPlan:
+    def schedule(self, num_steps: int, generator: torch.Generator | None = None) -> FlowPlan:
         """Every step SDE; the chunks are the train units, each sample training a `timestep_fraction` of them."""
         units = self.chunk_units(num_steps)
         per_sample = max(1, int(len(units) * self.config.timestep_fraction))
-        return SamplingPlan(
+        return FlowPlan(
             num_steps=num_steps,
             sde_steps=list(range(num_steps)),
             train_units=units,

@@ -19,7 +19,7 @@ import torch
 
 from ..advantages import group_normalize
 from ..losses import clipped_surrogate, k3_kl, masked_mean
-from ..types import AlgorithmTraits, LossOutput, SamplingPlan, Score
+from ..types import AlgorithmTraits, LossOutput, MaskedPlan, Score
 from ..validation import check_fields, check_range
 
 
@@ -84,17 +84,17 @@ class CJGRPO:
 
     Config = CJGRPOConfig
     scoring = "trajectory"
+    plan_family = "masked"  # the plan type `schedule` returns
 
     def __init__(self, config: CJGRPOConfig):
         self.config = config
         token_ratio = {"old_token_log_prob"} if config.ratio_level == "token" else set()
         self.traits = AlgorithmTraits(reads=TOKEN_STEP_READS | token_ratio, needs_reference=config.kl_beta > 0)
 
-    def schedule(self, num_steps: int, generator: torch.Generator | None = None) -> SamplingPlan:
+    def schedule(self, num_steps: int, generator: torch.Generator | None = None) -> MaskedPlan:
         """Every decoding step samples and is trained, one step per unit."""
         steps = list(range(num_steps))
-        return SamplingPlan(num_steps=num_steps, sde_steps=steps, train_units=[[s] for s in steps], noise_level=1.0,
-                            token_scores=True)
+        return MaskedPlan(num_steps=num_steps, train_units=[[s] for s in steps], token_scores=True)
 
     def advantages(self, scores: torch.Tensor, group_ids: torch.Tensor) -> torch.Tensor:
         c = self.config

@@ -34,7 +34,7 @@ import torch
 
 from ..advantages import group_normalize
 from ..ema import ParameterEMA
-from ..types import AlgorithmTraits, LossOutput, SamplingPlan, Score
+from ..types import AlgorithmTraits, FlowPlan, LossOutput, Score
 from ..validation import check_fields, check_range
 
 
@@ -109,6 +109,7 @@ class DGPO:
 
     Config = DGPOConfig
     scoring = "likelihood"
+    plan_family = "flow"  # the plan type `schedule` returns
 
     def __init__(self, config: DGPOConfig):
         self.config = config
@@ -126,7 +127,7 @@ class DGPO:
         self.ema = ParameterEMA()
         self.updates = 0
 
-    def schedule(self, num_steps: int, generator: torch.Generator | None = None) -> SamplingPlan:
+    def schedule(self, num_steps: int, generator: torch.Generator | None = None) -> FlowPlan:
         """Deterministic rollouts (DPM-Solver++ or Euler); `num_train_timesteps` noise levels from the high-noise end."""
         c = self.config
         if c.trunc_steps >= num_steps:
@@ -135,7 +136,7 @@ class DGPO:
                 f"index {num_steps} is the clean sample)."
             )
         order = torch.randperm(c.trunc_steps + 1, generator=generator)[: c.num_train_timesteps]
-        return SamplingPlan(
+        return FlowPlan(
             num_steps=num_steps,
             sde_steps=[],
             train_units=[[int(j)] for j in order],

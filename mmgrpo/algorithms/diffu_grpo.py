@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from ..advantages import group_normalize
-from ..types import AlgorithmTraits, LossOutput, SamplingPlan, Score
+from ..types import AlgorithmTraits, LossOutput, MaskedPlan, Score
 from .cj_grpo import TOKEN_STEP_READS, token_step_loss
 from ..validation import check_fields
 
@@ -50,20 +50,21 @@ class DiffuGRPO:
 
     Config = DiffuGRPOConfig
     scoring = "likelihood"
+    plan_family = "masked"  # the plan type `schedule` returns
 
     def __init__(self, config: DiffuGRPOConfig):
         self.config = config
         reads = TOKEN_STEP_READS | {"old_token_log_prob"}  # the ratio is per token
         self.traits = AlgorithmTraits(reads=reads, needs_reference=config.kl_beta > 0)
 
-    def schedule(self, num_steps: int, generator: torch.Generator | None = None) -> SamplingPlan:
+    def schedule(self, num_steps: int, generator: torch.Generator | None = None) -> MaskedPlan:
         """Every decoding step samples; the units are the likelihood draws ``[[0], [1], ...]``."""
         if self.config.draws > num_steps:
             raise ValueError(f"draws {self.config.draws} must not exceed the {num_steps} decoding steps.")
         seed = int(torch.randint(0, 4096, (1,), generator=generator)) if self.config.random_masking else 42
-        return SamplingPlan(
-            num_steps=num_steps, sde_steps=list(range(num_steps)), train_units=[[j] for j in range(self.config.draws)],
-            noise_level=1.0, scoring="likelihood", seed=seed, token_scores=True,
+        return MaskedPlan(
+            num_steps=num_steps, train_units=[[j] for j in range(self.config.draws)], scoring="likelihood", seed=seed,
+            token_scores=True,
         )
 
     def advantages(self, scores: torch.Tensor, group_ids: torch.Tensor) -> torch.Tensor:

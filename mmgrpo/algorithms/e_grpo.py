@@ -20,7 +20,7 @@ import torch
 
 from ..advantages import group_normalize
 from ..losses import clipped_surrogate
-from ..types import AlgorithmTraits, LossOutput, SamplingPlan, Score
+from ..types import AlgorithmTraits, FlowPlan, LossOutput, Score
 from ..validation import check_fields, check_range
 
 
@@ -83,12 +83,13 @@ class EGRPO:
 
     Config = EGRPOConfig
     scoring = "trajectory"
+    plan_family = "flow"  # the plan type `schedule` returns
 
     def __init__(self, config: EGRPOConfig):
         self.config = config
         self.traits = AlgorithmTraits(reads=frozenset({"log_prob", "mask"}))  # mask: each sample's own SDE step
 
-    def schedule(self, num_steps: int, generator: torch.Generator | None = None) -> SamplingPlan:
+    def schedule(self, num_steps: int, generator: torch.Generator | None = None) -> FlowPlan:
         """A branching plan: ODE anchor per group, one SDE step per sample, all SDE steps trained as one unit (each
         sample's entry is its own step; the policy's ``mask`` says which)."""
         c = self.config
@@ -99,7 +100,7 @@ class EGRPO:
                 f"algorithm.sde_steps / merge_steps {too_late} end past the {num_steps} sampling steps: use steps "
                 f"with step + span <= pipeline.num_steps."
             )
-        return SamplingPlan(
+        return FlowPlan(
             num_steps=num_steps,
             sde_steps=list(c.sde_steps),
             train_units=[list(c.sde_steps)],

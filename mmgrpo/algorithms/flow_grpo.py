@@ -11,7 +11,7 @@ from typing import Literal
 import torch
 
 from ..advantages import group_normalize
-from ..types import AlgorithmTraits, LossOutput, SamplingPlan, Score
+from ..types import AlgorithmTraits, FlowPlan, LossOutput, Score
 from ..validation import check_fields, check_range
 
 
@@ -67,13 +67,14 @@ class FlowGRPO:
 
     Config = FlowGRPOConfig
     scoring = "trajectory"
+    plan_family = "flow"  # the plan type `schedule` returns
 
     def __init__(self, config: FlowGRPOConfig):
         self.config = config
         kl_reads = {"mean", "std"} if config.kl_beta > 0 else set()  # the KL term reads the transitions
         self.traits = AlgorithmTraits(reads=frozenset({"log_prob"} | kl_reads), needs_reference=config.kl_beta > 0)
 
-    def schedule(self, num_steps: int, generator: torch.Generator | None = None) -> SamplingPlan:
+    def schedule(self, num_steps: int, generator: torch.Generator | None = None) -> FlowPlan:
         """All steps SDE (training the first `timestep_fraction`), or a random window of SDE steps."""
         c = self.config
         if c.sde_window_size == 0:
@@ -87,7 +88,7 @@ class FlowGRPO:
             start = lo if hi <= lo else int(torch.randint(lo, hi, (1,), generator=generator))
             sde_steps = list(range(start, start + c.sde_window_size))
             trained = sde_steps
-        return SamplingPlan(
+        return FlowPlan(
             num_steps=num_steps,
             sde_steps=sde_steps,
             train_units=[[s] for s in trained],

@@ -13,7 +13,7 @@ import torch
 
 from ..advantages import group_normalize
 from ..losses import clipped_objective
-from ..types import AlgorithmTraits, LossOutput, SamplingPlan, Score
+from ..types import AlgorithmTraits, LossOutput, Score, TokenPlan
 from ._token import TOKEN_READS, add_kl, check_options, ratio_metrics, token_mask, token_plan
 from ..validation import check_fields, check_range
 
@@ -44,12 +44,13 @@ class GSPO:
 
     Config = GSPOConfig
     scoring = "trajectory"
+    plan_family = "token"  # the plan type `schedule` returns
 
     def __init__(self, config: GSPOConfig):
         self.config = config
         self.traits = AlgorithmTraits(reads=TOKEN_READS, needs_reference=config.kl_beta > 0)
 
-    def schedule(self, num_steps: int, generator: torch.Generator | None = None) -> SamplingPlan:
+    def schedule(self, num_steps: int, generator: torch.Generator | None = None) -> TokenPlan:
         return token_plan(num_steps)
 
     def advantages(self, scores: torch.Tensor, group_ids: torch.Tensor) -> torch.Tensor:

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from ..advantages import group_normalize
-from ..types import AlgorithmTraits, LossOutput, SamplingPlan, Score
+from ..types import AlgorithmTraits, LossOutput, Score, TokenPlan
 from ._token import TOKEN_READS, add_kl, aggregate, ratio_metrics, token_mask, token_plan
 from ..validation import check_fields, check_range
 
@@ -47,12 +47,13 @@ class SAPO:
 
     Config = SAPOConfig
     scoring = "trajectory"
+    plan_family = "token"  # the plan type `schedule` returns
 
     def __init__(self, config: SAPOConfig):
         self.config = config
         self.traits = AlgorithmTraits(reads=TOKEN_READS, needs_reference=config.kl_beta > 0)
 
-    def schedule(self, num_steps: int, generator: torch.Generator | None = None) -> SamplingPlan:
+    def schedule(self, num_steps: int, generator: torch.Generator | None = None) -> TokenPlan:
         return token_plan(num_steps)
 
     def advantages(self, scores: torch.Tensor, group_ids: torch.Tensor) -> torch.Tensor:

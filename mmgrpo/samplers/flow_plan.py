@@ -20,7 +20,7 @@ from typing import Callable
 import torch
 
 from mmgrpo.samplers.flow_sde import entropy_merge_span, flow_sde_step
-from mmgrpo.types import SamplingPlan, Score
+from mmgrpo.types import FlowPlan, Score
 
 PLAN_FEATURES = frozenset({"merge", "branch", "unit_selection", "dpm", "likelihood"})
 # scoring method -> the `Score` fields a flow adapter fills ([`replay_plan`], [`plan_likelihood`])
@@ -61,25 +61,25 @@ def relative_change(latents: torch.Tensor) -> torch.Tensor:
     return (change / (latents[:, :-1].abs().mean(dim=dims) + 1e-8)).float().cpu()
 
 
-def branch_index(plan: SamplingPlan, member_ids: torch.Tensor) -> torch.Tensor:
+def branch_index(plan: FlowPlan, member_ids: torch.Tensor) -> torch.Tensor:
     """Which branch (index into `sde_steps`) each sample takes: ``member_ids % len(sde_steps)``, `[N]`."""
     if member_ids is None:
         raise ValueError("A branching plan needs PromptBatch.member_ids (set by PromptBatch.repeat).")
     return member_ids.long() % len(plan.sde_steps)
 
 
-def branch_group_ids(plan: SamplingPlan, group_ids: torch.Tensor, member_ids: torch.Tensor) -> torch.Tensor:
+def branch_group_ids(plan: FlowPlan, group_ids: torch.Tensor, member_ids: torch.Tensor) -> torch.Tensor:
     """Group ids after branching, `[N]`: samples share one iff they share the prompt group and the SDE step."""
     return group_ids.long() * len(plan.sde_steps) + branch_index(plan, member_ids)
 
 
 def select_units(
-    plan: SamplingPlan, n: int, step_change: torch.Tensor | None, generator: torch.Generator | None
+    plan: FlowPlan, n: int, step_change: torch.Tensor | None, generator: torch.Generator | None
 ) -> torch.Tensor:
     """Per-sample choice of the plan's `units_per_sample` trained units (feature ``"unit_selection"``).
 
     Args:
-        plan ([`SamplingPlan`]): the plan, with `train_units`, `units_per_sample` and `unit_weighting`.
+        plan ([`FlowPlan`]): the plan, with `train_units`, `units_per_sample` and `unit_weighting`.
         n (`int`): number of samples.
         step_change (`torch.FloatTensor` of shape `[n, S]`, *optional*): relative latent change of each step,
             needed by ``unit_weighting="latent_change"``.
@@ -108,7 +108,7 @@ def sample_flow(
     velocity: StepVelocity,
     latents: torch.Tensor,
     sigmas: torch.Tensor,
-    plan: SamplingPlan,
+    plan: FlowPlan,
     generator: torch.Generator | None = None,
 ) -> tuple[dict, torch.Tensor, torch.Tensor]:
     """Runs a flow sampler from pure noise following `plan`: SDE on `plan.sde_steps`, ODE elsewhere.
@@ -117,7 +117,7 @@ def sample_flow(
         velocity (`Callable`): ``velocity(latents, i)``, the (guided) model velocity at step `i`.
         latents (`torch.FloatTensor` of shape `[N, ...]`): the initial noise (at ``sigmas[0]``).
         sigmas (`torch.FloatTensor` of shape `[S + 1]`): the noise levels, ending at 0.
-        plan ([`SamplingPlan`]): which steps are stochastic and which are trained.
+        plan ([`FlowPlan`]): which steps are stochastic and which are trained.
         generator (`torch.Generator`, *optional*): draws the SDE noise (on the CPU, then moved to the latents' device).
 
     Returns:
@@ -152,7 +152,7 @@ def run_plan(
     velocity: Velocity,
     noise: Noise,
     sigmas: torch.Tensor,
-    plan: SamplingPlan,
+    plan: FlowPlan,
     group_ids: torch.Tensor,
     member_ids: torch.Tensor | None,
     generator: torch.Generator | None,
@@ -162,7 +162,7 @@ def run_plan(
     Args:
         velocity (`Velocity`), noise (`Noise`): the adapter's model and initial-noise draw.
         sigmas (`torch.FloatTensor` of shape `[S + 1]`): the adapter's noise levels (unused by the ``"dpm"`` solver).
-        plan ([`SamplingPlan`]): the algorithm's plan.
+        plan ([`FlowPlan`]): the algorithm's plan.
         group_ids (`torch.LongTensor` of shape `[N]`), member_ids (`torch.LongTensor` of shape `[N]`, *optional*).
         generator (`torch.Generator`, *optional*): this process's sampling generator.
 
@@ -189,7 +189,7 @@ def run_plan(
     return trajectory, log_probs, mask, group_ids
 
 
-def _path(plan: SamplingPlan, sde_steps: list[int], sigmas: torch.Tensor, start: int = 0) -> list[tuple]:
+def _path(plan: FlowPlan, sde_steps: list[int], sigmas: torch.Tensor, start: int = 0) -> list[tuple]:
     """The transitions ``(i, end, noise_level)`` of one path from step `start`: SDE steps span their merge."""
     steps, i = [], start
     while i < plan.num_steps:
