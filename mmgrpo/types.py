@@ -335,15 +335,11 @@ class FlowPlan:
 
     def features(self) -> set[str]:
         """The opt-in features this plan uses (a subset of ``{"merge", "branch", "unit_selection", "dpm",
-        "likelihood"}``); a policy must list them all in its ``plan_features``."""
-        used = {
-            "merge": bool(self.merge) or self.merge_entropy is not None,
-            "branch": self.branch,
-            "unit_selection": self.units_per_sample > 0,
-            "dpm": self.solver == "dpm",
-            "likelihood": self.scoring == "likelihood",
-        }
-        return {name for name, on in used.items() if on}
+        "likelihood"}``); a policy must list them all in its ``plan_features``. Read by
+        [`mmgrpo.samplers.flow_plan.features`], beside the code that implements them."""
+        from .samplers.flow_plan import features
+
+        return features(self)
 
     @property
     def trained_steps(self) -> list[int]:

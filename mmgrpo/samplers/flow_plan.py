@@ -29,6 +29,21 @@ SCORE_FIELDS = {
     "likelihood": frozenset({"log_prob", "velocity", "group_ids"}),
 }
 
+
+def features(plan: FlowPlan) -> set[str]:
+    """The opt-in features `plan` uses, a subset of [`PLAN_FEATURES`]: ``"merge"`` (fixed or entropy-adaptive merged
+    SDE steps), ``"branch"`` (group branches from one anchor), ``"unit_selection"`` (per-sample trained units),
+    ``"dpm"`` (the DPM-Solver++ rollout) and ``"likelihood"`` (scoring by [`plan_likelihood`])."""
+    used = {
+        "merge": bool(plan.merge) or plan.merge_entropy is not None,
+        "branch": plan.branch,
+        "unit_selection": plan.units_per_sample > 0,
+        "dpm": plan.solver == "dpm",
+        "likelihood": plan.scoring == "likelihood",
+    }
+    return {name for name, on in used.items() if on}
+
+
 # velocity(latents [r, ...], sigma [], rows [r] or None for all samples) -> velocity [r, ...] in float32; `rows` pick
 # the samples' conditioning (text embeddings...)
 Velocity = Callable[[torch.Tensor, torch.Tensor, "torch.Tensor | None"], torch.Tensor]
