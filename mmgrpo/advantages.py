@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 import torch
+
+StdEstimator = Literal["population", "unbiased"]
+STD_ESTIMATORS = ("population", "unbiased")
 
 
 def group_normalize(
@@ -13,6 +18,7 @@ def group_normalize(
     global_std: bool = False,
     eps: float = 1e-4,
     clip: float | None = None,
+    std: StdEstimator = "population",
 ) -> torch.Tensor:
     """Advantages ``(r - mean_group) / (std_group + eps)`` keyed by explicit group ids.
 
@@ -26,14 +32,20 @@ def group_normalize(
         global_std (`bool`): divide by the standard deviation of all valid scores instead of the group's.
         eps (`float`): added to the standard deviation.
         clip (`float`, *optional*): clamp advantages to ``[-clip, clip]``.
+        std (`str`): the standard deviation's estimator: ``"population"`` divides the squared deviations by `n`
+            (NumPy's default: Flow-GRPO, DGPO), ``"unbiased"`` by ``n - 1`` (Bessel; PyTorch's default: TRL, GCPO,
+            VisualGRPO). At `n` = 2 the unbiased std is sqrt(2) times the population one.
 
     Returns:
         `torch.FloatTensor` of shape `[N]`.
     """
+    if std not in STD_ESTIMATORS:
+        raise ValueError(f"std must be 'population' or 'unbiased', got {std!r}.")
+    unbiased = std == "unbiased"
     scores = scores.float()
     valid = torch.isfinite(scores)
     advantages = torch.zeros_like(scores)
-    global_scale = scores[valid].std(unbiased=False) if global_std and valid.sum() > 1 else None
+    global_scale = scores[valid].std(unbiased=unbiased) if global_std and valid.sum() > 1 else None
     for gid in torch.unique(group_ids):
         members = (group_ids == gid) & valid
         if members.sum() == 0:
@@ -43,8 +55,8 @@ def group_normalize(
             continue  # identical rewards: exactly 0 (a mean's rounding error over eps would not be)
         centred = group - group.mean()
         if scale:
-            std = global_scale if global_scale is not None else group.std(unbiased=False)
-            centred = centred / (std + eps)
+            scale_by = global_scale if global_scale is not None else group.std(unbiased=unbiased)
+            centred = centred / (scale_by + eps)
         advantages[members] = centred
     if clip is not None:
         advantages = advantages.clamp(-clip, clip)

@@ -16,7 +16,7 @@ from typing import Literal
 
 import torch
 
-from ..advantages import group_normalize
+from ..advantages import StdEstimator, group_normalize
 from ..losses import clipped_surrogate, k3_kl, masked_mean
 from ..types import AlgorithmTraits, FlowPlan, LossOutput, Score
 from ..validation import check_fields, check_range
@@ -42,6 +42,7 @@ class ChunkGRPOConfig:
         noise_level (`float`): SDE noise scale eta.
         sde_type (`str`): ``"sde"`` or ``"cps"``.
         global_std (`bool`): normalise by the batch standard deviation instead of the group's.
+        adv_std (`str`): the std estimator of the advantages, ``"unbiased"`` (n - 1, GCPO's) or ``"population"``.
     """
 
     chunks: list[int] | None = None
@@ -55,6 +56,7 @@ class ChunkGRPOConfig:
     noise_level: float = 0.7
     sde_type: Literal["sde", "cps"] = "sde"
     global_std: bool = False
+    adv_std: StdEstimator = "unbiased"
 
     def __post_init__(self):
         check_fields(self)
@@ -118,7 +120,8 @@ class ChunkGRPO:
         )
 
     def advantages(self, scores: torch.Tensor, group_ids: torch.Tensor) -> torch.Tensor:
-        return group_normalize(scores, group_ids, global_std=self.config.global_std, clip=self.config.adv_clip_max)
+        return group_normalize(scores, group_ids, global_std=self.config.global_std, clip=self.config.adv_clip_max,
+                               std=self.config.adv_std)
 
     def loss(self, new: Score, old_log_prob, advantages, ref: Score | None = None) -> LossOutput:
         """Clipped surrogate on one chunk.

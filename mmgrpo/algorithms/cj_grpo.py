@@ -17,7 +17,7 @@ from typing import Literal
 
 import torch
 
-from ..advantages import group_normalize
+from ..advantages import StdEstimator, group_normalize
 from ..losses import clipped_surrogate, k3_kl, masked_mean
 from ..types import AlgorithmTraits, LossOutput, MaskedPlan, Score
 from ..validation import check_fields, check_range
@@ -33,6 +33,8 @@ class CJGRPOConfig:
         kl_beta (`float`): weight of the k3 KL to the reference policy (authors: 0.04; 0 skips the reference).
         ratio_level (`str`): ``"token"`` or ``"step"`` (see the module docstring).
         scale_rewards (`bool`): divide the centred rewards by the group's standard deviation.
+        adv_std (`str`): that std's estimator with `scale_rewards`: ``"unbiased"`` (n - 1; the std the authors' d1-based
+            code computes with PyTorch, and logs, though it does not divide by it) or ``"population"`` (n).
         adv_clip_max (`float`, *optional*): clamp advantages to ``[-adv_clip_max, adv_clip_max]``.
     """
 
@@ -41,6 +43,7 @@ class CJGRPOConfig:
     kl_beta: float = 0.04
     ratio_level: Literal["token", "step"] = "token"
     scale_rewards: bool = False
+    adv_std: StdEstimator = "unbiased"
     adv_clip_max: float | None = None
 
     def __post_init__(self):
@@ -98,7 +101,7 @@ class CJGRPO:
 
     def advantages(self, scores: torch.Tensor, group_ids: torch.Tensor) -> torch.Tensor:
         c = self.config
-        return group_normalize(scores, group_ids, scale=c.scale_rewards, clip=c.adv_clip_max)
+        return group_normalize(scores, group_ids, scale=c.scale_rewards, clip=c.adv_clip_max, std=c.adv_std)
 
     def loss(self, new: Score, old_log_prob, advantages, ref: Score | None = None) -> LossOutput:
         """Clipped surrogate of one decoding step (see [`token_step_loss`]).

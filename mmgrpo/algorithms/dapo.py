@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..advantages import group_normalize
+from ..advantages import StdEstimator, group_normalize
 from ..losses import clipped_objective
 from ..types import AlgorithmTraits, LossOutput, Score, TokenPlan
 from ._token import TOKEN_READS, add_kl, aggregate, check_options, ratio_metrics, token_mask, token_plan
@@ -32,6 +32,7 @@ class DAPOConfig:
         filter_groups (`bool`): leave samples with zero advantage (all-equal groups) out of the token count.
         kl_beta (`float`): weight of the k3 KL to the reference (the paper removes it: 0).
         adv_eps (`float`): added to the group std.
+        adv_std (`str`): the std estimator of the advantages, ``"unbiased"`` (n - 1, TRL's) or ``"population"``.
     """
 
     clip_low: float = 0.2
@@ -39,6 +40,7 @@ class DAPOConfig:
     filter_groups: bool = True
     kl_beta: float = 0.0
     adv_eps: float = 1e-4
+    adv_std: StdEstimator = "unbiased"
 
     def __post_init__(self):
         check_fields(self)
@@ -61,7 +63,7 @@ class DAPO:
         return token_plan(num_steps)
 
     def advantages(self, scores: torch.Tensor, group_ids: torch.Tensor) -> torch.Tensor:
-        return group_normalize(scores, group_ids, eps=self.config.adv_eps)
+        return group_normalize(scores, group_ids, eps=self.config.adv_eps, std=self.config.adv_std)
 
     def loss(self, new: Score, old_log_prob, advantages, ref: Score | None = None) -> LossOutput:
         """Clipped token surrogate averaged over the kept tokens; arguments as

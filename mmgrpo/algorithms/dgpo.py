@@ -32,7 +32,7 @@ from typing import Literal
 
 import torch
 
-from ..advantages import group_normalize
+from ..advantages import StdEstimator, group_normalize
 from ..ema import ParameterEMA
 from ..types import AlgorithmTraits, FlowPlan, LossOutput, Score
 from ..validation import check_fields, check_range
@@ -57,6 +57,7 @@ class DGPOConfig:
             (the high-noise end; with 10 DPM steps and shift 3, 4 means ``sigma >= ~0.7``).
         adv_clip_max (`float`): advantages are clamped to ``[-adv_clip_max, adv_clip_max]``.
         global_std (`bool`): normalise by the batch standard deviation instead of the group's.
+        adv_std (`str`): the std estimator of the advantages, ``"population"`` (n, DGPO's) or ``"unbiased"`` (n - 1).
         use_ema_ref (`bool`): the preference's reference is the fast-EMA old model instead of the frozen reference
             (TDM-R1's dynamic reference); the KL still uses the frozen reference.
         ema_decay_max (`float`), ema_decay_rate (`float`): the old model's EMA decay after `u` optimizer updates is
@@ -76,6 +77,7 @@ class DGPOConfig:
     trunc_steps: int = 4
     adv_clip_max: float = 5.0
     global_std: bool = False
+    adv_std: StdEstimator = "population"
     use_ema_ref: bool = False
     ema_decay_max: float = 0.3
     ema_decay_rate: float = 1e-3
@@ -148,7 +150,8 @@ class DGPO:
         )
 
     def advantages(self, scores: torch.Tensor, group_ids: torch.Tensor) -> torch.Tensor:
-        return group_normalize(scores, group_ids, global_std=self.config.global_std, clip=self.config.adv_clip_max)
+        return group_normalize(scores, group_ids, global_std=self.config.global_std, clip=self.config.adv_clip_max,
+                               std=self.config.adv_std)
 
     # ---------------------------------------------------------------------------------- the fast-EMA old model
     def old_policy(self, policy):

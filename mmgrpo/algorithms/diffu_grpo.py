@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..advantages import group_normalize
+from ..advantages import StdEstimator, group_normalize
 from ..types import AlgorithmTraits, LossOutput, MaskedPlan, Score
 from .cj_grpo import TOKEN_STEP_READS, token_step_loss
 from ..validation import check_fields
@@ -29,6 +29,8 @@ class DiffuGRPOConfig:
         clip_range (`float`): the per-token ratio is clipped to ``[1 - clip_range, 1 + clip_range]`` (d1: 0.5).
         kl_beta (`float`): weight of the k3 KL to the reference policy (d1: 0.04).
         scale_rewards (`bool`): divide the centred rewards by the group's standard deviation.
+        adv_std (`str`): that std's estimator with `scale_rewards`: ``"unbiased"`` (n - 1; the std d1's TRL-based code
+            computes with PyTorch, and logs, though it does not divide by it) or ``"population"`` (n).
     """
 
     draws: int = 1
@@ -36,6 +38,7 @@ class DiffuGRPOConfig:
     clip_range: float = 0.5
     kl_beta: float = 0.04
     scale_rewards: bool = False
+    adv_std: StdEstimator = "unbiased"
 
     def __post_init__(self):
         check_fields(self)
@@ -68,7 +71,7 @@ class DiffuGRPO:
         )
 
     def advantages(self, scores: torch.Tensor, group_ids: torch.Tensor) -> torch.Tensor:
-        return group_normalize(scores, group_ids, scale=self.config.scale_rewards)
+        return group_normalize(scores, group_ids, scale=self.config.scale_rewards, std=self.config.adv_std)
 
     def loss(self, new: Score, old_log_prob, advantages, ref: Score | None = None) -> LossOutput:
         """Per-token clipped surrogate (+ k3 KL) over the completion, for one draw (see

@@ -18,7 +18,7 @@ from typing import Literal
 
 import torch
 
-from ..advantages import group_normalize
+from ..advantages import StdEstimator, group_normalize
 from ..losses import clipped_surrogate
 from ..types import AlgorithmTraits, FlowPlan, LossOutput, Score
 from ..validation import check_fields, check_range
@@ -44,6 +44,7 @@ class EGRPOConfig:
         noise_level (`float`): SDE noise scale eta.
         sde_type (`str`): ``"sde"`` or ``"cps"``.
         global_std (`bool`): normalise by the batch standard deviation instead of the sub-group's.
+        adv_std (`str`): the std estimator of the advantages, ``"unbiased"`` (n - 1, VisualGRPO's) or ``"population"``.
     """
 
     sde_steps: list[int] = field(default_factory=lambda: [1])
@@ -55,6 +56,7 @@ class EGRPOConfig:
     noise_level: float = 0.7
     sde_type: Literal["sde", "cps"] = "sde"
     global_std: bool = False
+    adv_std: StdEstimator = "unbiased"
 
     def __post_init__(self):
         check_fields(self)
@@ -115,7 +117,8 @@ class EGRPO:
 
     def advantages(self, scores: torch.Tensor, group_ids: torch.Tensor) -> torch.Tensor:
         """Group-normalised within samples sharing a prompt and an SDE step (the rollout's branch group ids)."""
-        return group_normalize(scores, group_ids, global_std=self.config.global_std, clip=self.config.adv_clip_max)
+        return group_normalize(scores, group_ids, global_std=self.config.global_std, clip=self.config.adv_clip_max,
+                               std=self.config.adv_std)
 
     def loss(self, new: Score, old_log_prob, advantages, ref: Score | None = None) -> LossOutput:
         """Clipped surrogate on each sample's SDE step.

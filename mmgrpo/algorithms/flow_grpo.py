@@ -10,7 +10,7 @@ from typing import Literal
 
 import torch
 
-from ..advantages import group_normalize
+from ..advantages import StdEstimator, group_normalize
 from ..types import AlgorithmTraits, FlowPlan, LossOutput, Score
 from ..validation import check_fields, check_range
 
@@ -30,6 +30,7 @@ class FlowGRPOConfig:
             half of the steps).
         timestep_fraction (`float`): without a window, the first ``int(num_steps * fraction)`` steps are trained.
         global_std (`bool`): normalise by the batch standard deviation instead of the group's.
+        adv_std (`str`): the std estimator of the advantages, ``"population"`` (n, Flow-GRPO's) or ``"unbiased"`` (n - 1).
     """
 
     clip_range: float = 1e-4
@@ -41,6 +42,7 @@ class FlowGRPOConfig:
     sde_window_range: list[int] | None = None
     timestep_fraction: float = 1.0
     global_std: bool = False
+    adv_std: StdEstimator = "population"
 
     def __post_init__(self):
         check_fields(self)
@@ -97,7 +99,8 @@ class FlowGRPO:
         )
 
     def advantages(self, scores: torch.Tensor, group_ids: torch.Tensor) -> torch.Tensor:
-        return group_normalize(scores, group_ids, global_std=self.config.global_std, clip=self.config.adv_clip_max)
+        return group_normalize(scores, group_ids, global_std=self.config.global_std, clip=self.config.adv_clip_max,
+                               std=self.config.adv_std)
 
     def loss(self, new: Score, old_log_prob, advantages, ref: Score | None = None) -> LossOutput:
         """Clipped surrogate on one unit of steps.

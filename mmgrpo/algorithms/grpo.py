@@ -13,7 +13,7 @@ from typing import Literal
 
 import torch
 
-from ..advantages import group_normalize
+from ..advantages import StdEstimator, group_normalize
 from ..losses import clipped_objective
 from ..types import AlgorithmTraits, LossOutput, Score, TokenPlan
 from ._token import TOKEN_READS, add_kl, check_options, aggregate, ratio_metrics, token_mask, token_plan
@@ -29,6 +29,7 @@ class GRPOConfig:
         kl_beta (`float`): weight of the k3 KL to the reference (0 skips the reference forward). The paper's 0.04.
         scale_rewards (`str`): ``"group"`` divides by the group's std, ``"batch"`` by the batch's, ``"none"`` not.
         adv_eps (`float`): added to the std.
+        adv_std (`str`): the std estimator of the advantages, ``"unbiased"`` (n - 1, TRL's) or ``"population"``.
     """
 
     clip_low: float = 0.2
@@ -36,6 +37,7 @@ class GRPOConfig:
     kl_beta: float = 0.04
     scale_rewards: Literal["group", "batch", "none"] = "group"
     adv_eps: float = 1e-4
+    adv_std: StdEstimator = "unbiased"
 
     def __post_init__(self):
         check_fields(self)
@@ -62,7 +64,7 @@ class GRPO:
     def advantages(self, scores: torch.Tensor, group_ids: torch.Tensor) -> torch.Tensor:
         c = self.config
         return group_normalize(scores, group_ids, scale=c.scale_rewards != "none", global_std=c.scale_rewards == "batch",
-                               eps=c.adv_eps)
+                               eps=c.adv_eps, std=c.adv_std)
 
     def loss(self, new: Score, old_log_prob, advantages, ref: Score | None = None) -> LossOutput:
         """Clipped token surrogate plus ``kl_beta`` times the k3 KL.

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..advantages import group_normalize
+from ..advantages import StdEstimator, group_normalize
 from ..losses import clipped_objective
 from ..types import AlgorithmTraits, LossOutput, Score, TokenPlan
 from ._token import TOKEN_READS, add_kl, check_options, ratio_metrics, token_mask, token_plan
@@ -26,12 +26,14 @@ class GSPOConfig:
         clip_low (`float`), clip_high (`float`): the sequence ratio is clipped to ``[1 - clip_low, 1 + clip_high]``.
         kl_beta (`float`): weight of the k3 KL to the reference (token mean per sequence; the paper uses none: 0).
         adv_eps (`float`): added to the group std.
+        adv_std (`str`): the std estimator of the advantages, ``"unbiased"`` (n - 1, TRL's) or ``"population"``.
     """
 
     clip_low: float = 3e-4
     clip_high: float = 4e-4
     kl_beta: float = 0.0
     adv_eps: float = 1e-4
+    adv_std: StdEstimator = "unbiased"
 
     def __post_init__(self):
         check_fields(self)
@@ -54,7 +56,7 @@ class GSPO:
         return token_plan(num_steps)
 
     def advantages(self, scores: torch.Tensor, group_ids: torch.Tensor) -> torch.Tensor:
-        return group_normalize(scores, group_ids, eps=self.config.adv_eps)
+        return group_normalize(scores, group_ids, eps=self.config.adv_eps, std=self.config.adv_std)
 
     def loss(self, new: Score, old_log_prob, advantages, ref: Score | None = None) -> LossOutput:
         """Clipped sequence surrogate; arguments as [`~mmgrpo.algorithms.grpo.GRPO.loss`]. Metrics are per

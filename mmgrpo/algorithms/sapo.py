@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..advantages import group_normalize
+from ..advantages import StdEstimator, group_normalize
 from ..types import AlgorithmTraits, LossOutput, Score, TokenPlan
 from ._token import TOKEN_READS, add_kl, aggregate, ratio_metrics, token_mask, token_plan
 from ..validation import check_fields, check_range
@@ -27,12 +27,14 @@ class SAPOConfig:
         tau_pos (`float`), tau_neg (`float`): gate temperatures for positive / non-positive advantages.
         kl_beta (`float`): weight of the k3 KL to the reference (0 skips the reference forward).
         adv_eps (`float`): added to the group std.
+        adv_std (`str`): the std estimator of the advantages, ``"unbiased"`` (n - 1, TRL's) or ``"population"``.
     """
 
     tau_pos: float = 1.0
     tau_neg: float = 1.05
     kl_beta: float = 0.0
     adv_eps: float = 1e-4
+    adv_std: StdEstimator = "unbiased"
 
     def __post_init__(self):
         check_fields(self)
@@ -57,7 +59,7 @@ class SAPO:
         return token_plan(num_steps)
 
     def advantages(self, scores: torch.Tensor, group_ids: torch.Tensor) -> torch.Tensor:
-        return group_normalize(scores, group_ids, eps=self.config.adv_eps)
+        return group_normalize(scores, group_ids, eps=self.config.adv_eps, std=self.config.adv_std)
 
     def loss(self, new: Score, old_log_prob, advantages, ref: Score | None = None) -> LossOutput:
         """Soft-gated token surrogate; arguments as [`~mmgrpo.algorithms.grpo.GRPO.loss`]. ``clip_frac`` is the
