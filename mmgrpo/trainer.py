@@ -330,9 +330,12 @@ class Trainer:
 
     def _accumulate(self, rollout, units, group, mine, advantages) -> list[dict[str, float]]:
         """Backward passes of one update: each minibatch of `group`, each unit, its scored samples (`mine` `[n]`)
-        weighted by their share of the update's samples. Returns the loss metrics of each pass that had weight."""
+        weighted by their share of the update's samples, or, when ``traits.update_mean`` is ``"entries"``, by the
+        entries the pass's loss averages over, the update's gradient then divided by their count over all passes and
+        processes ([`_mean_over_entries`]). Returns the loss metrics of each pass that had weight."""
         acc, passes = self.accelerator, []
         total = sum(len(m) for m in group)
+        by_entries, entries = self.algorithm.traits.update_mean == "entries", 0.0
         for j, index in enumerate(group):
             kept = index[mine[index]]
             weight = len(kept)
@@ -346,10 +349,27 @@ class Trainer:
                     if not last:
                         for module in self.wrapped:
                             stack.enter_context(acc.no_sync(module))
-                    acc.backward(out.loss * (weight / total / len(units)))
+                    scale = (float(out.entries) if weight else 0.0) if by_entries else weight / total / len(units)
+                    entries += scale if by_entries else 0.0
+                    acc.backward(out.loss * scale)
                 if weight:
                     passes.append(out.metrics)
+        if by_entries:
+            self._mean_over_entries(entries)
         return passes
+
+    def _mean_over_entries(self, entries: float) -> None:
+        """Divides the accumulated gradient of an update whose passes were weighted by their entries by the update's
+        count of entries per process (the gradient is already averaged over processes), so that every entry of the
+        update weighs the same on every process."""
+        count = torch.tensor([entries])
+        if self.world > 1:
+            count = self.accelerator.gather(count.to(self.accelerator.device)).cpu()
+        per_process = float(count.sum()) / self.world
+        if per_process > 0:
+            for parameter in self.policy.trainable_parameters():
+                if parameter.grad is not None:
+                    parameter.grad.div_(per_process)
 
     def _unit_loss(self, sub, unit: list[int], advantages):
         device = self.accelerator.device

@@ -208,6 +208,14 @@ class AlgorithmTraits:
               EMA of the weights), which the algorithm then must have.
             - ``"current"``: the current score's `log_prob`, detached, with no extra forward (the ratio is 1: the
               loss reads no old model this run, e.g. DGPO without its clip or EMA reference).
+        update_mean (`str`): how the losses of one optimizer update's passes (minibatch x unit) are combined:
+
+            - ``"samples"``: each pass's loss weighs its share of the update's samples, each unit alike (a mean over
+              samples of the per-sample losses).
+            - ``"entries"``: every entry the losses average over (a token, a (sample, chunk) pair) weighs the same
+              across the whole update: the loss reports its count in ``LossOutput.entries``; the trainer weights each
+              pass by it and divides the update's gradient by the count over all passes and processes (DAPO's token
+              mean over the update; GCPO's mean over the trained (sample, chunk) pairs).
     """
 
     reads: frozenset[str] = frozenset({"log_prob"})
@@ -216,8 +224,11 @@ class AlgorithmTraits:
     has_state: bool = False
     after_update: bool = False
     old_source: Literal["rollout", "old_model", "current"] = "rollout"
+    update_mean: Literal["samples", "entries"] = "samples"
 
     def __post_init__(self):
+        if self.update_mean not in ("samples", "entries"):
+            raise ValueError(f"AlgorithmTraits.update_mean must be 'samples' or 'entries', got {self.update_mean!r}.")
         if self.old_source not in ("rollout", "old_model", "current"):
             raise ValueError(f"AlgorithmTraits.old_source must be 'rollout', 'old_model' or 'current', got "
                              f"{self.old_source!r}.")
@@ -233,6 +244,8 @@ class LossOutput:
     """A scalar loss and the metrics to log with it (clip fraction, approx KL, ratio mean...)."""
 
     loss: torch.Tensor  # [] scalar with grad
+    # with ``traits.update_mean == "entries"``: how many entries (tokens, (sample, chunk) pairs) `loss` averages over
+    entries: float | None = None
     metrics: dict[str, float] = field(default_factory=dict)
 
 

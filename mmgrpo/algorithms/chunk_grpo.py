@@ -7,6 +7,12 @@ consecutive steps are grouped into chunks (a fixed list such as ``[2, 3, 4, 7]``
 `chunk_size`), the chunk log-probability is the mean of its step log-probabilities, and each sample trains a random
 `timestep_fraction` of the chunks, optionally drawn with probability proportional to the chunk's relative latent
 change. Chunks are the plan's train units, so the trainer replays and back-propagates one chunk at a time.
+
+The loss of an optimizer update is the mean over the (sample, chunk) pairs it trains, as the authors' code (each pair
+weighs the same, so a chunk drawn by more samples weighs more: this is what makes the weighted chunk sampling emphasise
+the chunks it draws more often); each chunk's loss is its mean over the samples that train it and reports their count
+(``traits.update_mean = "entries"`` when a fraction of the chunks is trained). Advantages divide by the group's unbiased
+std (n - 1), as the authors' code (PyTorch's ``std``).
 """
 
 from __future__ import annotations
@@ -86,7 +92,11 @@ class ChunkGRPO:
 
     def __init__(self, config: ChunkGRPOConfig):
         self.config = config
-        self.traits = AlgorithmTraits(reads=frozenset({"log_prob", "mask"}))  # mask: the chunks each sample trains
+        self.traits = AlgorithmTraits(
+            reads=frozenset({"log_prob", "mask"}),  # mask: the chunks each sample trains
+            # each trained (sample, chunk) pair weighs the same (with every chunk trained, the same as per sample)
+            update_mean="entries" if config.timestep_fraction < 1 else "samples",
+        )
 
     def chunk_units(self, num_steps: int) -> list[list[int]]:
         """The chunks as lists of consecutive step indices."""
@@ -124,7 +134,7 @@ class ChunkGRPO:
                                std=self.config.adv_std)
 
     def loss(self, new: Score, old_log_prob, advantages, ref: Score | None = None) -> LossOutput:
-        """Clipped surrogate on one chunk.
+        """Clipped surrogate on one chunk: the mean over the samples that train it, their number as ``entries``.
 
         Args:
             new ([`Score`]): ``log_prob`` `[n, k]` of the chunk's `k` steps and, optionally, ``mask`` `[n, k]` (samples
@@ -144,7 +154,7 @@ class ChunkGRPO:
             kl = masked_mean(k3_kl(chunk_log_ratio, torch.zeros_like(chunk_log_ratio)), trains)
             loss = loss + c.kl_coeff * kl
             metrics["kl"] = kl.item()
-        return LossOutput(loss=loss, metrics=metrics)
+        return LossOutput(loss=loss, metrics=metrics, entries=float(trains.sum()))
 
 
 PLUGIN = ChunkGRPO

@@ -1,7 +1,10 @@
 """DAPO: asymmetric clip-higher, token-level loss aggregation and filtering of groups whose rewards are all equal.
 
-Paper: https://arxiv.org/abs/2503.14476. The loss of a minibatch is ``sum_{i,t} max(-A_i r_it, -A_i clip(r_it, 1 -
-eps_low, 1 + eps_high)) / #tokens`` (every token weighs the same, long answers are not down-weighted).
+Paper: https://arxiv.org/abs/2503.14476. The loss of an optimizer update is ``sum_{i,t} max(-A_i r_it, -A_i clip(r_it,
+1 - eps_low, 1 + eps_high)) / #tokens`` over all the tokens of the update, whatever its number of minibatches (every
+token weighs the same, long answers are not down-weighted; TRL's ``loss_type="dapo"``): each minibatch's loss is its
+token mean and reports its token count, and the trainer combines them into one token mean
+(``traits.update_mean = "entries"``). Advantages divide by the group's unbiased std (n - 1), as TRL.
 
 Group filtering (``filter_groups``, the paper's dynamic sampling without the re-sampling): a group whose rewards are
 all equal has advantage exactly 0 for every member, so its samples carry no policy gradient; with filtering their
@@ -57,7 +60,7 @@ class DAPO:
 
     def __init__(self, config: DAPOConfig):
         self.config = config
-        self.traits = AlgorithmTraits(reads=TOKEN_READS, needs_reference=config.kl_beta > 0)
+        self.traits = AlgorithmTraits(reads=TOKEN_READS, needs_reference=config.kl_beta > 0, update_mean="entries")
 
     def schedule(self, num_steps: int, generator: torch.Generator | None = None) -> TokenPlan:
         return token_plan(num_steps)
@@ -66,8 +69,8 @@ class DAPO:
         return group_normalize(scores, group_ids, eps=self.config.adv_eps, std=self.config.adv_std)
 
     def loss(self, new: Score, old_log_prob, advantages, ref: Score | None = None) -> LossOutput:
-        """Clipped token surrogate averaged over the kept tokens; arguments as
-        [`~mmgrpo.algorithms.grpo.GRPO.loss`]."""
+        """Clipped token surrogate averaged over the kept tokens, their count as ``entries`` (the trainer makes the
+        update's loss one token mean over its minibatches); arguments as [`~mmgrpo.algorithms.grpo.GRPO.loss`]."""
         c = self.config
         mask = token_mask(new, new.log_prob)  # [n, T]
         if c.filter_groups:
@@ -78,7 +81,7 @@ class DAPO:
         metrics = ratio_metrics(log_ratio, mask, clipped, policy_loss)
         metrics["kept_fraction"] = float((advantages != 0).float().mean()) if c.filter_groups else 1.0
         loss = add_kl(policy_loss, metrics, new, ref, mask, c.kl_beta, "token_mean")
-        return LossOutput(loss=loss, metrics=metrics)
+        return LossOutput(loss=loss, metrics=metrics, entries=float(mask.sum()))
 
 
 PLUGIN = DAPO

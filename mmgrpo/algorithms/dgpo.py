@@ -57,7 +57,7 @@ class DGPOConfig:
             (the high-noise end; with 10 DPM steps and shift 3, 4 means ``sigma >= ~0.7``).
         adv_clip_max (`float`): advantages are clamped to ``[-adv_clip_max, adv_clip_max]``.
         global_std (`bool`): normalise by the batch standard deviation instead of the group's.
-        adv_std (`str`): the std estimator of the advantages, ``"population"`` (n, DGPO's) or ``"unbiased"`` (n - 1).
+        adv_std (`str`): the std estimator of the advantages, ``"population"`` (n, DGPO's) or ``"unbiased"``.
         use_ema_ref (`bool`): the preference's reference is the fast-EMA old model instead of the frozen reference
             (TDM-R1's dynamic reference); the KL still uses the frozen reference.
         ema_decay_max (`float`), ema_decay_rate (`float`): the old model's EMA decay after `u` optimizer updates is

@@ -30,7 +30,7 @@ class FlowGRPOConfig:
             half of the steps).
         timestep_fraction (`float`): without a window, the first ``int(num_steps * fraction)`` steps are trained.
         global_std (`bool`): normalise by the batch standard deviation instead of the group's.
-        adv_std (`str`): the std estimator of the advantages, ``"population"`` (n, Flow-GRPO's) or ``"unbiased"`` (n - 1).
+        adv_std (`str`): the std estimator of the advantages, ``"population"`` (n, Flow-GRPO's) or ``"unbiased"``.
     """
 
     clip_range: float = 1e-4
