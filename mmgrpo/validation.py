@@ -6,7 +6,7 @@ after it compare numbers with numbers), then [`check_range`] for each bound::
 
     def __post_init__(self):
         check_fields(self)
-        check_range("clip_range", self.clip_range, low=0, low_open=True)
+        check_range("clip_low", self.clip_low, low=0, low_open=True)
 """
 
 from __future__ import annotations
@@ -22,6 +22,12 @@ from typing import Any, Literal
 _FLOAT_TEXT = re.compile(r"^[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?$")
 SEED_LIMIT = 2**32  # accelerate's set_seed seeds numpy's RandomState, which takes 0 <= seed < 2**32
 NULL_WORDS = ("null", "Null", "NULL", "~")
+# option names that were renamed so that one concept has one name in every plugin: old key -> the key(s) to use
+RENAMED = {
+    "clip_range": "clip_low (and clip_high)",
+    "clip_range_high": "clip_high",
+    "kl_coeff": "kl_beta",
+}
 
 
 class ConfigError(ValueError):
@@ -173,6 +179,14 @@ def _prefixed(message: str, prefix: str, fields: typing.Iterable[str]) -> str:
     return f"{prefix}.{message}" if head in fields else f"{prefix}: {message}"
 
 
+def check_renamed(values: dict, fields: typing.Iterable[str], prefix: str) -> None:
+    """Refuses a key of `values` that [`RENAMED`] lists (and `fields` lacks), with a one-line message naming the key
+    to use."""
+    for key in values:
+        if key in RENAMED and key not in fields:
+            raise ConfigError(f"{prefix}.{key} was renamed: use {prefix}.{RENAMED[key].replace('and ', f'and {prefix}.')}.")
+
+
 def build_dataclass(cls: type, values: dict | None, prefix: str) -> Any:
     """Builds dataclass `cls` from a mapping, rejecting unknown keys and wrong types, naming `prefix.key`."""
     values = {} if values is None else values
@@ -180,6 +194,7 @@ def build_dataclass(cls: type, values: dict | None, prefix: str) -> Any:
         raise ConfigError(f"{prefix}: expected a mapping of options, got {values!r} ({type(values).__name__}).")
     hints = typing.get_type_hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
+    check_renamed(values, fields, prefix)
     unknown = sorted(set(values) - set(fields), key=str)
     if unknown:
         raise ConfigError(

@@ -30,7 +30,7 @@ def test_chunk_ratio_is_the_geometric_mean_of_the_step_ratios():
     g = torch.Generator().manual_seed(0)
     old = torch.randn(5, 3, generator=g)
     new = (old + 0.01 * torch.randn(5, 3, generator=g)).requires_grad_(True)
-    algorithm = ChunkGRPO(ChunkGRPOConfig(clip_range=0.2, clip_range_high=0.3))
+    algorithm = ChunkGRPO(ChunkGRPOConfig(clip_low=0.2, clip_high=0.3))
     advantages = torch.tensor([1.0, -1.0, 0.5, 2.0, -0.3])
     out = algorithm.loss(Score(log_prob=new), old, advantages)
     step_ratios = torch.exp(new.detach() - old)  # [5, 3]
@@ -42,7 +42,7 @@ def test_chunk_ratio_is_the_geometric_mean_of_the_step_ratios():
     # asymmetric clip: a ratio of 1.25 is inside [0.8, 1.3], a ratio of 0.75 is clipped
     for ratio, inside in ((1.25, True), (0.75, False)):
         lp = torch.full((1, 2), float(torch.log(torch.tensor(ratio))), requires_grad=True)
-        ChunkGRPO(ChunkGRPOConfig(clip_range=0.2, clip_range_high=0.3)).loss(
+        ChunkGRPO(ChunkGRPOConfig(clip_low=0.2, clip_high=0.3)).loss(
             Score(log_prob=lp), torch.zeros(1, 2), torch.tensor([-1.0])
         ).loss.backward()
         assert (lp.grad.abs().sum() > 0) == inside
@@ -53,7 +53,7 @@ def test_samples_not_training_a_chunk_are_ignored():
     new = torch.full((4, 2), 0.01, requires_grad=True)
     mask = torch.tensor([[True, True], [False, False], [True, True], [False, False]])
     advantages = torch.tensor([1.0, 5.0, -1.0, 5.0])
-    algorithm = ChunkGRPO(ChunkGRPOConfig(clip_range=0.5))
+    algorithm = ChunkGRPO(ChunkGRPOConfig(clip_low=0.5))
     out = algorithm.loss(Score(log_prob=new, mask=mask), old, advantages)
     out.loss.backward()
     assert torch.count_nonzero(new.grad[~mask]) == 0 and torch.count_nonzero(new.grad[mask]) == 4

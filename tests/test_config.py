@@ -42,19 +42,43 @@ def test_real_sd3_config_carries_flow_grpo_hyperparameters(monkeypatch):
     monkeypatch.chdir(ROOT)
     cfg = config_mod.load(ROOT / "configs" / "sd3_5_medium_flow_grpo.yaml")
     assert cfg.pipeline.options.lora_rank == 32 and cfg.pipeline.options.lora_alpha == 64
-    assert cfg.algorithm.options.clip_range == 1e-4 and cfg.algorithm.options.noise_level == 0.7
+    assert cfg.algorithm.options.clip_low == 1e-4 and cfg.algorithm.options.noise_level == 0.7
     assert cfg.train.group_size == 24 and cfg.pipeline.options.num_steps == 10
 
 
 def test_unknown_key_is_named(tmp_path):
     raw = base_config(tmp_path)
     raw["algorithm"]["clip_rnage"] = 0.1
-    with pytest.raises(ConfigError, match=r"algorithm\.clip_rnage.*Valid keys.*clip_range"):
+    with pytest.raises(ConfigError, match=r"algorithm\.clip_rnage.*Valid keys.*clip_low"):
         config_mod.from_dict(raw)
     with pytest.raises(ConfigError, match="Unknown config key trian"):
         config_mod.from_dict(base_config(tmp_path, trian={}))
     with pytest.raises(ConfigError, match=r"train\.lr"):
         config_mod.from_dict(base_config(tmp_path, train={"lr": 1.0}))
+
+
+RENAMED_CASES = [
+    ("flow_grpo", "clip_range", 1e-4, r"algorithm\.clip_range was renamed: use algorithm\.clip_low \(and algorithm\.clip_high\)"),
+    ("e_grpo", "clip_range", 1e-4, r"use algorithm\.clip_low \(and algorithm\.clip_high\)"),
+    ("dgpo", "clip_range", 1e-2, r"use algorithm\.clip_low \(and algorithm\.clip_high\)"),
+    ("chunk_grpo", "clip_range", 1e-3, r"use algorithm\.clip_low \(and algorithm\.clip_high\)"),
+    ("chunk_grpo", "clip_range_high", 1e-3, r"algorithm\.clip_range_high was renamed: use algorithm\.clip_high\.$"),
+    ("chunk_grpo", "kl_coeff", 0.0, r"algorithm\.kl_coeff was renamed: use algorithm\.kl_beta\.$"),
+    ("cj_grpo", "clip_range", 0.5, r"use algorithm\.clip_low \(and algorithm\.clip_high\)"),
+    ("cj_grpo", "clip_range_high", 0.5, r"use algorithm\.clip_high"),
+    ("diffu_grpo", "clip_range", 0.5, r"use algorithm\.clip_low \(and algorithm\.clip_high\)"),
+]
+
+
+@pytest.mark.parametrize("algorithm, key, value, message", RENAMED_CASES)
+def test_renamed_option_names_its_new_key(tmp_path, algorithm, key, value, message):
+    """An option's old name (or old value type) is refused in one line naming the key to use, while the config is
+    read (before any model loads)."""
+    raw = base_config(tmp_path)
+    raw["algorithm"] = {"name": algorithm, key: value}
+    with pytest.raises(ConfigError, match=message) as err:
+        config_mod.from_dict(raw)
+    assert "\n" not in str(err.value)
 
 
 def test_wrong_type_is_named(tmp_path):
@@ -200,8 +224,8 @@ def test_resume_path_must_be_a_checkpoint(tmp_path):
 
 def test_plugin_values_are_finite_and_typed(tmp_path):
     raw = base_config(tmp_path)
-    raw["algorithm"]["clip_range"] = float("nan")
-    with pytest.raises(ConfigError, match=r"algorithm\.clip_range: must be a finite number"):
+    raw["algorithm"]["clip_low"] = float("nan")
+    with pytest.raises(ConfigError, match=r"algorithm\.clip_low: must be a finite number"):
         config_mod.from_dict(raw)
     from mmgrpo.algorithms.grpo import GRPOConfig  # the Python API checks the same, without the YAML path
 

@@ -31,7 +31,7 @@ def reference_loss(fm, fm_old, fm_ref, v, v_ref, adv, groups, c):
             members = [m for m in range(n) if groups[m] == groups[i]]
             s_g = sum(adv[m] * c.beta_dpo * (fm[m, j].detach() - fm_ref[m, j]) for m in members) / len(members)
             ratio = math.exp(float(fm_old[i, j] - fm[i, j].detach()))
-            clip = ratio > 1 + c.clip_range if adv[i] > 0 else ratio < 1 - c.clip_range
+            clip = ratio > 1 + c.clip_low if adv[i] > 0 else ratio < 1 - c.clip_low
             used = fm[i, j].detach() if (clip and c.clip_dsm) else fm[i, j]
             total = total + torch.sigmoid(s_g) * adv[i] * used
     kl = ((v - v_ref) ** 2).mean()
@@ -48,7 +48,7 @@ def test_loss_equals_an_independent_computation():
     fm_ref = fm.detach() + 0.01 * torch.randn(n, k, generator=g)
     v = torch.randn(n, k, 3, 2, 2, generator=g, requires_grad=True)
     v_ref = v.detach() + 0.1 * torch.randn(n, k, 3, 2, 2, generator=g)
-    c = DGPOConfig(beta_dpo=50.0, kl_beta=0.3, clip_range=1e-2)
+    c = DGPOConfig(beta_dpo=50.0, kl_beta=0.3, clip_low=1e-2)
     out = DGPO(c).loss(Score(log_prob=-fm, velocity=v, group_ids=groups), -fm_old, adv,
                        Score(log_prob=-fm_ref, velocity=v_ref))
     grads = torch.autograd.grad(out.loss, [fm, v])
@@ -247,10 +247,10 @@ def test_the_old_log_probs_are_the_ones_the_traits_declare(tiny_sd3_dir):
 
 
 def test_without_clip_the_old_model_is_not_scored(tiny_sd3_dir):
-    """clip_range 0 (and no use_ema_ref): nothing reads the old model, so its forward pass is skipped, the old score is
+    """clip_low 0 (and no use_ema_ref): nothing reads the old model, so its forward pass is skipped, the old score is
     the detached new one and the loss equals the clipped loss of a batch in which nothing is clipped."""
     policy = make_policy(tiny_sd3_dir)
-    algorithm = DGPO(DGPOConfig(trunc_steps=2, num_train_timesteps=1, clip_range=0.0, kl_beta=0.0))
+    algorithm = DGPO(DGPOConfig(trunc_steps=2, num_train_timesteps=1, clip_low=0.0, kl_beta=0.0))
     assert algorithm.traits.old_source == "current" and algorithm.traits.needs_reference
     plan = algorithm.schedule(4, torch.Generator().manual_seed(0))
     rollout = policy.sample(PromptBatch(PROMPTS).repeat(2), plan, generator=torch.Generator().manual_seed(0))
@@ -262,11 +262,11 @@ def test_without_clip_the_old_model_is_not_scored(tiny_sd3_dir):
     torch.testing.assert_close(old, new.log_prob.detach(), rtol=0, atol=0)
     advantages = torch.tensor([1.0, -1.0, 0.5, -0.5])
     unclipped = algorithm.loss(new, old, advantages, ref)
-    far_old = old - 5.0  # ratios exp(-5): every positive-advantage sample would be clipped at any clip_range > 0
+    far_old = old - 5.0  # ratios exp(-5): every positive-advantage sample would be clipped at any clip_low > 0
     out = algorithm.loss(new, far_old, advantages, ref)
     assert out.metrics["clip_frac"] == 0.0
     torch.testing.assert_close(out.loss, unclipped.loss, rtol=0, atol=0)
-    clipping = DGPO(DGPOConfig(trunc_steps=2, num_train_timesteps=1, clip_range=1e-2, kl_beta=0.0))
+    clipping = DGPO(DGPOConfig(trunc_steps=2, num_train_timesteps=1, clip_low=1e-2, kl_beta=0.0))
     assert clipping.loss(new, far_old, advantages, ref).metrics["clip_frac"] > 0
     algorithm.after_update(policy)
     assert algorithm.ema.shadow is None and algorithm.updates == 1  # no EMA is kept
@@ -312,7 +312,7 @@ def test_groups_without_signal_are_not_scored_and_the_gradient_is_unchanged(tmp_
     """With kl_beta 0 a zero-advantage group adds nothing to DGPO's gradient, so the trainer skips scoring it; the
     gradient of the update equals the one that scores every sample."""
     raw = dgpo_config(tmp_path, tiny_sd3_dir, 1)
-    raw["algorithm"].update(kl_beta=0.0, clip_range=0.0)
+    raw["algorithm"].update(kl_beta=0.0, clip_low=0.0)
     raw["train"].update(prompts_per_step=3, minibatch_size=4)  # 6 samples: minibatches of 4 and 2
     trainer = Trainer(config_mod.from_dict(raw))
     assert trainer.algorithm.traits.zero_advantage_is_inert

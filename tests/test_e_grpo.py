@@ -120,7 +120,7 @@ def test_anchor_forward_runs_once_per_group(tiny_sd3_dir):
 
 def test_shared_forward_gives_the_same_gradient_as_per_sample_forwards(tiny_sd3_dir):
     policy = make_policy(tiny_sd3_dir, num_steps=3)
-    algorithm, plan, _, rollout = sample(policy, EGRPOConfig(sde_steps=[1], clip_range=0.5), prompts=2, group=2)
+    algorithm, plan, _, rollout = sample(policy, EGRPOConfig(sde_steps=[1], clip_low=0.5), prompts=2, group=2)
     advantages = torch.tensor([1.0, -1.0, 0.5, -0.5])
 
     def grads(shared):

@@ -233,7 +233,7 @@ def test_real_flux_config_carries_flow_grpo_hyperparameters(monkeypatch):
     assert cfg.pipeline.name == "flux" and pipe.pretrained == "black-forest-labs/FLUX.1-dev"
     assert (pipe.num_steps, pipe.eval_num_steps, pipe.guidance_scale, pipe.resolution) == (6, 28, 3.5, 512)
     assert (pipe.lora_rank, pipe.lora_alpha, pipe.weights_dtype) == (64, 128, "bfloat16")
-    assert (algo.noise_level, algo.clip_range, algo.kl_beta, algo.timestep_fraction) == (0.9, 1e-4, 0.0, 0.99)
+    assert (algo.noise_level, algo.clip_low, algo.kl_beta, algo.timestep_fraction) == (0.9, 1e-4, 0.0, 0.99)
     assert cfg.train.mixed_precision == "bf16" and (cfg.train.prompts_per_step, cfg.train.group_size) == (48, 24)
 
 
@@ -250,7 +250,7 @@ def test_trainer_runs_flux_and_resumes_bitwise(tmp_path, tiny_flux_dir):
             "output_dir": str(tmp_path / name), "seed": 3,
             "pipeline": {"name": "flux", "pretrained": tiny_flux_dir, "resolution": 32, "num_steps": 3,
                          "lora_rank": 4, "lora_alpha": 8, "max_sequence_length": 16},
-            "algorithm": {"name": "flow_grpo", "clip_range": 0.2, "kl_beta": 0.1, "noise_level": 0.9},
+            "algorithm": {"name": "flow_grpo", "clip_low": 0.2, "kl_beta": 0.1, "noise_level": 0.9},
             "reward": {"name": "jpeg"},
             "data": {"name": "prompt_file", "train_file": str(prompts), "eval_file": str(prompts)},
             "train": {"max_steps": max_steps, "prompts_per_step": 2, "group_size": 2, "minibatch_size": 2,

@@ -243,7 +243,7 @@ def test_real_llada_config_carries_cj_grpo_hyperparameters(monkeypatch):
     assert p.family == "llada" and p.trust_remote_code and p.lora_targets == FAMILIES["llada"][0]
     assert (p.lora_rank, p.lora_alpha, p.temperature, p.eoser_gamma_min) == (128, 64, 1.0, 0.01)
     assert p.num_steps == 9 and p.decoding.tokens_per_step[:4] == [1, 2, 4, 8]  # ASS: 256 tokens in 9 steps
-    assert (a.clip_range, a.kl_beta) == (0.5, 0.04)
+    assert (a.clip_low, a.kl_beta) == (0.5, 0.04)
     assert (cfg.train.learning_rate, cfg.train.group_size, cfg.train.inner_epochs, cfg.train.max_grad_norm) == (3e-6, 6, 12, 0.2)
 
 
@@ -361,7 +361,7 @@ def test_arith_prompts_are_checkable_and_held_out():
 
 def test_step_level_ratio_is_on_policy_and_clipped(tiny_mdlm_dir):
     policy = _policy(tiny_mdlm_dir)
-    algorithm = CJGRPO(CJGRPOConfig(ratio_level="step", kl_beta=0.0, clip_range=0.1))
+    algorithm = CJGRPO(CJGRPOConfig(ratio_level="step", kl_beta=0.0, clip_low=0.1))
     plan, rollout = _rollout(policy, algorithm)
     new, old, _ = score_unit(policy, algorithm, rollout, [0], torch.device("cpu"))
     out = algorithm.loss(new, old, torch.zeros(6), None)

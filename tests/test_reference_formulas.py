@@ -148,7 +148,7 @@ def dance_clipped(adv, ratio, low, high):
 
 
 def test_flow_grpo_is_the_authors_loss_with_the_population_std():
-    algorithm = build("flow_grpo", clip_range=1e-4)
+    algorithm = build("flow_grpo", clip_low=1e-4)
     adv = algorithm.advantages(REWARDS, GROUPS)
     torch.testing.assert_close(adv, numpy_advantages(REWARDS, GROUPS, ddof=0, clip=5.0), rtol=1e-6, atol=1e-6)
     leaf = STEP_LOGP.clone().requires_grad_(True)
@@ -163,7 +163,7 @@ def test_flow_grpo_is_the_authors_loss_with_the_population_std():
 
 def test_e_grpo_is_visualgrpos_loss_with_the_unbiased_std_per_branch():
     branch_groups = torch.tensor([0, 0, 1, 1, 2, 2])  # (prompt, SDE step) sub-groups, as the rollout re-keys them
-    algorithm = build("e_grpo", sde_steps=[1, 3], clip_range=1e-4)
+    algorithm = build("e_grpo", sde_steps=[1, 3], clip_low=1e-4)
     adv = algorithm.advantages(REWARDS, branch_groups)
     torch.testing.assert_close(adv, numpy_advantages(REWARDS, branch_groups, ddof=1, clip=5.0), rtol=1e-6, atol=1e-6)
     own = torch.tensor([0, 0, 1, 1, 0, 1])  # the entry of each sample's own SDE step
@@ -179,7 +179,7 @@ def test_e_grpo_is_visualgrpos_loss_with_the_unbiased_std_per_branch():
 
 
 def test_chunk_grpo_is_gcpos_chunk_loss_with_the_unbiased_std():
-    algorithm = build("chunk_grpo", clip_range=1e-4, clip_range_high=2e-4)
+    algorithm = build("chunk_grpo", clip_low=1e-4, clip_high=2e-4)
     adv = algorithm.advantages(REWARDS, GROUPS)
     torch.testing.assert_close(adv, numpy_advantages(REWARDS, GROUPS, ddof=1, clip=5.0), rtol=1e-6, atol=1e-6)
     trains = torch.tensor([1, 0, 1, 1, 0, 1]).bool()  # the samples that drew this chunk
@@ -211,7 +211,7 @@ COMMITTED = torch.tensor([[1, 1, 0], [1, 0, 1], [0, 1, 1], [1, 1, 1], [1, 0, 0],
 
 
 def masked_diffusion_case(name, **options):
-    algorithm = build(name, clip_range=0.2, kl_beta=0.04, **options)
+    algorithm = build(name, clip_low=0.2, kl_beta=0.04, **options)
     adv = algorithm.advantages(REWARDS, GROUPS)
     torch.testing.assert_close(adv, numpy_advantages(REWARDS, GROUPS, ddof=1, scale=False), rtol=1e-6, atol=1e-7)
     scaled = build(name, scale_rewards=True).advantages(REWARDS, GROUPS)
@@ -313,7 +313,7 @@ def test_chunk_grpo_update_weighs_every_sample_chunk_pair_alike(tmp_path, tiny_s
     prompts.write_text("a red circle\na blue square\n")
     trainer = make_trainer(tmp_path, {"name": "sd3", "pretrained": tiny_sd3_dir, "resolution": 32, "num_steps": 3,
                                       "guidance_scale": 1.0, "lora_rank": 4, "max_sequence_length": 16},
-                           {"name": "chunk_grpo", "chunks": [1, 1], "timestep_fraction": 0.5, "clip_range": 0.2},
+                           {"name": "chunk_grpo", "chunks": [1, 1], "timestep_fraction": 0.5, "clip_low": 0.2},
                            {"name": "jpeg"}, {"name": "prompt_file", "train_file": str(prompts)})
     rollout, plan = rollout_of(trainer, 2, 2)
     rollout.mask[:] = False

@@ -116,7 +116,7 @@ def test_full_finetune_reference_is_frozen_copy(tiny_sd3_dir):
 
 def test_gradient_accumulation_1x4_equals_4x1(tiny_sd3_dir):
     policy = make_policy(tiny_sd3_dir)
-    algorithm = FlowGRPO(FlowGRPOConfig(clip_range=0.2))
+    algorithm = FlowGRPO(FlowGRPOConfig(clip_low=0.2))
     plan = algorithm.schedule(4)
     rollout = policy.sample(PromptBatch(PROMPTS[:2]).repeat(2), plan, generator=torch.Generator().manual_seed(0))
     advantages = torch.tensor([1.0, -0.5, 2.0, -1.0])

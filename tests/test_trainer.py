@@ -19,7 +19,7 @@ def make_config(tmp_path, tiny_sd3_dir, **train):
         "seed": 3,
         "pipeline": {"name": "sd3", "pretrained": tiny_sd3_dir, "resolution": 32, "num_steps": 3,
                      "guidance_scale": 1.0, "lora_rank": 4, "max_sequence_length": 16},
-        "algorithm": {"name": "flow_grpo", "clip_range": 0.2},
+        "algorithm": {"name": "flow_grpo", "clip_low": 0.2},
         "reward": {"name": "jpeg"},
         "data": {"name": "prompt_file", "train_file": str(prompts), "eval_file": str(prompts)},
         "train": {"max_steps": 4, "prompts_per_step": 2, "group_size": 2, "minibatch_size": 2,

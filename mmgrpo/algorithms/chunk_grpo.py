@@ -40,10 +40,10 @@ class ChunkGRPOConfig:
         timestep_fraction (`float`): each sample trains ``max(1, int(num_chunks * timestep_fraction))`` chunks.
         weighting (`str`): how each sample draws its chunks: ``"uniform"``, or ``"latent_change"`` (probability
             proportional to the chunk's mean relative L1 latent change, the authors' weighted chunk sampling).
-        clip_range (`float`): lower clip of the chunk ratio, ``1 - clip_range``.
-        clip_range_high (`float`, *optional*): upper clip, ``1 + clip_range_high`` (default: `clip_range`).
+        clip_low (`float`): lower clip of the chunk ratio, ``1 - clip_low``.
+        clip_high (`float`, *optional*): upper clip, ``1 + clip_high`` (unset: `clip_low`, a symmetric clip).
         adv_clip_max (`float`): advantages are clamped to ``[-adv_clip_max, adv_clip_max]``.
-        kl_coeff (`float`): weight of the k3 estimate ``exp(d) - 1 - d``, ``d = log pi_old - log pi_new`` of the
+        kl_beta (`float`): weight of the k3 estimate ``exp(d) - 1 - d``, ``d = log pi_old - log pi_new`` of the
             chunk, between the sampling and the current policy (0: off, the authors' default).
         noise_level (`float`): SDE noise scale eta.
         sde_type (`str`): ``"sde"`` or ``"cps"``.
@@ -55,10 +55,10 @@ class ChunkGRPOConfig:
     chunk_size: int = 4
     timestep_fraction: float = 0.5
     weighting: Literal["uniform", "latent_change"] = "uniform"
-    clip_range: float = 5e-5
-    clip_range_high: float | None = None
+    clip_low: float = 5e-5
+    clip_high: float | None = None
     adv_clip_max: float = 5.0
-    kl_coeff: float = 0.0
+    kl_beta: float = 0.0
     noise_level: float = 0.7
     sde_type: Literal["sde", "cps"] = "sde"
     global_std: bool = False
@@ -73,14 +73,12 @@ class ChunkGRPOConfig:
             raise ValueError(f"chunk_size must be >= 1, got {self.chunk_size}.")
         if not 0 < self.timestep_fraction <= 1:
             raise ValueError(f"timestep_fraction must be in (0, 1], got {self.timestep_fraction}.")
-        if self.clip_range <= 0 or (self.clip_range_high is not None and self.clip_range_high <= 0):
-            raise ValueError(
-                f"clip_range and clip_range_high must be > 0, got {self.clip_range} and {self.clip_range_high}."
-            )
+        if self.clip_low <= 0 or (self.clip_high is not None and self.clip_high <= 0):
+            raise ValueError(f"clip_low and clip_high must be > 0, got {self.clip_low} and {self.clip_high}.")
         if self.noise_level <= 0:
             raise ValueError(f"noise_level must be > 0 for a stochastic policy, got {self.noise_level}.")
-        if self.kl_coeff < 0:
-            raise ValueError(f"kl_coeff must be >= 0, got {self.kl_coeff}.")
+        if self.kl_beta < 0:
+            raise ValueError(f"kl_beta must be >= 0, got {self.kl_beta}.")
 
 
 class ChunkGRPO:
@@ -147,12 +145,12 @@ class ChunkGRPO:
         steps = mask.float() if mask is not None else torch.ones_like(new.log_prob)  # [n, k]
         chunk_log_ratio = ((new.log_prob - old_log_prob) * steps).sum(1) / steps.sum(1).clamp_min(1.0)  # [n]
         trains = steps.sum(1) > 0  # [n] samples that train this chunk
-        high = c.clip_range if c.clip_range_high is None else c.clip_range_high
-        loss, metrics = clipped_surrogate(chunk_log_ratio[:, None], advantages, c.clip_range, high, trains[:, None])
-        if c.kl_coeff > 0:
+        high = c.clip_low if c.clip_high is None else c.clip_high
+        loss, metrics = clipped_surrogate(chunk_log_ratio[:, None], advantages, c.clip_low, high, trains[:, None])
+        if c.kl_beta > 0:
             # k3 to the old policy: in log-ratio terms the old policy sits at 0
             kl = masked_mean(k3_kl(chunk_log_ratio, torch.zeros_like(chunk_log_ratio)), trains)
-            loss = loss + c.kl_coeff * kl
+            loss = loss + c.kl_beta * kl
             metrics["kl"] = kl.item()
         return LossOutput(loss=loss, metrics=metrics, entries=float(trains.sum()))
 

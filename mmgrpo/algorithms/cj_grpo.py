@@ -28,8 +28,8 @@ class CJGRPOConfig:
     """Options of [`CJGRPO`].
 
     Args:
-        clip_range (`float`): the ratio is clipped to ``[1 - clip_range, 1 + clip_range_high]`` (authors: 0.5).
-        clip_range_high (`float`, *optional*): default `clip_range`.
+        clip_low (`float`): the ratio is clipped to ``[1 - clip_low, 1 + clip_high]`` (authors: 0.5).
+        clip_high (`float`, *optional*): unset: `clip_low` (a symmetric clip).
         kl_beta (`float`): weight of the k3 KL to the reference policy (authors: 0.04; 0 skips the reference).
         ratio_level (`str`): ``"token"`` or ``"step"`` (see the module docstring).
         scale_rewards (`bool`): divide the centred rewards by the group's standard deviation.
@@ -38,8 +38,8 @@ class CJGRPOConfig:
         adv_clip_max (`float`, *optional*): clamp advantages to ``[-adv_clip_max, adv_clip_max]``.
     """
 
-    clip_range: float = 0.5
-    clip_range_high: float | None = None
+    clip_low: float = 0.5
+    clip_high: float | None = None
     kl_beta: float = 0.04
     ratio_level: Literal["token", "step"] = "token"
     scale_rewards: bool = False
@@ -50,8 +50,8 @@ class CJGRPOConfig:
         check_fields(self)
         if self.adv_clip_max is not None:
             check_range("adv_clip_max", self.adv_clip_max, 0, low_open=True)
-        if self.clip_range <= 0 or (self.clip_range_high is not None and self.clip_range_high <= 0):
-            raise ValueError(f"clip_range and clip_range_high must be > 0, got {self.clip_range}, {self.clip_range_high}.")
+        if self.clip_low <= 0 or (self.clip_high is not None and self.clip_high <= 0):
+            raise ValueError(f"clip_low and clip_high must be > 0, got {self.clip_low}, {self.clip_high}.")
         if self.kl_beta < 0:
             raise ValueError(f"kl_beta must be >= 0, got {self.kl_beta}.")
 
@@ -113,8 +113,8 @@ class CJGRPO:
             ref ([`Score`], *optional*): the reference policy's replay (``token_log_prob``) for the KL term.
         """
         c = self.config
-        high = c.clip_range if c.clip_range_high is None else c.clip_range_high
-        return token_step_loss(new, old_log_prob, advantages, ref, clip_low=c.clip_range, clip_high=high,
+        high = c.clip_low if c.clip_high is None else c.clip_high
+        return token_step_loss(new, old_log_prob, advantages, ref, clip_low=c.clip_low, clip_high=high,
                                kl_beta=c.kl_beta, ratio_level=c.ratio_level)
 
 

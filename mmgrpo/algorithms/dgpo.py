@@ -11,8 +11,8 @@ with the noise `eps` and the noise levels `s` shared within a group. The loss is
 
 so positive-advantage samples get their flow-matching loss lowered and negative ones raised, and a group whose
 preference is already satisfied (``S_g`` very negative) is down-weighted. The ratio ``exp(L_old(i) - L(i))`` against a
-fast-EMA "old" copy of the weights clips (detaches) ``L(i)`` like PPO: when ``A > 0`` and it exceeds ``1 + clip_range``,
-or ``A < 0`` and it falls below ``1 - clip_range``.
+fast-EMA "old" copy of the weights clips (detaches) ``L(i)`` like PPO: when ``A > 0`` and it exceeds ``1 + clip_high``,
+or ``A < 0`` and it falls below ``1 - clip_low``.
 
 The fast EMA belongs to the algorithm, not the policy: it is part of how DGPO optimises (like the optimizer's moments),
 it works unchanged for every pipeline (it only needs `trainable_parameters`), and the policy stays a model adapter.
@@ -46,10 +46,12 @@ class DGPOConfig:
         beta_dpo (`float`): scale of the implicit reward in the sigmoid group weight (10-100 against the frozen
             reference; 2000-5000 with `use_ema_ref`).
         kl_beta (`float`): weight of the velocity-space KL ``mean ||v - v_ref||^2`` to the reference (0: off).
-        clip_range (`float`): clip of the denoising-loss ratio against the fast-EMA old model. 0 turns the clip off;
+        clip_low (`float`): clip of the denoising-loss ratio against the fast-EMA old model, ``[1 - clip_low,
+            1 + clip_high]``. 0 turns the clip off (`clip_high` is then ignored);
             without `use_ema_ref` the old model is then not needed, and its forward pass is skipped (one of the three
             scoring passes per noise level). With one optimizer update per rollout batch the old model is almost the
             sampling model, so the clip rarely or never triggers.
+        clip_high (`float`, *optional*): unset: `clip_low` (a symmetric clip, DGPO's).
         clip_dsm (`bool`): detach a sample's flow-matching loss when its ratio is clipped.
         clip_kl (`bool`): also detach its KL term.
         num_train_timesteps (`int`): noise levels scored per rollout batch (the plan's train units).
@@ -70,7 +72,8 @@ class DGPOConfig:
 
     beta_dpo: float = 100.0
     kl_beta: float = 0.02
-    clip_range: float = 1e-2
+    clip_low: float = 1e-2
+    clip_high: float | None = None
     clip_dsm: bool = True
     clip_kl: bool = False
     num_train_timesteps: int = 4
@@ -88,10 +91,10 @@ class DGPOConfig:
         check_fields(self)
         check_range("adv_clip_max", self.adv_clip_max, 0, low_open=True)
         check_range("trunc_steps", self.trunc_steps, 0)
-        if self.beta_dpo <= 0 or self.kl_beta < 0 or self.clip_range < 0:
+        if self.beta_dpo <= 0 or self.kl_beta < 0 or self.clip_low < 0 or (self.clip_high or 0) < 0:
             raise ValueError(
-                f"beta_dpo must be > 0 and clip_range and kl_beta >= 0 (clip_range 0: no clip), got {self.beta_dpo}, "
-                f"{self.clip_range}, {self.kl_beta}."
+                f"beta_dpo must be > 0 and clip_low, clip_high and kl_beta >= 0 (clip_low 0: no clip), got "
+                f"{self.beta_dpo}, {self.clip_low}, {self.clip_high}, {self.kl_beta}."
             )
         if self.num_train_timesteps < 1 or self.trunc_steps + 1 < self.num_train_timesteps:
             raise ValueError(
@@ -124,7 +127,7 @@ class DGPO:
             has_state=True,  # the update count and the fast-EMA old model, checkpointed
             after_update=True,  # the old model follows the weights
             # the clip or the EMA reference reads the fast-EMA old model; otherwise nothing does and it is not scored
-            old_source="old_model" if config.clip_range > 0 or config.use_ema_ref else "current",
+            old_source="old_model" if config.clip_low > 0 or config.use_ema_ref else "current",
         )
         self.ema = ParameterEMA()
         self.updates = 0
@@ -189,8 +192,9 @@ class DGPO:
         fm = -new.log_prob  # [n, k] flow-matching loss L(i), with gradient
         adv = advantages[:, None].to(fm.dtype)  # [n, 1]
         ratio = torch.exp(new.log_prob.detach() - old_log_prob)  # [n, k] = exp(L_old - L)
-        clipped = torch.where(adv > 0, ratio > 1 + c.clip_range, ratio < 1 - c.clip_range)  # [n, k]
-        clipped &= c.clip_range > 0
+        high = c.clip_low if c.clip_high is None else c.clip_high
+        clipped = torch.where(adv > 0, ratio > 1 + high, ratio < 1 - c.clip_low)  # [n, k]
+        clipped &= c.clip_low > 0
         fm_used = torch.where(clipped, fm.detach(), fm) if c.clip_dsm else fm
         fm_ref = -old_log_prob if c.use_ema_ref else -ref.log_prob  # [n, k]
         weights = group_weights(adv * c.beta_dpo * (fm.detach() - fm_ref), new.group_ids)  # [n, k]

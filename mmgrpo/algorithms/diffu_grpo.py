@@ -26,7 +26,8 @@ class DiffuGRPOConfig:
     Args:
         draws (`int`): prompt-mask draws per rollout batch, each a train unit (d1 draws one per inner iteration).
         random_masking (`bool`): a new mask seed every step (d1's default); False reuses one seed.
-        clip_range (`float`): the per-token ratio is clipped to ``[1 - clip_range, 1 + clip_range]`` (d1: 0.5).
+        clip_low (`float`): the per-token ratio is clipped to ``[1 - clip_low, 1 + clip_high]`` (d1: 0.5).
+        clip_high (`float`, *optional*): unset: `clip_low` (a symmetric clip, d1's).
         kl_beta (`float`): weight of the k3 KL to the reference policy (d1: 0.04).
         scale_rewards (`bool`): divide the centred rewards by the group's standard deviation.
         adv_std (`str`): that std's estimator with `scale_rewards`: ``"unbiased"`` (n - 1; the std d1's TRL-based code
@@ -35,7 +36,8 @@ class DiffuGRPOConfig:
 
     draws: int = 1
     random_masking: bool = True
-    clip_range: float = 0.5
+    clip_low: float = 0.5
+    clip_high: float | None = None
     kl_beta: float = 0.04
     scale_rewards: bool = False
     adv_std: StdEstimator = "unbiased"
@@ -44,8 +46,9 @@ class DiffuGRPOConfig:
         check_fields(self)
         if self.draws < 1:
             raise ValueError(f"draws must be >= 1, got {self.draws}.")
-        if self.clip_range <= 0 or self.kl_beta < 0:
-            raise ValueError(f"need clip_range > 0 and kl_beta >= 0, got {self.clip_range}, {self.kl_beta}.")
+        if self.clip_low <= 0 or (self.clip_high is not None and self.clip_high <= 0) or self.kl_beta < 0:
+            raise ValueError(f"need clip_low, clip_high > 0 and kl_beta >= 0, got {self.clip_low}, {self.clip_high}, "
+                             f"{self.kl_beta}.")
 
 
 class DiffuGRPO:
@@ -77,7 +80,8 @@ class DiffuGRPO:
         """Per-token clipped surrogate (+ k3 KL) over the completion, for one draw (see
         [`~mmgrpo.algorithms.cj_grpo.token_step_loss`])."""
         c = self.config
-        return token_step_loss(new, old_log_prob, advantages, ref, clip_low=c.clip_range, clip_high=c.clip_range,
+        return token_step_loss(new, old_log_prob, advantages, ref, clip_low=c.clip_low,
+                               clip_high=c.clip_low if c.clip_high is None else c.clip_high,
                                kl_beta=c.kl_beta, ratio_level="token")
 
 

@@ -39,7 +39,8 @@ class EGRPOConfig:
             value in nats. For reference, one step of 10 with shift 3 and eta 0.7 has about 1.1 nats at the start and
             0.1 near the end; merging two doubles the variance (+0.35 nats).
         max_merge (`int`): the longest adaptive merge.
-        clip_range (`float`): PPO clip epsilon on the ratio of the SDE step.
+        clip_low (`float`): PPO clip of the SDE step's ratio, clipped to ``[1 - clip_low, 1 + clip_high]``.
+        clip_high (`float`, *optional*): unset: `clip_low` (a symmetric clip).
         adv_clip_max (`float`): advantages are clamped to ``[-adv_clip_max, adv_clip_max]``.
         noise_level (`float`): SDE noise scale eta.
         sde_type (`str`): ``"sde"`` or ``"cps"``.
@@ -51,7 +52,8 @@ class EGRPOConfig:
     merge_steps: list[int] | None = None
     entropy_threshold: float | None = None
     max_merge: int = 4
-    clip_range: float = 1e-4
+    clip_low: float = 1e-4
+    clip_high: float | None = None
     adv_clip_max: float = 5.0
     noise_level: float = 0.7
     sde_type: Literal["sde", "cps"] = "sde"
@@ -74,8 +76,8 @@ class EGRPOConfig:
                 raise ValueError("Give either merge_steps (fixed spans) or entropy_threshold (adaptive), not both.")
         if self.max_merge < 1:
             raise ValueError(f"max_merge must be >= 1, got {self.max_merge}.")
-        if self.clip_range <= 0:
-            raise ValueError(f"clip_range must be > 0, got {self.clip_range}.")
+        if self.clip_low <= 0 or (self.clip_high is not None and self.clip_high <= 0):
+            raise ValueError(f"clip_low and clip_high must be > 0, got {self.clip_low} and {self.clip_high}.")
         if self.noise_level <= 0:
             raise ValueError(f"noise_level must be > 0 for a stochastic policy, got {self.noise_level}.")
 
@@ -128,8 +130,9 @@ class EGRPO:
             old_log_prob (`torch.FloatTensor` of shape `[n, K]`): log-probs recorded at sampling.
             advantages (`torch.FloatTensor` of shape `[n]`).
         """
-        eps = self.config.clip_range
-        loss, metrics = clipped_surrogate(new.log_prob - old_log_prob, advantages, eps, eps, new.mask)
+        c = self.config
+        high = c.clip_low if c.clip_high is None else c.clip_high
+        loss, metrics = clipped_surrogate(new.log_prob - old_log_prob, advantages, c.clip_low, high, new.mask)
         return LossOutput(loss=loss, metrics=metrics)
 
 

@@ -20,7 +20,9 @@ class FlowGRPOConfig:
     """Options of [`FlowGRPO`].
 
     Args:
-        clip_range (`float`): PPO clip epsilon on the per-step ratio (Flow-GRPO: 1e-4; 1e-5 for Fast / CPS).
+        clip_low (`float`): PPO clip of the per-step ratio, clipped to ``[1 - clip_low, 1 + clip_high]`` (Flow-GRPO:
+            1e-4; 1e-5 for Fast / CPS).
+        clip_high (`float`, *optional*): unset: `clip_low` (a symmetric clip, Flow-GRPO's).
         adv_clip_max (`float`): advantages are clamped to ``[-adv_clip_max, adv_clip_max]``.
         kl_beta (`float`): weight of the KL to the reference policy (0 disables the reference forward).
         noise_level (`float`): SDE noise scale eta (0.7 for SDE, 0.8 for CPS in the authors' configs).
@@ -33,7 +35,8 @@ class FlowGRPOConfig:
         adv_std (`str`): the std estimator of the advantages, ``"population"`` (n, Flow-GRPO's) or ``"unbiased"``.
     """
 
-    clip_range: float = 1e-4
+    clip_low: float = 1e-4
+    clip_high: float | None = None
     adv_clip_max: float = 5.0
     kl_beta: float = 0.0
     noise_level: float = 0.7
@@ -52,8 +55,8 @@ class FlowGRPOConfig:
             check_range("sde_window_range[0]", self.sde_window_range[0], 0)
             check_range("sde_window_range[1]", self.sde_window_range[1], self.sde_window_range[0] + 1,
                         fix="the window start is drawn from [lo, hi)")
-        if self.clip_range <= 0:
-            raise ValueError(f"clip_range must be > 0, got {self.clip_range}.")
+        if self.clip_low <= 0 or (self.clip_high is not None and self.clip_high <= 0):
+            raise ValueError(f"clip_low and clip_high must be > 0, got {self.clip_low} and {self.clip_high}.")
         if self.noise_level <= 0:
             raise ValueError(f"noise_level must be > 0 for a stochastic policy, got {self.noise_level}.")
         if self.sde_window_size < 0:
@@ -111,18 +114,19 @@ class FlowGRPO:
             advantages (`torch.FloatTensor` of shape `[n]`).
             ref ([`Score`], *optional*): the reference policy's ``mean`` for the KL term.
         """
-        eps = self.config.clip_range
+        low = self.config.clip_low
+        high = low if self.config.clip_high is None else self.config.clip_high
         adv = advantages[:, None]  # [n, 1]
         log_ratio = new.log_prob - old_log_prob  # [n, k]
         ratio = torch.exp(log_ratio)
         unclipped = -adv * ratio
-        clipped = -adv * torch.clamp(ratio, 1 - eps, 1 + eps)
+        clipped = -adv * torch.clamp(ratio, 1 - low, 1 + high)
         policy_loss = torch.maximum(unclipped, clipped).mean()
         loss = policy_loss
         metrics = {
             "policy_loss": policy_loss.item(),
             "ratio_mean": ratio.mean().item(),
-            "clip_frac": ((ratio - 1).abs() > eps).float().mean().item(),
+            "clip_frac": torch.where(ratio < 1, 1 - ratio > low, ratio - 1 > high).float().mean().item(),
             "approx_kl": 0.5 * (log_ratio.detach() ** 2).mean().item(),
         }
         if self.traits.needs_reference and ref is not None:
