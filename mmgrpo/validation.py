@@ -28,6 +28,8 @@ RENAMED = {
     "clip_range_high": "clip_high",
     "kl_coeff": "kl_beta",
 }
+# options whose value type changed: key -> (old type, the message's fix)
+RETYPED = {"scale_rewards": (bool, "give 'group' for true (divide by the group's std) or 'none' for false")}
 
 
 class ConfigError(ValueError):
@@ -180,11 +182,14 @@ def _prefixed(message: str, prefix: str, fields: typing.Iterable[str]) -> str:
 
 
 def check_renamed(values: dict, fields: typing.Iterable[str], prefix: str) -> None:
-    """Refuses a key of `values` that [`RENAMED`] lists (and `fields` lacks), with a one-line message naming the key
-    to use."""
-    for key in values:
+    """Refuses a key of `values` that [`RENAMED`] lists (and `fields` lacks) or an old-typed value [`RETYPED`] lists,
+    with a one-line message naming the key to use."""
+    for key, value in values.items():
         if key in RENAMED and key not in fields:
-            raise ConfigError(f"{prefix}.{key} was renamed: use {prefix}.{RENAMED[key].replace('and ', f'and {prefix}.')}.")
+            new = RENAMED[key].replace("and ", f"and {prefix}.")
+            raise ConfigError(f"{prefix}.{key} was renamed: use {prefix}.{new}.")
+        if key in RETYPED and key in fields and isinstance(value, RETYPED[key][0]):
+            raise ConfigError(f"{prefix}.{key} is no longer a {RETYPED[key][0].__name__}: {RETYPED[key][1]}.")
 
 
 def build_dataclass(cls: type, values: dict | None, prefix: str) -> Any:

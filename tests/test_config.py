@@ -67,6 +67,8 @@ RENAMED_CASES = [
     ("cj_grpo", "clip_range", 0.5, r"use algorithm\.clip_low \(and algorithm\.clip_high\)"),
     ("cj_grpo", "clip_range_high", 0.5, r"use algorithm\.clip_high"),
     ("diffu_grpo", "clip_range", 0.5, r"use algorithm\.clip_low \(and algorithm\.clip_high\)"),
+    ("cj_grpo", "scale_rewards", False, r"algorithm\.scale_rewards is no longer a bool: give 'group' .* or 'none'"),
+    ("diffu_grpo", "scale_rewards", True, r"algorithm\.scale_rewards is no longer a bool"),
 ]
 
 

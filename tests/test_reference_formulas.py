@@ -214,7 +214,7 @@ def masked_diffusion_case(name, **options):
     algorithm = build(name, clip_low=0.2, kl_beta=0.04, **options)
     adv = algorithm.advantages(REWARDS, GROUPS)
     torch.testing.assert_close(adv, numpy_advantages(REWARDS, GROUPS, ddof=1, scale=False), rtol=1e-6, atol=1e-7)
-    scaled = build(name, scale_rewards=True).advantages(REWARDS, GROUPS)
+    scaled = build(name, scale_rewards="group").advantages(REWARDS, GROUPS)
     torch.testing.assert_close(scaled, numpy_advantages(REWARDS, GROUPS, ddof=1), rtol=1e-6, atol=1e-6)
     leaf = TOKEN_LP.clone().requires_grad_(True)
     step_lp = (leaf * COMMITTED).sum(-1, keepdim=True)  # [n, 1], the step's log-prob (unused at the token level)

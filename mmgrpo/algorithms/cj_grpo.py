@@ -7,7 +7,7 @@ steps). Decoding (blocks, EOSER, ASS) is configured on the pipeline. The step lo
 the per-token ratio averaged over the step's tokens (``ratio_level="token"``, the authors' code) or the ratio of the
 whole transition, the product of its tokens' probabilities (``"step"``, the paper's ``p(x_s | x_{s-1})``), plus
 ``kl_beta`` times the k3 KL to the reference (adapter disabled) on the step's tokens. Advantages are ``r - mean`` of the
-group (the authors' code), or z-scores with ``scale_rewards=True`` (their Algorithm 1).
+group (the authors' code), or z-scores with ``scale_rewards="group"`` (their Algorithm 1).
 """
 
 from __future__ import annotations
@@ -32,7 +32,8 @@ class CJGRPOConfig:
         clip_high (`float`, *optional*): unset: `clip_low` (a symmetric clip).
         kl_beta (`float`): weight of the k3 KL to the reference policy (authors: 0.04; 0 skips the reference).
         ratio_level (`str`): ``"token"`` or ``"step"`` (see the module docstring).
-        scale_rewards (`bool`): divide the centred rewards by the group's standard deviation.
+        scale_rewards (`str`): ``"group"`` divides the centred rewards by the group's std, ``"batch"`` by the batch's,
+            ``"none"`` not (the authors' code; default).
         adv_std (`str`): that std's estimator with `scale_rewards`: ``"unbiased"`` (n - 1; the std the authors' d1-based
             code computes with PyTorch, and logs, though it does not divide by it) or ``"population"`` (n).
         adv_clip_max (`float`, *optional*): clamp advantages to ``[-adv_clip_max, adv_clip_max]``.
@@ -42,7 +43,7 @@ class CJGRPOConfig:
     clip_high: float | None = None
     kl_beta: float = 0.04
     ratio_level: Literal["token", "step"] = "token"
-    scale_rewards: bool = False
+    scale_rewards: Literal["group", "batch", "none"] = "none"
     adv_std: StdEstimator = "unbiased"
     adv_clip_max: float | None = None
 
@@ -101,7 +102,8 @@ class CJGRPO:
 
     def advantages(self, scores: torch.Tensor, group_ids: torch.Tensor) -> torch.Tensor:
         c = self.config
-        return group_normalize(scores, group_ids, scale=c.scale_rewards, clip=c.adv_clip_max, std=c.adv_std)
+        return group_normalize(scores, group_ids, scale=c.scale_rewards != "none",
+                               global_std=c.scale_rewards == "batch", clip=c.adv_clip_max, std=c.adv_std)
 
     def loss(self, new: Score, old_log_prob, advantages, ref: Score | None = None) -> LossOutput:
         """Clipped surrogate of one decoding step (see [`token_step_loss`]).

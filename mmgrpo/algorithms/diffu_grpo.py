@@ -10,6 +10,7 @@ policy's ``likelihood`` does the scoring. Loss: per-token clipped ratio over the
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 
@@ -29,7 +30,8 @@ class DiffuGRPOConfig:
         clip_low (`float`): the per-token ratio is clipped to ``[1 - clip_low, 1 + clip_high]`` (d1: 0.5).
         clip_high (`float`, *optional*): unset: `clip_low` (a symmetric clip, d1's).
         kl_beta (`float`): weight of the k3 KL to the reference policy (d1: 0.04).
-        scale_rewards (`bool`): divide the centred rewards by the group's standard deviation.
+        scale_rewards (`str`): ``"group"`` divides the centred rewards by the group's std, ``"batch"`` by the batch's,
+            ``"none"`` not (d1; default).
         adv_std (`str`): that std's estimator with `scale_rewards`: ``"unbiased"`` (n - 1; the std d1's TRL-based code
             computes with PyTorch, and logs, though it does not divide by it) or ``"population"`` (n).
     """
@@ -39,7 +41,7 @@ class DiffuGRPOConfig:
     clip_low: float = 0.5
     clip_high: float | None = None
     kl_beta: float = 0.04
-    scale_rewards: bool = False
+    scale_rewards: Literal["group", "batch", "none"] = "none"
     adv_std: StdEstimator = "unbiased"
 
     def __post_init__(self):
@@ -74,7 +76,9 @@ class DiffuGRPO:
         )
 
     def advantages(self, scores: torch.Tensor, group_ids: torch.Tensor) -> torch.Tensor:
-        return group_normalize(scores, group_ids, scale=self.config.scale_rewards, std=self.config.adv_std)
+        c = self.config
+        return group_normalize(scores, group_ids, scale=c.scale_rewards != "none", global_std=c.scale_rewards == "batch",
+                               std=c.adv_std)
 
     def loss(self, new: Score, old_log_prob, advantages, ref: Score | None = None) -> LossOutput:
         """Per-token clipped surrogate (+ k3 KL) over the completion, for one draw (see
