@@ -16,7 +16,7 @@ import torch
 
 from ..advantages import StdEstimator, group_normalize
 from ..types import AlgorithmTraits, LossOutput, MaskedPlan, Score
-from .cj_grpo import TOKEN_STEP_READS, token_step_loss
+from ._masked import TOKEN_STEP_READS, token_step_loss
 from ..validation import check_fields
 
 
@@ -82,7 +82,7 @@ class DiffuGRPO:
 
     def loss(self, new: Score, old_log_prob, advantages, ref: Score | None = None) -> LossOutput:
         """Per-token clipped surrogate (+ k3 KL) over the completion, for one draw (see
-        [`~mmgrpo.algorithms.cj_grpo.token_step_loss`])."""
+        [`~mmgrpo.algorithms._masked.token_step_loss`])."""
         c = self.config
         return token_step_loss(new, old_log_prob, advantages, ref, clip_low=c.clip_low,
                                clip_high=c.clip_low if c.clip_high is None else c.clip_high,
