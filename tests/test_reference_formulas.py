@@ -161,6 +161,23 @@ def test_flow_grpo_is_the_authors_loss_with_the_population_std():
     check(out, flow_grpo, leaf)
 
 
+@pytest.mark.parametrize("name", ["flow_grpo", "e_grpo"])
+def test_flow_clip_high_bounds_the_upper_side_and_defaults_to_clip_low(name):
+    """``clip_high`` sets ``1 + clip_high`` and leaves the lower bound at ``1 - clip_low``; unset, it is `clip_low`."""
+    options = {"sde_steps": [1, 3]} if name == "e_grpo" else {}
+    adv = build(name, **options).advantages(REWARDS, GROUPS)
+    log_ratio = torch.tensor([[-3e-4, 5e-5], [1.5e-4, 3e-4], [-5e-5, 1.5e-4], [3e-4, -3e-4], [0.0, 1.5e-4], [0.0, 0.0]])
+    old = STEP_LOGP - log_ratio  # ratios away from the bounds: below 1 - 1e-4, between the bounds, above 1 + 2e-4
+    ratio = torch.exp(log_ratio)  # [6, 2]
+    for high, bound in ((2e-4, 2e-4), (None, 1e-4)):
+        algorithm = build(name, clip_low=1e-4, **({} if high is None else {"clip_high": high}), **options)
+        out = algorithm.loss(Score(log_prob=STEP_LOGP, mask=torch.ones(6, 2, dtype=torch.bool)), old, adv)
+        expected = dance_clipped(adv[:, None], ratio, 1e-4, bound).mean()
+        torch.testing.assert_close(out.loss, expected, rtol=1e-6, atol=1e-9)
+        clip_frac = ((ratio < 1 - 1e-4) | (ratio > 1 + bound)).float().mean().item()
+        assert out.metrics["clip_frac"] == pytest.approx(clip_frac)
+
+
 def test_e_grpo_is_visualgrpos_loss_with_the_unbiased_std_per_branch():
     branch_groups = torch.tensor([0, 0, 1, 1, 2, 2])  # (prompt, SDE step) sub-groups, as the rollout re-keys them
     algorithm = build("e_grpo", sde_steps=[1, 3], clip_low=1e-4)
