@@ -58,7 +58,8 @@ def test_unknown_key_is_named(tmp_path):
 
 
 RENAMED_CASES = [
-    ("flow_grpo", "clip_range", 1e-4, r"algorithm\.clip_range was renamed: use algorithm\.clip_low \(and algorithm\.clip_high\)"),
+    ("flow_grpo", "clip_range", 1e-4,
+     r"^algorithm\.clip_range was renamed: use algorithm\.clip_low \(and algorithm\.clip_high\)\.$"),
     ("e_grpo", "clip_range", 1e-4, r"use algorithm\.clip_low \(and algorithm\.clip_high\)"),
     ("dgpo", "clip_range", 1e-2, r"use algorithm\.clip_low \(and algorithm\.clip_high\)"),
     ("chunk_grpo", "clip_range", 1e-3, r"use algorithm\.clip_low \(and algorithm\.clip_high\)"),

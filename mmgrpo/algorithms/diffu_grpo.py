@@ -77,8 +77,8 @@ class DiffuGRPO:
 
     def advantages(self, scores: torch.Tensor, group_ids: torch.Tensor) -> torch.Tensor:
         c = self.config
-        return group_normalize(scores, group_ids, scale=c.scale_rewards != "none", global_std=c.scale_rewards == "batch",
-                               std=c.adv_std)
+        return group_normalize(scores, group_ids, scale=c.scale_rewards != "none",
+                               global_std=c.scale_rewards == "batch", std=c.adv_std)
 
     def loss(self, new: Score, old_log_prob, advantages, ref: Score | None = None) -> LossOutput:
         """Per-token clipped surrogate (+ k3 KL) over the completion, for one draw (see
