@@ -218,9 +218,8 @@ class Trainer:
         plan = self.algorithm.schedule(self.policy.num_steps, torch.Generator().manual_seed(_seed(cfg.seed, self.step)))
         generator = torch.Generator().manual_seed(_seed(cfg.seed, self.step, self.rank, 1))
         rollout = self.policy.sample(local, plan, generator=generator)
-        whole, all_groups = self.gather_rewards(self.reward(rollout.outputs, local), rollout.group_ids)
+        whole, all_groups, advantages = self.global_advantages(self.reward(rollout.outputs, local), rollout.group_ids)
         all_scores = whole.scores.float()  # [N] after the reward's group stage
-        advantages = self.algorithm.advantages(all_scores, all_groups)  # [N]
         local_adv = self._this_process(advantages, len(local))
         metrics = self._reward_metrics(all_scores, all_groups, whole.components)
         with_signal, rewarded = groups_with_signal(advantages, all_groups), torch.isfinite(all_scores)  # [N], [N]
@@ -247,14 +246,11 @@ class Trainer:
         )
         return (whole if self.group_stage is None else self.group_stage(whole, groups)), groups
 
-    def global_advantages(self, scores: torch.Tensor, group_ids: torch.Tensor):
-        """Advantages of this process's bare scores `[n]` (a reward result without components): [`gather_rewards`],
-        then ``algorithm.advantages`` on the whole batch. Returns ``(local slice [n], scores [N], groups [N],
-        advantages [N])``."""
-        whole, all_groups = self.gather_rewards(RewardResult(scores=scores), group_ids)
-        all_scores = whole.scores.float()  # [N]
-        advantages = self.algorithm.advantages(all_scores, all_groups)  # [N]
-        return self._this_process(advantages, scores.shape[0]), all_scores, all_groups, advantages
+    def global_advantages(self, result: RewardResult, group_ids: torch.Tensor):
+        """[`gather_rewards`] of this process's reward `result` and `group_ids` `[n]`, then ``algorithm.advantages``
+        on the whole batch. Returns ``(result [N] after the group stage, groups [N], advantages [N])``."""
+        whole, all_groups = self.gather_rewards(result, group_ids)
+        return whole, all_groups, self.algorithm.advantages(whole.scores.float(), all_groups)  # advantages [N]
 
     def _this_process(self, values: torch.Tensor, n: int) -> torch.Tensor:
         """This process's slice `[n]` of a batch gathered from every process `[N]`."""
@@ -323,10 +319,13 @@ class Trainer:
 
     def _any_scored(self, mine: torch.Tensor, group: list[torch.Tensor]) -> bool:
         """Whether any process scores a sample in the minibatches `group` of one update (`mine` `[n]`)."""
-        count = torch.tensor([float(sum(int(mine[index].sum()) for index in group))])
-        if self.world > 1:
-            count = self.accelerator.gather(count.to(self.accelerator.device)).cpu()
-        return bool(count.sum() > 0)
+        return self._sum_over_processes(float(sum(int(mine[index].sum()) for index in group))) > 0
+
+    def _sum_over_processes(self, value: float) -> float:
+        """The sum of `value` over every process (every process calls it, in the same order)."""
+        if self.world == 1:
+            return value
+        return float(self.accelerator.gather(torch.tensor([value], device=self.accelerator.device)).sum())
 
     def _accumulate(self, rollout, units, group, mine, advantages) -> list[dict[str, float]]:
         """Backward passes of one update: each minibatch of `group`, each unit, its scored samples (`mine` `[n]`)
@@ -362,10 +361,7 @@ class Trainer:
         """Divides the accumulated gradient of an update whose passes were weighted by their entries by the update's
         count of entries per process (the gradient is already averaged over processes), so that every entry of the
         update weighs the same on every process."""
-        count = torch.tensor([entries])
-        if self.world > 1:
-            count = self.accelerator.gather(count.to(self.accelerator.device)).cpu()
-        per_process = float(count.sum()) / self.world
+        per_process = self._sum_over_processes(entries) / self.world
         if per_process > 0:
             for parameter in self.policy.trainable_parameters():
                 if parameter.grad is not None:
