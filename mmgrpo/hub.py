@@ -6,7 +6,11 @@ import os
 import re
 from pathlib import Path
 
+import torch
+
 SHIPPED_PREFIX = "mmgrpo:"
+# `weights_dtype` names a config may use -> torch dtypes (one table for every pipeline)
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
 

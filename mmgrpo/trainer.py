@@ -47,14 +47,8 @@ from .preflight import SCORING_METHODS, check_modalities, require_plan
 from .prompt_stream import PromptStream
 from .sample_writers import writers_for
 from .types import RewardResult, SamplingPlan, Score, deterministic_plan
+from .seeding import mix_seed
 from .visualize import plot_reward_curve, write_per_prompt_scores
-
-
-def _seed(*parts: int) -> int:
-    value = 0
-    for part in parts:
-        value = (value * 1_000_003 + int(part)) % (2**63 - 1)
-    return value
 
 
 def build_components(config: ExperimentConfig):
@@ -215,8 +209,8 @@ class Trainer:
             cfg.train.group_size, first_group_id=(self.step - 1) * cfg.train.prompts_per_step
         )
         local = batch.select(range(self.rank * self.local_n, (self.rank + 1) * self.local_n))
-        plan = self.algorithm.schedule(self.policy.num_steps, torch.Generator().manual_seed(_seed(cfg.seed, self.step)))
-        generator = torch.Generator().manual_seed(_seed(cfg.seed, self.step, self.rank, 1))
+        plan = self.algorithm.schedule(self.policy.num_steps, torch.Generator().manual_seed(mix_seed(cfg.seed, self.step)))
+        generator = torch.Generator().manual_seed(mix_seed(cfg.seed, self.step, self.rank, 1))
         rollout = self.policy.sample(local, plan, generator=generator)
         whole, all_groups, advantages = self.global_advantages(self.reward(rollout.outputs, local), rollout.group_ids)
         all_scores = whole.scores.float()  # [N] after the reward's group stage
@@ -398,7 +392,7 @@ class Trainer:
         mine, first = process_share(self.eval_items[: cfg.num_prompts], self.world, self.rank)
         plan = deterministic_plan(self.policy.plan_families[0], self.policy.eval_num_steps)  # the pipeline's own family
         generator = torch.Generator()
-        generator.manual_seed(_seed(cfg.seed, self.rank))
+        generator.manual_seed(mix_seed(cfg.seed, self.rank))
         local, prompts = sample_and_score(self.policy, self.reward, mine, plan, generator, writers, first, batch_size)
         whole, _ = self.gather_rewards(local, torch.arange(len(prompts)) + first)  # [N] every process's final scores
         out = {"eval/score": _finite_mean(whole.scores.float())}

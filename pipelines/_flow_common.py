@@ -17,7 +17,6 @@ from mmgrpo.reference import ReferenceSwitch
 from mmgrpo.hub import resolve_pretrained
 from mmgrpo.validation import check_fields, check_range
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 LORA_WEIGHTS = "pytorch_lora_weights.safetensors"
 
 

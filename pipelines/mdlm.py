@@ -21,13 +21,12 @@ from typing import Literal
 
 import torch
 
-from mmgrpo.hub import resolve_pretrained
+from mmgrpo.hub import DTYPES, resolve_pretrained
 from mmgrpo.reference import ReferenceSwitch
 from mmgrpo.samplers.masked_diffusion import eoser_gamma, make_schedule, rebuild_state, token_log_probs, unmask_step
 from mmgrpo.types import MaskedPlan, PromptBatch, Rollout, Score, TokenPlan
 from mmgrpo.validation import check_fields, check_range
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 ADAPTER_FILE = "adapter_model.safetensors"
 # family -> (LoRA targets, whether logit j predicts token j + 1, extra end-of-turn tokens)
 FAMILIES = {

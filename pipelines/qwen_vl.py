@@ -35,7 +35,7 @@ from typing import Literal
 
 import torch
 
-from mmgrpo.hub import resolve_pretrained
+from mmgrpo.hub import DTYPES, resolve_pretrained
 from mmgrpo.pipelines._qwen_vl_forward import GroupForward, collate_prompts, unique_rows
 from mmgrpo.pipelines._qwen_vl_inputs import PromptEncoder, vision_inputs
 from mmgrpo.types import PromptBatch, Rollout, Score, TokenPlan
@@ -44,7 +44,6 @@ from mmgrpo.validation import ConfigError, check_fields, check_range
 # transformers' attention backends (besides hub kernels "org/name")
 ATTENTION = ("sdpa", "eager", "flash_attention_2", "flash_attention_3", "flash_attention_4", "flex_attention",
              "paged|eager")
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 MODEL_CLASSES = {"qwen2_vl": "Qwen2VLForConditionalGeneration", "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration"}
 VISION_TOKENS = ("<|image_pad|>", "<|video_pad|>", "<|vision_start|>", "<|vision_end|>", "<|vision_pad|>")
 LANGUAGE_LORA = r".*language_model.*\.({names})$"

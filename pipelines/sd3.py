@@ -12,8 +12,8 @@ from typing import Literal
 
 import torch
 
-from mmgrpo.hub import load_diffusers_pipeline
-from mmgrpo.pipelines._flow_common import DTYPES, TrainableTransformer, check_flow_config
+from mmgrpo.hub import DTYPES, load_diffusers_pipeline
+from mmgrpo.pipelines._flow_common import TrainableTransformer, check_flow_config
 from mmgrpo.samplers.flow_plan import PLAN_FEATURES, SCORE_FIELDS, plan_likelihood, replay_plan, run_plan
 from mmgrpo.types import FlowPlan, PromptBatch, Rollout, Score
 

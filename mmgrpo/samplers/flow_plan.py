@@ -19,6 +19,7 @@ from typing import Callable
 
 import torch
 
+from mmgrpo.seeding import mix_seed
 from mmgrpo.samplers.flow_sde import entropy_merge_span, flow_sde_step
 from mmgrpo.types import FlowPlan, Score
 
@@ -53,19 +54,13 @@ StepVelocity = Callable[[torch.Tensor, int], torch.Tensor]
 Noise = Callable[[int, "torch.Generator | None"], torch.Tensor]
 
 
-def mix_seed(*parts: int) -> int:
-    """A deterministic 63-bit seed from integers (the same on every process)."""
-    value = 0
-    for part in parts:
-        value = (value * 1_000_003 + int(part) + 7) % (2**63 - 1)
-    return value
 
 
 def group_noise(noise: Noise, group_ids: torch.Tensor, seed: int, salt: int) -> torch.Tensor:
     """Standard normal latents `[N, ...]`, identical for samples of one group (on any process): group `g` draws from
     a generator seeded with ``(seed, g, salt)``."""
     unique, inverse = torch.unique(group_ids, return_inverse=True)
-    draws = torch.cat([noise(1, torch.Generator().manual_seed(mix_seed(seed, g, salt))) for g in unique.tolist()])
+    draws = torch.cat([noise(1, torch.Generator().manual_seed(mix_seed(seed, g, salt, offset=7))) for g in unique.tolist()])
     return draws[inverse.to(draws.device)]
 
 
