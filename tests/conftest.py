@@ -1,4 +1,4 @@
-"""Test set-up: offline hub, CPU threads, and tiny real-class models saved to local folders."""
+"""Test set-up: offline hub, CPU threads, and the tiny real-class models of `builders/` (one module per pipeline)."""
 
 import os
 
@@ -14,12 +14,18 @@ for _key, _value in {
 }.items():
     os.environ.setdefault(_key, _value)
 
+from pathlib import Path  # noqa: E402
+
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
 # 2 threads by default; OMP_NUM_THREADS wins when set: on a shared 2-core machine, two torch threads competing with
 # another job for one free core make tiny-model forwards ~50x slower (measured: 4.3 s instead of 0.07 s per rollout)
 torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS") or 2))
+
+
+# every tiny-model builder (one per pipeline, `builders/<pipeline>.py`) contributes its fixtures
+pytest_plugins = sorted(f"builders.{p.stem}" for p in (Path(__file__).parent / "builders").glob("[!_]*.py"))
 
 
 @pytest.fixture(scope="session")
@@ -36,48 +42,3 @@ def load_bench():
         return module
 
     return load
-
-
-@pytest.fixture(scope="session")
-def tiny_sd3_dir(tmp_path_factory):
-    """A tiny random SD3 pipeline (real diffusers/transformers classes) written with `save_pretrained`."""
-    from mmgrpo.data.tiny_components import tiny_sd3_pipeline
-
-    path = tmp_path_factory.mktemp("tiny_sd3")
-    tiny_sd3_pipeline(seed=0).save_pretrained(path)
-    return str(path)
-
-
-@pytest.fixture(scope="session")
-def tiny_flux_dir(tmp_path_factory):
-    """A tiny random FLUX pipeline (real diffusers/transformers classes, offline tokenizers) written with
-    `save_pretrained`."""
-    from mmgrpo.data.tiny_components import tiny_flux_pipeline
-
-    path = tmp_path_factory.mktemp("tiny_flux")
-    tiny_flux_pipeline(seed=0).save_pretrained(path)
-    return str(path)
-
-
-@pytest.fixture(scope="session")
-def tiny_mdlm_dir(tmp_path_factory):
-    """A tiny random bidirectional Llama (masked-diffusion LM) and its character tokenizer, `save_pretrained`."""
-    from mmgrpo.data.tiny_mdlm import save_tiny_mdlm
-
-    return save_tiny_mdlm(tmp_path_factory.mktemp("tiny_mdlm"))
-
-
-@pytest.fixture(scope="session")
-def tiny_qwen2_vl_dir(tmp_path_factory):
-    """A tiny random Qwen2-VL (real transformers classes, offline tokenizer) and its processor, `save_pretrained`."""
-    from mmgrpo.data.tiny_vlm import save_tiny_qwen_vl
-
-    return save_tiny_qwen_vl(tmp_path_factory.mktemp("tiny_qwen2_vl"), "qwen2_vl")
-
-
-@pytest.fixture(scope="session")
-def tiny_qwen2_5_vl_dir(tmp_path_factory):
-    """A tiny random Qwen2.5-VL and its processor, `save_pretrained`."""
-    from mmgrpo.data.tiny_vlm import save_tiny_qwen_vl
-
-    return save_tiny_qwen_vl(tmp_path_factory.mktemp("tiny_qwen2_5_vl"), "qwen2_5_vl")

@@ -1,9 +1,11 @@
 """Contract tests parametrised over every registry entry: a new plugin is tested by these without new tests.
 
-Each registered pipeline must have a tiny builder in `PIPELINE_BUILDERS`; the test that checks this fails for a new
-pipeline until one is added."""
+Each registered pipeline must have a tiny builder, `builders/<pipeline>.py` with a `build_policy(request)`; the test
+that checks this fails for a new pipeline until one is added."""
 
 import dataclasses
+import importlib
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -17,36 +19,6 @@ from mmgrpo.types import PromptBatch, Score
 from reward_fixtures import jpeg_server, tiny_aesthetic_head, tiny_clip_dir, tiny_pickscore_dir  # noqa: F401
 
 
-def _sd3(request):
-    from mmgrpo.pipelines.sd3 import SD3Config, SD3Policy
-
-    path = request.getfixturevalue("tiny_sd3_dir")
-    return SD3Policy(SD3Config(pretrained=path, resolution=32, num_steps=3, guidance_scale=1.0, lora_rank=4, max_sequence_length=16))
-
-
-def _flux(request):
-    from mmgrpo.pipelines.flux import FluxConfig, FluxPolicy
-
-    path = request.getfixturevalue("tiny_flux_dir")
-    return FluxPolicy(FluxConfig(pretrained=path, resolution=32, num_steps=3, lora_rank=4, lora_alpha=8, max_sequence_length=16))
-
-
-def _mdlm(request):
-    from mmgrpo.pipelines.mdlm import MDLMConfig, MDLMPolicy
-
-    path = request.getfixturevalue("tiny_mdlm_dir")
-    return MDLMPolicy(MDLMConfig(pretrained=path, gen_length=8, block_length=4, steps_per_block=2, eoser=True, lora_rank=4, lora_alpha=8))
-
-
-def _qwen_vl(request):
-    from mmgrpo.pipelines.qwen_vl import QwenVLConfig, QwenVLPolicy
-
-    path = request.getfixturevalue("tiny_qwen2_vl_dir")
-    return QwenVLPolicy(QwenVLConfig(pretrained=path, max_new_tokens=6, lora_rank=4, lora_alpha=8))
-
-
-# pipeline name -> builder of a tiny policy; a builder takes pytest's `request` and asks it for the fixtures it needs
-PIPELINE_BUILDERS = {"sd3": _sd3, "flux": _flux, "mdlm": _mdlm, "qwen_vl": _qwen_vl}
 TEXTS = [
     "<think>look</think><answer>[4, 4, 20, 20]</answer>",
     "<answer>42</answer>",
@@ -95,15 +67,26 @@ def _task_batch(n):
 REWARD_BATCHES = {"mini_geneval": _shapes_batch}  # rewards that need other per-prompt metadata than `_task_batch`
 
 
+BUILDERS = Path(__file__).parent / "builders"
+
+
+def _build_policy(name: str, request):
+    """The tiny policy of pipeline `name`, from its builder module `builders/<name>.py`."""
+    return importlib.import_module(f"builders.{name}").build_policy(request)
+
+
 def test_every_pipeline_has_a_tiny_builder():
-    assert set(registry.available("pipeline")) == set(PIPELINE_BUILDERS)
+    missing = [n for n in registry.available("pipeline") if not (BUILDERS / f"{n}.py").is_file()]
+    assert not missing, f"add tests/builders/<name>.py with fixtures and a build_policy(request) for: {missing}"
+    for name in registry.available("pipeline"):
+        assert callable(importlib.import_module(f"builders.{name}").build_policy), name
 
 
 @pytest.mark.parametrize("name", sorted(registry.available("pipeline")))
 @pytest.mark.parametrize("algorithm_name", sorted(registry.available("algorithm")))
 def test_pipeline_contract(name, algorithm_name, request):
     """Replay consistency, on-policy ratio 1 and zero advantage -> zero gradient, for every pipeline x algorithm."""
-    policy = PIPELINE_BUILDERS[name](request)
+    policy = _build_policy(name, request)
     assert isinstance(policy, StochasticPolicy)
     cls = registry.get("algorithm", algorithm_name)
     algorithm = cls(cls.Config(**ALGORITHM_OPTIONS.get(algorithm_name, {})))
