@@ -12,7 +12,7 @@ import yaml
 from mmgrpo import config as config_mod
 from mmgrpo.config import ConfigError, TrainConfig
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 ALL_CONFIGS = sorted(p for p in (ROOT / "configs").rglob("*.yaml") if "accelerate" not in p.parts)
 
 

@@ -13,7 +13,7 @@ from mmgrpo.advantages import groups_with_signal
 from mmgrpo.trainer import Trainer
 from mmgrpo.types import RewardResult
 
-EXAMPLES = Path(__file__).resolve().parent.parent / "data" / "examples" / "vlm"
+EXAMPLES = Path(__file__).resolve().parents[2] / "data" / "examples" / "vlm"
 KL = {"flow_grpo": 0.5, "grpo": 0.04, "cj_grpo": 0.04, "dgpo": 0.02}
 
 

@@ -67,7 +67,7 @@ def _task_batch(n):
 REWARD_BATCHES = {"mini_geneval": _shapes_batch}  # rewards that need other per-prompt metadata than `_task_batch`
 
 
-BUILDERS = Path(__file__).parent / "builders"
+BUILDERS = Path(__file__).resolve().parents[1] / "builders"
 
 
 def _build_policy(name: str, request):

@@ -15,7 +15,7 @@ from mmgrpo import config as config_mod
 from mmgrpo.prompt_stream import items_to_batch
 from mmgrpo.types import FlowPlan
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 CONFIG = ROOT / "configs" / "tiny" / "t2i_shapes.yaml"
 
 

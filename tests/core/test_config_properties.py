@@ -22,7 +22,7 @@ from mmgrpo.config_yaml import dump_yaml, read_yaml
 from mmgrpo.preflight import preflight
 from mmgrpo.validation import ConfigError
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 CONFIGS = sorted((ROOT / "configs").glob("*.yaml")) + sorted((ROOT / "configs" / "tiny").glob("*.yaml"))
 TINY = [p for p in CONFIGS if p.parent.name == "tiny"]
 RAW = {p: read_yaml(p) for p in CONFIGS}

@@ -236,7 +236,7 @@ def test_real_llada_config_carries_cj_grpo_hyperparameters(monkeypatch):
     from mmgrpo import config as config_mod
     from mmgrpo.pipelines.mdlm import FAMILIES
 
-    root = Path(__file__).resolve().parent.parent
+    root = Path(__file__).resolve().parents[2]
     monkeypatch.chdir(root)
     cfg = config_mod.load(root / "configs" / "llada_8b_cj_grpo.yaml")
     p, a = cfg.pipeline.options, cfg.algorithm.options

@@ -12,7 +12,7 @@ from mmgrpo.pipelines.flux import FluxConfig, FluxPolicy
 from mmgrpo.types import FlowPlan, PromptBatch
 
 PROMPTS = ["a red circle", "two blue squares", "a green triangle left of a yellow circle"]
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def make_policy(path, **overrides):

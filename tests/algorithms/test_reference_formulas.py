@@ -297,7 +297,7 @@ def rollout_of(trainer, prompts, group_size):
 def test_dapo_update_of_two_minibatches_is_one_token_mean(tmp_path, tiny_qwen2_vl_dir):
     """TRL's ``dapo`` divides each minibatch's token sum by the update's token count: the update's loss is one token
     mean over both minibatches, not the mean of the two minibatches' token means."""
-    examples = Path(__file__).resolve().parents[1] / "data" / "examples" / "vlm" / "count.jsonl"
+    examples = Path(__file__).resolve().parents[2] / "data" / "examples" / "vlm" / "count.jsonl"
     trainer = make_trainer(tmp_path, {"name": "qwen_vl", "pretrained": tiny_qwen2_vl_dir, "max_new_tokens": 6},
                            {"name": "dapo"}, {"name": "accuracy", "mode": "numeric"},
                            {"name": "vlm_jsonl", "train_file": str(examples), "eval_file": str(examples)})

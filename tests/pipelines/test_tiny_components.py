@@ -153,7 +153,7 @@ def test_training_script_runs_and_resumes_exactly(tmp_path, monkeypatch):
         assert all(torch.equal(a[k], b[k]) for k in a), name
 
 
-SHIPPED = Path(__file__).resolve().parent.parent / "data" / "weights" / "t2i_shapes"
+SHIPPED = Path(__file__).resolve().parents[2] / "data" / "weights" / "t2i_shapes"
 
 
 @pytest.mark.skipif(not (SHIPPED / "model_index.json").is_file(), reason="shipped weights not present")

@@ -10,7 +10,7 @@ import pytest
 from mmgrpo import config as config_mod
 from mmgrpo.trainer import Trainer
 
-EXAMPLES = Path(__file__).resolve().parent.parent / "data" / "examples" / "vlm"
+EXAMPLES = Path(__file__).resolve().parents[2] / "data" / "examples" / "vlm"
 
 
 def make_config(tmp_path, model_dir, algorithm="grpo", task="count", **algorithm_options):

@@ -10,7 +10,7 @@ import pytest
 
 from mmgrpo.config import load
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 README = ROOT / "README.md"
 DOCS = sorted([README, ROOT / "bench" / "README.md", *(ROOT / "docs").rglob("*.md")])
 SETUP = ('python3 -m venv .venv && .venv/bin/pip install torch==2.14.1 torchvision==0.29.1 && '

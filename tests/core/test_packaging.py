@@ -6,7 +6,7 @@ import sys
 import zipfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 CHECK = (
     "import importlib.util, sys\n"
     "import mmgrpo.pipelines, mmgrpo.rewards, mmgrpo.data\n"
