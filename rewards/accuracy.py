@@ -67,53 +67,55 @@ def choice_letter(text: str, choices: list[str] | None = None) -> str | None:
     return parens[-1] if parens else None
 
 
+@dataclass
+class AccuracyConfig:
+    """Configuration of [`AccuracyReward`] (see the module docstring for the modes).
+
+    Args:
+        mode (`str`, defaults to `"auto"`): ``"auto"``, ``"exact"``, ``"numeric"``, ``"choice"`` or ``"math"``.
+        answer_key (`str`, defaults to `"answer"`): metadata key of the ground truth.
+        answer_tag (`str`, *optional*, defaults to `"answer"`): the answer is the last ``<tag>...</tag>`` block.
+        boxed (`bool`, defaults to `True`): without that tag, take the last ``\\boxed{...}``.
+        require_tag (`bool`, defaults to `False`): score 0 (malformed) when neither is found, instead of reading
+            the whole text.
+        case_sensitive (`bool`, defaults to `False`): exact matching keeps case.
+        rtol (`float`, defaults to 1e-4), atol (`float`, defaults to 1e-8): numeric and math tolerance.
+        fuzzy_width (`float`, defaults to 0.0): > 0 pays wrong numbers for closeness (relative error at which the
+            pay reaches 0).
+        max_completion_chars (`int`, *optional*, defaults to 16384): each text is cut to this many characters
+            before parsing (component ``truncated``); 0 or None: no cut (the parsers are linear; sympy only ever
+            sees short answers).
+    """
+
+    mode: Literal["auto", "exact", "numeric", "choice", "math"] = "auto"
+    answer_key: str = "answer"
+    answer_tag: str | None = "answer"
+    boxed: bool = True
+    require_tag: bool = False
+    case_sensitive: bool = False
+    rtol: float = 1e-4
+    atol: float = 1e-8
+    fuzzy_width: float = 0.0
+    max_completion_chars: int | None = MAX_COMPLETION_CHARS
+
+    def __post_init__(self):
+        check_fields(self)  # types; floats finite
+        for key in ("rtol", "atol", "fuzzy_width"):
+            check_range(key, getattr(self, key), 0, fix="give a finite tolerance >= 0 (0 for exact)")
+        check_text("answer_key", self.answer_key)
+        check_tag("answer_tag", self.answer_tag)
+        check_max_completion_chars(self.max_completion_chars)
+
+
 class AccuracyReward:
     """Scores ``outputs["texts"]`` (list of `N` strings) against ``batch.metadata[i][answer_key]``."""
 
-    @dataclass
-    class Config:
-        """Configuration of [`AccuracyReward`] (see the module docstring for the modes).
-
-        Args:
-            mode (`str`, defaults to `"auto"`): ``"auto"``, ``"exact"``, ``"numeric"``, ``"choice"`` or ``"math"``.
-            answer_key (`str`, defaults to `"answer"`): metadata key of the ground truth.
-            answer_tag (`str`, *optional*, defaults to `"answer"`): the answer is the last ``<tag>...</tag>`` block.
-            boxed (`bool`, defaults to `True`): without that tag, take the last ``\\boxed{...}``.
-            require_tag (`bool`, defaults to `False`): score 0 (malformed) when neither is found, instead of reading
-                the whole text.
-            case_sensitive (`bool`, defaults to `False`): exact matching keeps case.
-            rtol (`float`, defaults to 1e-4), atol (`float`, defaults to 1e-8): numeric and math tolerance.
-            fuzzy_width (`float`, defaults to 0.0): > 0 pays wrong numbers for closeness (relative error at which the
-                pay reaches 0).
-            max_completion_chars (`int`, *optional*, defaults to 16384): each text is cut to this many characters
-                before parsing (component ``truncated``); 0 or None: no cut (the parsers are linear; sympy only ever
-                sees short answers).
-        """
-
-        mode: Literal["auto", "exact", "numeric", "choice", "math"] = "auto"
-        answer_key: str = "answer"
-        answer_tag: str | None = "answer"
-        boxed: bool = True
-        require_tag: bool = False
-        case_sensitive: bool = False
-        rtol: float = 1e-4
-        atol: float = 1e-8
-        fuzzy_width: float = 0.0
-        max_completion_chars: int | None = MAX_COMPLETION_CHARS
-
-        def __post_init__(self):
-            check_fields(self)  # types; floats finite
-            for key in ("rtol", "atol", "fuzzy_width"):
-                check_range(key, getattr(self, key), 0, fix="give a finite tolerance >= 0 (0 for exact)")
-            check_text("answer_key", self.answer_key)
-            check_tag("answer_tag", self.answer_tag)
-            check_max_completion_chars(self.max_completion_chars)
-
+    Config = AccuracyConfig
     modalities = frozenset({"text"})
     group_stage = None  # each score depends on its sample only (see mmgrpo.protocols.RewardFn)
 
-    def __init__(self, config: "AccuracyReward.Config | None" = None):
-        self.config = config or self.Config()
+    def __init__(self, config: AccuracyConfig | None = None):
+        self.config = config or AccuracyConfig()
 
     def extract(self, text: str) -> tuple[str, bool]:
         """The answer part of a model text and whether it came from a tag (or ``\\boxed``)."""

@@ -59,49 +59,51 @@ def load_head(path: str) -> nn.Sequential:
     return head.requires_grad_(False)
 
 
+@dataclass
+class AestheticScoreConfig:
+    """Configuration of [`AestheticScore`].
+
+    Args:
+        head_path (`str`): the head weights file, ``sac+logos+ava1-l14-linearMSE.pth`` from the
+            improved-aesthetic-predictor repository (required; nothing is downloaded).
+        model_name (`str`, defaults to `"ViT-L-14"`): the CLIP the head was trained on, as in `clip_score`.
+        pretrained (`str`, *optional*, defaults to `"openai"`): its open_clip tag or a local checkpoint file.
+        modality (`str`, defaults to `"image"`): ``"image"`` or ``"video"`` (mean over frames).
+        batch_size (`int`, defaults to 32): images per CLIP forward.
+        device (`str`, defaults to `"auto"`): where CLIP and the head run.
+    """
+
+    head_path: str | None = None
+    model_name: str = "ViT-L-14"
+    pretrained: str | None = "openai"
+    modality: Literal["image", "video"] = "image"
+    batch_size: int = 32
+    device: str = "auto"
+
+    def __post_init__(self):
+        check_fields(self)
+        check_text("model_name", self.model_name)
+        check_text("device", self.device)
+        if not self.head_path or not os.path.isfile(os.path.expanduser(self.head_path)):
+            where = "is not set" if not self.head_path else f"={self.head_path!r} does not exist"
+            raise ValueError(
+                f"aesthetic.head_path {where}: the reward needs the LAION improved aesthetic predictor head "
+                f"{HEAD_FILE} (from {HEAD_URL}); download it and set head_path to its path (reward.head_path=... "
+                f"in an experiment config)."
+            )
+        if self.batch_size < 1:
+            raise ValueError(f"aesthetic.batch_size must be >= 1, got {self.batch_size}.")
+        _clip.check_source("aesthetic", self.model_name, self.pretrained)
+
+
 class AestheticScore:
     """Scores ``outputs["images"]`` `[N, 3, H, W]` (or ``outputs["videos"]`` `[N, F, 3, H, W]`) with the LAION head."""
 
-    @dataclass
-    class Config:
-        """Configuration of [`AestheticScore`].
-
-        Args:
-            head_path (`str`): the head weights file, ``sac+logos+ava1-l14-linearMSE.pth`` from the
-                improved-aesthetic-predictor repository (required; nothing is downloaded).
-            model_name (`str`, defaults to `"ViT-L-14"`): the CLIP the head was trained on, as in `clip_score`.
-            pretrained (`str`, *optional*, defaults to `"openai"`): its open_clip tag or a local checkpoint file.
-            modality (`str`, defaults to `"image"`): ``"image"`` or ``"video"`` (mean over frames).
-            batch_size (`int`, defaults to 32): images per CLIP forward.
-            device (`str`, defaults to `"auto"`): where CLIP and the head run.
-        """
-
-        head_path: str | None = None
-        model_name: str = "ViT-L-14"
-        pretrained: str | None = "openai"
-        modality: Literal["image", "video"] = "image"
-        batch_size: int = 32
-        device: str = "auto"
-
-        def __post_init__(self):
-            check_fields(self)
-            check_text("model_name", self.model_name)
-            check_text("device", self.device)
-            if not self.head_path or not os.path.isfile(os.path.expanduser(self.head_path)):
-                where = "is not set" if not self.head_path else f"={self.head_path!r} does not exist"
-                raise ValueError(
-                    f"aesthetic.head_path {where}: the reward needs the LAION improved aesthetic predictor head "
-                    f"{HEAD_FILE} (from {HEAD_URL}); download it and set head_path to its path (reward.head_path=... "
-                    f"in an experiment config)."
-                )
-            if self.batch_size < 1:
-                raise ValueError(f"aesthetic.batch_size must be >= 1, got {self.batch_size}.")
-            _clip.check_source("aesthetic", self.model_name, self.pretrained)
-
+    Config = AestheticScoreConfig
     modalities = frozenset({"image"})  # the default; an instance holds its configured modality
     group_stage = None  # each score depends on its sample only (see mmgrpo.protocols.RewardFn)
 
-    def __init__(self, config: "AestheticScore.Config"):
+    def __init__(self, config: AestheticScoreConfig):
         self.config = config
         self.modalities = frozenset({config.modality})
         self.model, _ = _clip.load_open_clip("aesthetic", config.model_name, config.pretrained, config.device)

@@ -79,46 +79,48 @@ def box_iou(boxes_a: torch.Tensor, boxes_b: torch.Tensor) -> torch.Tensor:
     return torch.where(union > 0, inter / union.clamp_min(1e-12), torch.zeros_like(union))  # [P, G]
 
 
+@dataclass
+class BoxIoUConfig:
+    """Configuration of [`BoxIoU`] (see the module docstring for frames and parsing).
+
+    Args:
+        coords (`str`, defaults to `"resized"`): the frame of the model's numbers: ``"resized"``, ``"original"``,
+            ``"norm1000"`` or ``"norm1"``.
+        threshold (`float`, *optional*): if set, a matched pair counts 1 when its IoU reaches it, else 0.
+        answer_tag (`str`, *optional*, defaults to `"answer"`): read boxes inside the last ``<tag>...</tag>``
+            when present (None: the whole text).
+        gt_key (`str`, defaults to `"boxes"`): metadata key of the ground-truth box(es).
+        max_boxes (`int`, defaults to 100): boxes read from one answer at most.
+        max_completion_chars (`int`, *optional*, defaults to 16384): each text is cut to this many characters
+            before parsing (component ``truncated``); 0 or None: no cut (the parser is linear).
+    """
+
+    coords: Literal["resized", "original", "norm1000", "norm1"] = "resized"
+    threshold: float | None = None
+    answer_tag: str | None = "answer"
+    gt_key: str = "boxes"
+    max_boxes: int = 100
+    max_completion_chars: int | None = MAX_COMPLETION_CHARS
+
+    def __post_init__(self):
+        check_fields(self)  # types (coords one of the four frames); floats finite
+        if self.threshold is not None:
+            check_range("threshold", self.threshold, 0, 1, low_open=True, fix="or null for the continuous IoU")
+        check_range("max_boxes", self.max_boxes, 1, fix="e.g. 100")
+        check_tag("answer_tag", self.answer_tag)
+        check_text("gt_key", self.gt_key)
+        check_max_completion_chars(self.max_completion_chars)
+
+
 class BoxIoU:
     """Scores ``outputs["texts"]`` (list of `N` strings) against ground-truth boxes in ``batch.metadata``."""
 
-    @dataclass
-    class Config:
-        """Configuration of [`BoxIoU`] (see the module docstring for frames and parsing).
-
-        Args:
-            coords (`str`, defaults to `"resized"`): the frame of the model's numbers: ``"resized"``, ``"original"``,
-                ``"norm1000"`` or ``"norm1"``.
-            threshold (`float`, *optional*): if set, a matched pair counts 1 when its IoU reaches it, else 0.
-            answer_tag (`str`, *optional*, defaults to `"answer"`): read boxes inside the last ``<tag>...</tag>``
-                when present (None: the whole text).
-            gt_key (`str`, defaults to `"boxes"`): metadata key of the ground-truth box(es).
-            max_boxes (`int`, defaults to 100): boxes read from one answer at most.
-            max_completion_chars (`int`, *optional*, defaults to 16384): each text is cut to this many characters
-                before parsing (component ``truncated``); 0 or None: no cut (the parser is linear).
-        """
-
-        coords: Literal["resized", "original", "norm1000", "norm1"] = "resized"
-        threshold: float | None = None
-        answer_tag: str | None = "answer"
-        gt_key: str = "boxes"
-        max_boxes: int = 100
-        max_completion_chars: int | None = MAX_COMPLETION_CHARS
-
-        def __post_init__(self):
-            check_fields(self)  # types (coords one of the four frames); floats finite
-            if self.threshold is not None:
-                check_range("threshold", self.threshold, 0, 1, low_open=True, fix="or null for the continuous IoU")
-            check_range("max_boxes", self.max_boxes, 1, fix="e.g. 100")
-            check_tag("answer_tag", self.answer_tag)
-            check_text("gt_key", self.gt_key)
-            check_max_completion_chars(self.max_completion_chars)
-
+    Config = BoxIoUConfig
     modalities = frozenset({"text"})
     group_stage = None  # each score depends on its sample only (see mmgrpo.protocols.RewardFn)
 
-    def __init__(self, config: "BoxIoU.Config | None" = None):
-        self.config = config or self.Config()
+    def __init__(self, config: BoxIoUConfig | None = None):
+        self.config = config or BoxIoUConfig()
 
     def _size(self, metadata: dict, key: str, index: int) -> tuple[float, float]:
         size = metadata.get(key)

@@ -16,49 +16,51 @@ from mmgrpo.types import PromptBatch, RewardResult
 from mmgrpo.validation import check_fields, check_text
 
 
+@dataclass
+class ClipScoreConfig:
+    """Configuration of [`ClipScore`].
+
+    Args:
+        model_name (`str`, defaults to `"ViT-L-14"`): an open_clip model name, ``"local-dir:<folder>"`` (a folder
+            holding ``open_clip_config.json`` and the weights) or ``"hf-hub:org/repo"``.
+        pretrained (`str`, *optional*, defaults to `"openai"`): an open_clip pretrained tag (downloaded through the
+            hub) or the path of a local checkpoint file of `model_name`; ignored with a ``local-dir:`` name. None
+            builds random weights (tests only).
+        scale (`float`, defaults to 2.5): the score is ``scale * cos`` (CLIPScore's w).
+        clamp_negative (`bool`, defaults to `True`): ``max(cos, 0)`` as CLIPScore does.
+        modality (`str`, defaults to `"image"`): ``"image"`` or ``"video"`` (mean over frames).
+        batch_size (`int`, defaults to 32): images per CLIP forward.
+        device (`str`, defaults to `"auto"`): where the CLIP model runs (``"auto"``: CUDA when available).
+    """
+
+    model_name: str = "ViT-L-14"
+    pretrained: str | None = "openai"
+    scale: float = 2.5
+    clamp_negative: bool = True
+    modality: Literal["image", "video"] = "image"
+    batch_size: int = 32
+    device: str = "auto"
+
+    def __post_init__(self):
+        check_fields(self)
+        check_text("model_name", self.model_name)
+        check_text("device", self.device)
+        if self.scale <= 0:
+            raise ValueError(f"clip_score.scale must be > 0, got {self.scale}.")
+        if self.batch_size < 1:
+            raise ValueError(f"clip_score.batch_size must be >= 1, got {self.batch_size}.")
+        _clip.check_source("clip_score", self.model_name, self.pretrained)
+
+
 class ClipScore:
     """Scores ``outputs["images"]`` `[N, 3, H, W]` (or ``outputs["videos"]`` `[N, F, 3, H, W]`) against the prompts."""
 
-    @dataclass
-    class Config:
-        """Configuration of [`ClipScore`].
-
-        Args:
-            model_name (`str`, defaults to `"ViT-L-14"`): an open_clip model name, ``"local-dir:<folder>"`` (a folder
-                holding ``open_clip_config.json`` and the weights) or ``"hf-hub:org/repo"``.
-            pretrained (`str`, *optional*, defaults to `"openai"`): an open_clip pretrained tag (downloaded through the
-                hub) or the path of a local checkpoint file of `model_name`; ignored with a ``local-dir:`` name. None
-                builds random weights (tests only).
-            scale (`float`, defaults to 2.5): the score is ``scale * cos`` (CLIPScore's w).
-            clamp_negative (`bool`, defaults to `True`): ``max(cos, 0)`` as CLIPScore does.
-            modality (`str`, defaults to `"image"`): ``"image"`` or ``"video"`` (mean over frames).
-            batch_size (`int`, defaults to 32): images per CLIP forward.
-            device (`str`, defaults to `"auto"`): where the CLIP model runs (``"auto"``: CUDA when available).
-        """
-
-        model_name: str = "ViT-L-14"
-        pretrained: str | None = "openai"
-        scale: float = 2.5
-        clamp_negative: bool = True
-        modality: Literal["image", "video"] = "image"
-        batch_size: int = 32
-        device: str = "auto"
-
-        def __post_init__(self):
-            check_fields(self)
-            check_text("model_name", self.model_name)
-            check_text("device", self.device)
-            if self.scale <= 0:
-                raise ValueError(f"clip_score.scale must be > 0, got {self.scale}.")
-            if self.batch_size < 1:
-                raise ValueError(f"clip_score.batch_size must be >= 1, got {self.batch_size}.")
-            _clip.check_source("clip_score", self.model_name, self.pretrained)
-
+    Config = ClipScoreConfig
     modalities = frozenset({"image"})  # the default; an instance holds its configured modality
     group_stage = None  # each score depends on its sample only (see mmgrpo.protocols.RewardFn)
 
-    def __init__(self, config: "ClipScore.Config | None" = None):
-        self.config = config or self.Config()
+    def __init__(self, config: ClipScoreConfig | None = None):
+        self.config = config or ClipScoreConfig()
         self.modalities = frozenset({self.config.modality})
         self.model, self.tokenizer = _clip.load_open_clip(
             "clip_score", self.config.model_name, self.config.pretrained, self.config.device

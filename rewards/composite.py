@@ -53,43 +53,45 @@ def normalize_groups(values: torch.Tensor, group_ids: torch.Tensor | None, eps: 
     return torch.where(torch.isfinite(values), normalized, torch.full_like(normalized, float("nan")))
 
 
+@dataclass
+class CompositeConfig:
+    """Configuration of [`CompositeReward`].
+
+    Args:
+        rewards (`dict[str, dict]`): component name -> ``{name, weight, **options}`` (see the module docstring).
+        normalize (`str`, defaults to `"none"`): ``"none"``, ``"sum_then_normalize"`` or ``"normalize_then_sum"``.
+        eps (`float`, defaults to 1e-4): added to the group standard deviation.
+    """
+
+    rewards: dict[str, dict] = field(default_factory=dict)
+    normalize: Literal["none", "sum_then_normalize", "normalize_then_sum"] = "none"
+    eps: float = 1e-4
+
+    def __post_init__(self):
+        check_fields(self)
+        if not self.rewards:
+            raise ValueError("composite: reward.rewards is empty; name at least one reward, e.g. {format: {weight: 1.0}}.")
+        if self.eps <= 0:
+            raise ValueError(f"composite.eps must be > 0, got {self.eps}.")
+        self.specs = {}  # component name -> (registry name, weight, plugin Config instance); not a field
+        for key, raw in self.rewards.items():
+            if not isinstance(raw, dict):
+                raise ValueError(f"composite: reward.rewards.{key} must be a mapping of options, got {raw!r}.")
+            options = {k: v for k, v in raw.items() if k not in RESERVED}
+            name = coerce(raw.get("name", key), str, f"rewards.{key}.name")
+            weight = coerce(raw.get("weight", 1.0), float, f"rewards.{key}.weight")  # a finite number
+            plugin = registry.get("reward", name)
+            self.specs[key] = (name, weight, build_dataclass(plugin.Config, options, f"reward.rewards.{key}"))
+
+
 class CompositeReward:
     """Sums the scores of several rewards, each built from its own options."""
 
-    @dataclass
-    class Config:
-        """Configuration of [`CompositeReward`].
-
-        Args:
-            rewards (`dict[str, dict]`): component name -> ``{name, weight, **options}`` (see the module docstring).
-            normalize (`str`, defaults to `"none"`): ``"none"``, ``"sum_then_normalize"`` or ``"normalize_then_sum"``.
-            eps (`float`, defaults to 1e-4): added to the group standard deviation.
-        """
-
-        rewards: dict[str, dict] = field(default_factory=dict)
-        normalize: Literal["none", "sum_then_normalize", "normalize_then_sum"] = "none"
-        eps: float = 1e-4
-
-        def __post_init__(self):
-            check_fields(self)
-            if not self.rewards:
-                raise ValueError("composite: reward.rewards is empty; name at least one reward, e.g. {format: {weight: 1.0}}.")
-            if self.eps <= 0:
-                raise ValueError(f"composite.eps must be > 0, got {self.eps}.")
-            self.specs = {}  # component name -> (registry name, weight, plugin Config instance); not a field
-            for key, raw in self.rewards.items():
-                if not isinstance(raw, dict):
-                    raise ValueError(f"composite: reward.rewards.{key} must be a mapping of options, got {raw!r}.")
-                options = {k: v for k, v in raw.items() if k not in RESERVED}
-                name = coerce(raw.get("name", key), str, f"rewards.{key}.name")
-                weight = coerce(raw.get("weight", 1.0), float, f"rewards.{key}.weight")  # a finite number
-                plugin = registry.get("reward", name)
-                self.specs[key] = (name, weight, build_dataclass(plugin.Config, options, f"reward.rewards.{key}"))
-
+    Config = CompositeConfig
     modalities = frozenset()  # depends on the components; an instance holds the union of theirs
     group_stage = None  # the class default; an instance that normalises per group holds its own
 
-    def __init__(self, config: "CompositeReward.Config"):
+    def __init__(self, config: CompositeConfig):
         self.config = config
         self.rewards = {key: registry.get("reward", name)(options) for key, (name, _, options) in config.specs.items()}
         self.weights = {key: weight for key, (_, weight, _) in config.specs.items()}

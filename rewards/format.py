@@ -60,54 +60,56 @@ def boxed_layout(text: str) -> bool:
 LAYOUTS = {"r1": r1_layout, "boxed": boxed_layout, R1_PATTERN: r1_layout, BOXED_PATTERN: boxed_layout}
 
 
+@dataclass
+class FormatConfig:
+    """Configuration of [`FormatReward`].
+
+    Args:
+        pattern (`str`, defaults to `"r1"`): the layout of the whole text: ``"r1"``, ``"boxed"`` (EasyR1's math
+            layout) or a custom regex (DOTALL, full match); see the module docstring.
+        unique_tags (`list[str]`, defaults to `["think", "answer"]`): tags that must open and close exactly once.
+        answer_pattern (`str`, *optional*): a regex the last ``<answer>`` block must contain, e.g.
+            ``\\[\\s*\\d+\\s*,\\s*\\d+\\s*,\\s*\\d+\\s*,\\s*\\d+\\s*\\]`` for a box (VLM-R1's REC format).
+        max_completion_chars (`int`, *optional*, defaults to 16384): each text is cut to this many characters
+            before any check (component ``truncated``); 0 or None: no cut, allowed only without a custom regex.
+    """
+
+    pattern: str = "r1"
+    unique_tags: list[str] = field(default_factory=lambda: ["think", "answer"])
+    answer_pattern: str | None = None
+    max_completion_chars: int | None = MAX_COMPLETION_CHARS
+
+    def __post_init__(self):
+        check_fields(self)
+        for key in ("pattern", "answer_pattern"):
+            value = getattr(self, key)
+            check_text(key, value)
+            try:
+                re.compile(value or "")
+            except re.error as err:
+                raise ConfigError(f"{key}={value!r} is not a valid regular expression: {err}.") from err
+        for i, tag in enumerate(self.unique_tags):
+            check_tag(f"unique_tags[{i}]", tag)
+        check_max_completion_chars(self.max_completion_chars)
+        custom = ["pattern"] if self.pattern not in LAYOUTS else []
+        custom += ["answer_pattern"] if self.answer_pattern is not None else []
+        if custom and not self.max_completion_chars:
+            raise ConfigError(
+                f"max_completion_chars={self.max_completion_chars!r} (no cut) with a custom regex in "
+                f"{' and '.join(custom)}: a regex can take super-linear time on long adversarial text; set "
+                f"max_completion_chars > 0 (default {MAX_COMPLETION_CHARS}), or use pattern 'r1' / 'boxed'."
+            )
+
+
 class FormatReward:
     """Scores ``outputs["texts"]`` (list of `N` strings) by their layout."""
 
-    @dataclass
-    class Config:
-        """Configuration of [`FormatReward`].
-
-        Args:
-            pattern (`str`, defaults to `"r1"`): the layout of the whole text: ``"r1"``, ``"boxed"`` (EasyR1's math
-                layout) or a custom regex (DOTALL, full match); see the module docstring.
-            unique_tags (`list[str]`, defaults to `["think", "answer"]`): tags that must open and close exactly once.
-            answer_pattern (`str`, *optional*): a regex the last ``<answer>`` block must contain, e.g.
-                ``\\[\\s*\\d+\\s*,\\s*\\d+\\s*,\\s*\\d+\\s*,\\s*\\d+\\s*\\]`` for a box (VLM-R1's REC format).
-            max_completion_chars (`int`, *optional*, defaults to 16384): each text is cut to this many characters
-                before any check (component ``truncated``); 0 or None: no cut, allowed only without a custom regex.
-        """
-
-        pattern: str = "r1"
-        unique_tags: list[str] = field(default_factory=lambda: ["think", "answer"])
-        answer_pattern: str | None = None
-        max_completion_chars: int | None = MAX_COMPLETION_CHARS
-
-        def __post_init__(self):
-            check_fields(self)
-            for key in ("pattern", "answer_pattern"):
-                value = getattr(self, key)
-                check_text(key, value)
-                try:
-                    re.compile(value or "")
-                except re.error as err:
-                    raise ConfigError(f"{key}={value!r} is not a valid regular expression: {err}.") from err
-            for i, tag in enumerate(self.unique_tags):
-                check_tag(f"unique_tags[{i}]", tag)
-            check_max_completion_chars(self.max_completion_chars)
-            custom = ["pattern"] if self.pattern not in LAYOUTS else []
-            custom += ["answer_pattern"] if self.answer_pattern is not None else []
-            if custom and not self.max_completion_chars:
-                raise ConfigError(
-                    f"max_completion_chars={self.max_completion_chars!r} (no cut) with a custom regex in "
-                    f"{' and '.join(custom)}: a regex can take super-linear time on long adversarial text; set "
-                    f"max_completion_chars > 0 (default {MAX_COMPLETION_CHARS}), or use pattern 'r1' / 'boxed'."
-                )
-
+    Config = FormatConfig
     modalities = frozenset({"text"})
     group_stage = None  # each score depends on its sample only (see mmgrpo.protocols.RewardFn)
 
-    def __init__(self, config: "FormatReward.Config | None" = None):
-        self.config = config or self.Config()
+    def __init__(self, config: FormatConfig | None = None):
+        self.config = config or FormatConfig()
         layout = LAYOUTS.get(self.config.pattern)
         self.layout = layout or re.compile(self.config.pattern, re.DOTALL).fullmatch
         self.answer_pattern = re.compile(self.config.answer_pattern, re.DOTALL) if self.config.answer_pattern else None

@@ -79,34 +79,36 @@ def mask_iou(pred: torch.Tensor, gt: torch.Tensor) -> float:
     return 1.0 if union == 0 else float((pred & gt).sum() / union)
 
 
+@dataclass
+class MaskIoUConfig:
+    """Configuration of [`MaskIoU`].
+
+    Args:
+        threshold (`float`, defaults to 0.5): a probability mask is foreground where it is above this.
+        s_measure_weight (`float`, defaults to 0.0): score ``(1 - w) * IoU + w * S-measure`` (Seg-R1: 0.3).
+        gt_key (`str`, defaults to `"mask"`): metadata key of the ground-truth mask.
+    """
+
+    threshold: float = 0.5
+    s_measure_weight: float = 0.0
+    gt_key: str = "mask"
+
+    def __post_init__(self):
+        check_fields(self)  # types; floats finite
+        check_range("threshold", self.threshold, 0, 1, high_open=True, fix="0.5 for probabilities")
+        check_range("s_measure_weight", self.s_measure_weight, 0, 1, fix="0 for IoU only, 0.3 as Seg-R1")
+        check_text("gt_key", self.gt_key)
+
+
 class MaskIoU:
     """Scores ``outputs["masks"]`` against ground-truth masks in ``batch.metadata``."""
 
-    @dataclass
-    class Config:
-        """Configuration of [`MaskIoU`].
-
-        Args:
-            threshold (`float`, defaults to 0.5): a probability mask is foreground where it is above this.
-            s_measure_weight (`float`, defaults to 0.0): score ``(1 - w) * IoU + w * S-measure`` (Seg-R1: 0.3).
-            gt_key (`str`, defaults to `"mask"`): metadata key of the ground-truth mask.
-        """
-
-        threshold: float = 0.5
-        s_measure_weight: float = 0.0
-        gt_key: str = "mask"
-
-        def __post_init__(self):
-            check_fields(self)  # types; floats finite
-            check_range("threshold", self.threshold, 0, 1, high_open=True, fix="0.5 for probabilities")
-            check_range("s_measure_weight", self.s_measure_weight, 0, 1, fix="0 for IoU only, 0.3 as Seg-R1")
-            check_text("gt_key", self.gt_key)
-
+    Config = MaskIoUConfig
     modalities = frozenset({"mask"})
     group_stage = None  # each score depends on its sample only (see mmgrpo.protocols.RewardFn)
 
-    def __init__(self, config: "MaskIoU.Config | None" = None):
-        self.config = config or self.Config()
+    def __init__(self, config: MaskIoUConfig | None = None):
+        self.config = config or MaskIoUConfig()
 
     def _prediction(self, value: Any, size: tuple[int, int]) -> torch.Tensor | None:
         """A prediction as a float mask `[H, W]` in [0, 1] at the truth's size, or None when malformed."""

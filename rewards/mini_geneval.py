@@ -66,64 +66,66 @@ def _connected_components(classes: torch.Tensor) -> torch.Tensor:
     return torch.where(labels == big, -1, labels)
 
 
+@dataclass
+class MiniGenEvalConfig:
+    """Configuration of [`MiniGenEval`].
+
+    Args:
+        score (`str`, defaults to `"partial"`): the reward, ``"partial"`` (share of the prompt's checks passed)
+            or ``"strict"`` (1 if all pass, else 0). Both are always in `components`.
+        color_threshold (`float`, defaults to 0.35): largest RGB distance (channels in [0, 1]) from a palette
+            colour for a pixel to take that colour; the palette colours are >= 0.78 apart.
+        min_area (`float`, defaults to 0.012): smallest object area as a share of the image (12 px at 32x32;
+            the smallest rendered object covers ~32 px).
+        max_area (`float`, defaults to 0.5): components covering more than this share of the image are
+            treated as background, not objects (the largest rendered object covers 25%).
+        exact_scene (`bool`, defaults to `False`): also require exact counts for every object and no other
+            object (stricter than GenEval).
+        relation_margin (`float`, defaults to 0.06): smallest centroid offset for a spatial relation, as a share
+            of the image side (2 px at 32x32).
+    """
+
+    score: str = "partial"
+    color_threshold: float = 0.35
+    min_area: float = 0.012
+    max_area: float = 0.5
+    relation_margin: float = 0.06
+    exact_scene: bool = False
+
+    def __post_init__(self):
+        check_fields(self)
+        if self.score not in ("partial", "strict"):
+            raise ValueError(f"MiniGenEval.Config.score must be 'partial' or 'strict', got {self.score!r}.")
+        if not 0.0 < self.color_threshold < 0.78:
+            raise ValueError(
+                f"MiniGenEval.Config.color_threshold must be in (0, 0.78) (half the palette spacing is ~0.39), "
+                f"got {self.color_threshold}."
+            )
+        if not 0.0 <= self.min_area < 0.5:
+            raise ValueError(
+                f"MiniGenEval.Config.min_area is a share of the image in [0, 0.5), got {self.min_area}."
+            )
+        if not self.min_area < self.max_area <= 1.0:
+            raise ValueError(
+                f"MiniGenEval.Config.max_area must be in (min_area, 1], got {self.max_area} "
+                f"(min_area {self.min_area})."
+            )
+        if not 0.0 <= self.relation_margin < 0.5:
+            raise ValueError(
+                f"MiniGenEval.Config.relation_margin is a share of the image side in [0, 0.5), "
+                f"got {self.relation_margin}."
+            )
+
+
 class MiniGenEval:
     """GenEval-like checker of shapes-task images, from pixels only (see the module docstring for the checks)."""
 
-    @dataclass
-    class Config:
-        """Configuration of [`MiniGenEval`].
-
-        Args:
-            score (`str`, defaults to `"partial"`): the reward, ``"partial"`` (share of the prompt's checks passed)
-                or ``"strict"`` (1 if all pass, else 0). Both are always in `components`.
-            color_threshold (`float`, defaults to 0.35): largest RGB distance (channels in [0, 1]) from a palette
-                colour for a pixel to take that colour; the palette colours are >= 0.78 apart.
-            min_area (`float`, defaults to 0.012): smallest object area as a share of the image (12 px at 32x32;
-                the smallest rendered object covers ~32 px).
-            max_area (`float`, defaults to 0.5): components covering more than this share of the image are
-                treated as background, not objects (the largest rendered object covers 25%).
-            exact_scene (`bool`, defaults to `False`): also require exact counts for every object and no other
-                object (stricter than GenEval).
-            relation_margin (`float`, defaults to 0.06): smallest centroid offset for a spatial relation, as a share
-                of the image side (2 px at 32x32).
-        """
-
-        score: str = "partial"
-        color_threshold: float = 0.35
-        min_area: float = 0.012
-        max_area: float = 0.5
-        relation_margin: float = 0.06
-        exact_scene: bool = False
-
-        def __post_init__(self):
-            check_fields(self)
-            if self.score not in ("partial", "strict"):
-                raise ValueError(f"MiniGenEval.Config.score must be 'partial' or 'strict', got {self.score!r}.")
-            if not 0.0 < self.color_threshold < 0.78:
-                raise ValueError(
-                    f"MiniGenEval.Config.color_threshold must be in (0, 0.78) (half the palette spacing is ~0.39), "
-                    f"got {self.color_threshold}."
-                )
-            if not 0.0 <= self.min_area < 0.5:
-                raise ValueError(
-                    f"MiniGenEval.Config.min_area is a share of the image in [0, 0.5), got {self.min_area}."
-                )
-            if not self.min_area < self.max_area <= 1.0:
-                raise ValueError(
-                    f"MiniGenEval.Config.max_area must be in (min_area, 1], got {self.max_area} "
-                    f"(min_area {self.min_area})."
-                )
-            if not 0.0 <= self.relation_margin < 0.5:
-                raise ValueError(
-                    f"MiniGenEval.Config.relation_margin is a share of the image side in [0, 0.5), "
-                    f"got {self.relation_margin}."
-                )
-
+    Config = MiniGenEvalConfig
     modalities = frozenset({"image"})
     group_stage = None  # each score depends on its sample only (see mmgrpo.protocols.RewardFn)
 
-    def __init__(self, config: "MiniGenEval.Config | None" = None):
-        self.config = config or self.Config()
+    def __init__(self, config: MiniGenEvalConfig | None = None):
+        self.config = config or MiniGenEvalConfig()
 
     # --------------------------------------------------------------------------------------------- detection
 

@@ -20,47 +20,49 @@ from mmgrpo.types import PromptBatch, RewardResult
 from mmgrpo.validation import check_fields, check_text
 
 
+@dataclass
+class PickScoreConfig:
+    """Configuration of [`PickScore`].
+
+    Args:
+        model (`str`, defaults to `"yuvalkirstain/PickScore_v1"`): a local folder (``config.json`` and weights,
+            as `save_pretrained` writes) or a hub id of the `CLIPModel`.
+        processor (`str`, *optional*, defaults to `"laion/CLIP-ViT-H-14-laion2B-s32B-b79K"`): folder or hub id of
+            the `CLIPProcessor` (tokenizer and image processor); None: the `model` folder.
+        divisor (`float`, defaults to 1.0): the score is divided by it (Flow-GRPO: 26).
+        modality (`str`, defaults to `"image"`): ``"image"`` or ``"video"`` (mean over frames).
+        batch_size (`int`, defaults to 32): images per forward.
+        device (`str`, defaults to `"auto"`): where the model runs (``"auto"``: CUDA when available).
+    """
+
+    model: str = "yuvalkirstain/PickScore_v1"
+    processor: str | None = "laion/CLIP-ViT-H-14-laion2B-s32B-b79K"
+    divisor: float = 1.0
+    modality: Literal["image", "video"] = "image"
+    batch_size: int = 32
+    device: str = "auto"
+
+    def __post_init__(self):
+        check_fields(self)
+        check_text("device", self.device)
+        if self.divisor <= 0 or self.batch_size < 1:
+            raise ValueError(f"pickscore.divisor must be > 0 and batch_size >= 1, got {self.divisor}, {self.batch_size}.")
+        resolve_pretrained(self.model, "pickscore.model")
+        if self.processor is not None:
+            resolve_pretrained(self.processor, "pickscore.processor")
+
+
 class PickScore:
     """Scores ``outputs["images"]`` `[N, 3, H, W]` (or ``outputs["videos"]`` `[N, F, 3, H, W]`) against the prompts."""
 
-    @dataclass
-    class Config:
-        """Configuration of [`PickScore`].
-
-        Args:
-            model (`str`, defaults to `"yuvalkirstain/PickScore_v1"`): a local folder (``config.json`` and weights,
-                as `save_pretrained` writes) or a hub id of the `CLIPModel`.
-            processor (`str`, *optional*, defaults to `"laion/CLIP-ViT-H-14-laion2B-s32B-b79K"`): folder or hub id of
-                the `CLIPProcessor` (tokenizer and image processor); None: the `model` folder.
-            divisor (`float`, defaults to 1.0): the score is divided by it (Flow-GRPO: 26).
-            modality (`str`, defaults to `"image"`): ``"image"`` or ``"video"`` (mean over frames).
-            batch_size (`int`, defaults to 32): images per forward.
-            device (`str`, defaults to `"auto"`): where the model runs (``"auto"``: CUDA when available).
-        """
-
-        model: str = "yuvalkirstain/PickScore_v1"
-        processor: str | None = "laion/CLIP-ViT-H-14-laion2B-s32B-b79K"
-        divisor: float = 1.0
-        modality: Literal["image", "video"] = "image"
-        batch_size: int = 32
-        device: str = "auto"
-
-        def __post_init__(self):
-            check_fields(self)
-            check_text("device", self.device)
-            if self.divisor <= 0 or self.batch_size < 1:
-                raise ValueError(f"pickscore.divisor must be > 0 and batch_size >= 1, got {self.divisor}, {self.batch_size}.")
-            resolve_pretrained(self.model, "pickscore.model")
-            if self.processor is not None:
-                resolve_pretrained(self.processor, "pickscore.processor")
-
+    Config = PickScoreConfig
     modalities = frozenset({"image"})  # the default; an instance holds its configured modality
     group_stage = None  # each score depends on its sample only (see mmgrpo.protocols.RewardFn)
 
-    def __init__(self, config: "PickScore.Config | None" = None):
+    def __init__(self, config: PickScoreConfig | None = None):
         from transformers import CLIPModel, CLIPProcessor
 
-        self.config = config or self.Config()
+        self.config = config or PickScoreConfig()
         self.modalities = frozenset({self.config.modality})
         device = self.config.device
         self.device = ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device

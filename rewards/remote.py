@@ -62,77 +62,79 @@ class _NoRedirect(urllib.request.HTTPRedirectHandler):
         return None
 
 
+@dataclass
+class RemoteConfig:
+    """Configuration of [`RemoteReward`].
+
+    Args:
+        url (`str`, defaults to `"http://127.0.0.1:8000"`): the server's address (``mmgrpo serve-reward`` prints
+            it).
+        timeout (`float`, defaults to 120.0): seconds to wait for one attempt (connection and scoring).
+        retries (`int`, defaults to 2): further attempts after a refused, dropped or timed-out one.
+        retry_wait (`float`, defaults to 1.0): seconds before the first retry, doubled for each next one.
+        encoding (`str`, defaults to `"png"`): images and videos as 8-bit PNG (small; scores as on saved images)
+            or ``"float32"`` (exact, ~10x larger).
+        modalities (`list[str]`, defaults to `["image"]`): what the served reward scores (checked against the
+            pipeline).
+        token_env (`str`, *optional*, defaults to `"MMGRPO_REWARD_TOKEN"`): environment variable holding the
+            server's token (used when set and not empty); `None` reads no variable.
+        token_file (`str`, *optional*): a file holding the token instead (takes precedence over `token_env`).
+    """
+
+    url: str = "http://127.0.0.1:8000"
+    timeout: float = 120.0
+    retries: int = 2
+    retry_wait: float = 1.0
+    encoding: Literal["png", "float32"] = "png"
+    modalities: list[str] = field(default_factory=lambda: ["image"])
+    token_env: str | None = TOKEN_ENV
+    token_file: str | None = None
+
+    def __post_init__(self):
+        host = _check_url(self.url)
+        _number("timeout", self.timeout, 0.001)
+        _number("retries", self.retries, 0, integer=True)
+        _number("retry_wait", self.retry_wait, 0)
+        if self.retries > 100 or self.retry_wait > 3600:
+            raise ValueError(f"reward.retries (<= 100) and reward.retry_wait (<= 3600 s) are bounded, got "
+                             f"{self.retries} and {self.retry_wait}.")
+        if self.encoding not in ("png", "float32"):
+            raise ValueError(f"reward.encoding must be 'png' or 'float32', got {self.encoding!r}.")
+        if (not isinstance(self.modalities, (list, tuple)) or not self.modalities
+                or not all(isinstance(m, str) and m for m in self.modalities)):
+            raise ValueError(f"reward.modalities must be a non-empty list of names (e.g. [image]), got "
+                             f"{self.modalities!r}.")
+        if self.token_env is not None and (not isinstance(self.token_env, str) or not self.token_env
+                                           or "=" in self.token_env or "\0" in self.token_env):
+            raise ValueError(f"reward.token_env must name an environment variable (e.g. {TOKEN_ENV}) or be null, "
+                             f"got {self.token_env!r}.")
+        if self.token_file is not None and not (isinstance(self.token_file, str)
+                                                and os.path.isfile(self.token_file)):
+            raise ValueError(f"reward.token_file: no file at {self.token_file!r}; {TOKEN_HINT}.")
+        token = self.token()  # checks it (length, characters)
+        if token is None and not is_loopback(host):
+            raise ValueError(
+                f"reward.url {self.url} is not on loopback, and a server there requires a token: set "
+                f"${self.token_env or TOKEN_ENV} (or reward.token_file) to the server's token; {TOKEN_HINT}."
+            )
+
+    def token(self) -> str | None:
+        """The token read from `token_file` or `token_env` (`None` if neither holds one)."""
+        try:
+            return read_token(self.token_file, self.token_env)
+        except ValueError as err:
+            raise ValueError(f"reward.token_file / reward.token_env: {err}") from None
+
+
 class RemoteReward:
     """Sends ``outputs`` and the batch to a reward server and returns its scores."""
 
-    @dataclass
-    class Config:
-        """Configuration of [`RemoteReward`].
-
-        Args:
-            url (`str`, defaults to `"http://127.0.0.1:8000"`): the server's address (``mmgrpo serve-reward`` prints
-                it).
-            timeout (`float`, defaults to 120.0): seconds to wait for one attempt (connection and scoring).
-            retries (`int`, defaults to 2): further attempts after a refused, dropped or timed-out one.
-            retry_wait (`float`, defaults to 1.0): seconds before the first retry, doubled for each next one.
-            encoding (`str`, defaults to `"png"`): images and videos as 8-bit PNG (small; scores as on saved images)
-                or ``"float32"`` (exact, ~10x larger).
-            modalities (`list[str]`, defaults to `["image"]`): what the served reward scores (checked against the
-                pipeline).
-            token_env (`str`, *optional*, defaults to `"MMGRPO_REWARD_TOKEN"`): environment variable holding the
-                server's token (used when set and not empty); `None` reads no variable.
-            token_file (`str`, *optional*): a file holding the token instead (takes precedence over `token_env`).
-        """
-
-        url: str = "http://127.0.0.1:8000"
-        timeout: float = 120.0
-        retries: int = 2
-        retry_wait: float = 1.0
-        encoding: Literal["png", "float32"] = "png"
-        modalities: list[str] = field(default_factory=lambda: ["image"])
-        token_env: str | None = TOKEN_ENV
-        token_file: str | None = None
-
-        def __post_init__(self):
-            host = _check_url(self.url)
-            _number("timeout", self.timeout, 0.001)
-            _number("retries", self.retries, 0, integer=True)
-            _number("retry_wait", self.retry_wait, 0)
-            if self.retries > 100 or self.retry_wait > 3600:
-                raise ValueError(f"reward.retries (<= 100) and reward.retry_wait (<= 3600 s) are bounded, got "
-                                 f"{self.retries} and {self.retry_wait}.")
-            if self.encoding not in ("png", "float32"):
-                raise ValueError(f"reward.encoding must be 'png' or 'float32', got {self.encoding!r}.")
-            if (not isinstance(self.modalities, (list, tuple)) or not self.modalities
-                    or not all(isinstance(m, str) and m for m in self.modalities)):
-                raise ValueError(f"reward.modalities must be a non-empty list of names (e.g. [image]), got "
-                                 f"{self.modalities!r}.")
-            if self.token_env is not None and (not isinstance(self.token_env, str) or not self.token_env
-                                               or "=" in self.token_env or "\0" in self.token_env):
-                raise ValueError(f"reward.token_env must name an environment variable (e.g. {TOKEN_ENV}) or be null, "
-                                 f"got {self.token_env!r}.")
-            if self.token_file is not None and not (isinstance(self.token_file, str)
-                                                    and os.path.isfile(self.token_file)):
-                raise ValueError(f"reward.token_file: no file at {self.token_file!r}; {TOKEN_HINT}.")
-            token = self.token()  # checks it (length, characters)
-            if token is None and not is_loopback(host):
-                raise ValueError(
-                    f"reward.url {self.url} is not on loopback, and a server there requires a token: set "
-                    f"${self.token_env or TOKEN_ENV} (or reward.token_file) to the server's token; {TOKEN_HINT}."
-                )
-
-        def token(self) -> str | None:
-            """The token read from `token_file` or `token_env` (`None` if neither holds one)."""
-            try:
-                return read_token(self.token_file, self.token_env)
-            except ValueError as err:
-                raise ValueError(f"reward.token_file / reward.token_env: {err}") from None
-
+    Config = RemoteConfig
     modalities = frozenset()  # depends on the served reward; an instance holds its configured modalities
     group_stage = None  # the server scores per sample: serve a reward without a group stage
 
-    def __init__(self, config: "RemoteReward.Config | None" = None):
-        self.config = config or self.Config()
+    def __init__(self, config: RemoteConfig | None = None):
+        self.config = config or RemoteConfig()
         self.modalities = frozenset(self.config.modalities)
         self.url = self.config.url.rstrip("/")
         self._token = self.config.token()
