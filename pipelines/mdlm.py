@@ -10,7 +10,8 @@ is d1's one-step estimate (completion fully masked, prompt tokens masked at rand
 Models: LLaDA (https://arxiv.org/abs/2502.09992) and Dream (https://hkunlp.github.io/blog/2025/dream) through
 ``trust_remote_code`` (mask id from the config, Dream's one-position logit shift, EOS / end-of-turn ids, LoRA targets
 that exist in each), or any transformers model mapping ``input_ids -> logits`` whose attention is made bidirectional
-(``config.is_causal = False``), such as `mmgrpo.data.tiny_mdlm`. CJ-GRPO: https://arxiv.org/abs/2509.23924
+(``config.is_causal = False``), such as the tests' tiny builder (`tests/builders/mdlm.py`).
+CJ-GRPO: https://arxiv.org/abs/2509.23924
 """
 
 from __future__ import annotations

@@ -61,7 +61,7 @@ def tiny_pickscore_dir(tmp_path_factory):
     """A tiny random transformers `CLIPModel` with its `CLIPProcessor` (offline CLIP tokenizer), saved to a folder."""
     from transformers import CLIPConfig, CLIPImageProcessor, CLIPModel, CLIPProcessor
 
-    from mmgrpo.data.tiny_components import clip_tokenizer
+    from builders._tokenizers import clip_tokenizer
 
     tokenizer = clip_tokenizer(model_max_length=77)
     text = {"vocab_size": len(tokenizer), "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,

@@ -328,7 +328,7 @@ def test_a_bert_style_masked_lm_works_too(tmp_path):
     """Any bidirectional model mapping input_ids -> logits: a tiny BertForMaskedLM, replayed exactly."""
     from transformers import BertConfig, BertForMaskedLM
 
-    from mmgrpo.data.tiny_mdlm import char_tokenizer
+    from builders._tokenizers import char_tokenizer
 
     tokenizer = char_tokenizer()
     torch.manual_seed(0)

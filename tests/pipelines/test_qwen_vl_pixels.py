@@ -16,7 +16,7 @@ from mmgrpo.pipelines.qwen_vl import QwenVLConfig, QwenVLPolicy
 from mmgrpo.types import PromptBatch, TokenPlan
 
 PATCH, FACTOR = 14, 28  # the tiny models' patch size; patch x spatial merge
-SAVED = (56 * 56, 112 * 112)  # the budget the tiny processors were saved with (data/tiny_vlm.py)
+SAVED = (56 * 56, 112 * 112)  # the budget the tiny processors were saved with (builders/qwen_vl.py)
 SIZES = [(200, 90), (64, 300), (333, 222)]  # (width, height), none square
 # (min_pixels, max_pixels); None: the processor's saved budget. Every budget but None differs from the saved one.
 BUDGETS = [None, (784, 5000), (1000, 100_000), (40_000, 200_000)]

@@ -1,4 +1,5 @@
-"""Offline CLIP / T5 tokenizers, tiny SD3 and FLUX pipelines: shapes, determinism, eval mode, save/load round-trip."""
+"""Offline CLIP / T5 tokenizers, tiny SD3 and FLUX pipelines: shapes, determinism, eval mode, save/load round-trip;
+the base-model training scripts of `scripts/` parse their arguments and train and resume exactly."""
 
 import json
 import os
@@ -10,7 +11,9 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 import pytest
 import torch
 
-from mmgrpo.data.tiny_components import TEXT_PAD_LENGTH, clip_tokenizer, load_sd3_pipeline, tiny_sd3_pipeline
+from builders._tokenizers import clip_tokenizer, t5_tokenizer
+from builders.flux import tiny_flux_pipeline
+from builders.sd3 import TEXT_PAD_LENGTH, load_sd3_pipeline, tiny_sd3_pipeline
 
 
 def _sample(pipe, prompts, seed=0):
@@ -112,6 +115,31 @@ def test_builder_rejects_bad_sizes():
         tiny_sd3_pipeline(sample_size=30)
 
 
+SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
+
+
+def load_script(name: str):
+    """Imports a base-model training script of `scripts/` (a folder of scripts, not a package) by its stem."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(name, SCRIPTS / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("name", ["train_t2i_shapes", "train_vlm_shapes", "train_mdlm_arith"])
+def test_training_scripts_parse_their_arguments_from_the_repository_root(name):
+    """Each script runs as ``python scripts/<name>.py`` from the repository root and finds the tiny builders."""
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, f"scripts/{name}.py", "--help"], cwd=SCRIPTS.parent, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.startswith("usage:") and "--seed" in proc.stdout
+
+
 TRAIN_ARGS = [
     "--layers", "1", "--vae-steps", "2", "--vae-batch", "4", "--steps", "4", "--batch", "4", "--eval-start", "3",
     "--eval-every", "1", "--n-select", "4", "--n-eval", "4", "--eval-steps", "2", "--warmup", "1",
@@ -120,8 +148,9 @@ TRAIN_ARGS = [
 
 
 def test_training_script_runs_and_resumes_exactly(tmp_path, monkeypatch):
-    from mmgrpo.data import train_t2i_shapes
     from safetensors.torch import load_file
+
+    train_t2i_shapes = load_script("train_t2i_shapes")
 
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
     train_t2i_shapes.main(["--output", str(straight), *TRAIN_ARGS])
@@ -170,8 +199,6 @@ def test_shipped_weights_load_and_sample():
 
 
 def test_t5_tokenizer_is_deterministic_and_covers_any_ascii_prompt():
-    from mmgrpo.data.tiny_components import t5_tokenizer
-
     tok = t5_tokenizer()
     assert tok.get_vocab() == t5_tokenizer().get_vocab()
     ids = tok("a red circle").input_ids
@@ -182,8 +209,6 @@ def test_t5_tokenizer_is_deterministic_and_covers_any_ascii_prompt():
 
 def test_tiny_flux_pipeline_round_trips_through_save_pretrained(tiny_flux_dir):
     from diffusers import FluxPipeline
-
-    from mmgrpo.data.tiny_components import tiny_flux_pipeline
 
     def sample(pipe):
         pipe.set_progress_bar_config(disable=True)

@@ -1,11 +1,12 @@
 """Base-trains (supervised) the tiny Qwen2-VL-architecture model shipped as ``mmgrpo:vlm_shapes``.
 
-A random tiny ``Qwen2VLForConditionalGeneration`` (offline BPE tokenizer, see `tiny_vlm.py`) learns to answer the
+A random tiny ``Qwen2VLForConditionalGeneration`` (offline BPE tokenizer; the tests' tiny builder
+`tests/builders/qwen_vl.py`) learns to answer the
 synthetic shapes questions of `vlm_shapes.py` in the R1 layout (``<think>...</think><answer>...</answer>``) by
 teacher forcing on the completion tokens. Training stops as soon as the greedy held-out accuracy reaches
 ``--stop-accuracy`` (checked every ``--eval-every`` steps), so the base model is clearly imperfect and RL has room::
 
-    python -m mmgrpo.data.train_vlm_shapes --out data/weights/vlm_shapes
+    python scripts/train_vlm_shapes.py --out data/weights/vlm_shapes
 
 Writes the model, the processor and ``metrics.json`` (held-out accuracy, steps, seconds) to ``--out``.
 """
@@ -14,19 +15,24 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the tiny-model builders (tests/builders/)
+
 import torch
 
-from mmgrpo.data.tiny_vlm import CORPUS, qwen_tokenizer, tiny_qwen_vl
 from mmgrpo.data.vlm_shapes import COLOURS, NUMBERS, SHAPES, TEMPLATE, VLMShapes, VLMShapesConfig, question, scene, target_text
+
+from builders._tokenizers import QWEN_CORPUS, qwen_tokenizer
+from builders.qwen_vl import tiny_qwen_vl
 
 
 def build(seed: int, hidden: int, layers: int, size: int):
     words = " ".join([*COLOURS, *SHAPES, *NUMBERS, "none", "How many shapes are there? What colour is the I see",
                       TEMPLATE, "<think></think><answer></answer>", "the is"] * 3)
-    tokenizer = qwen_tokenizer(CORPUS + " " + words, vocab_size=420)
+    tokenizer = qwen_tokenizer(QWEN_CORPUS + " " + words, vocab_size=420)
     return tiny_qwen_vl("qwen2_vl", seed=seed, hidden_size=hidden, num_layers=layers, min_pixels=size * size,
                         max_pixels=size * size, tokenizer=tokenizer)
 

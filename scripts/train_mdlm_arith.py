@@ -1,7 +1,7 @@
 """Base-trains the tiny masked-diffusion LM shipped as ``mmgrpo:mdlm_arith`` on multi-digit addition.
 
-``python -m mmgrpo.data.train_mdlm_arith [--output data/weights/mdlm_arith]``. The model is `mmgrpo.data.tiny_mdlm`'s
-bidirectional Llama; training is LLaDA's masked-diffusion SFT (mask each completion token with probability
+``python scripts/train_mdlm_arith.py [--output data/weights/mdlm_arith]`` from the repository root. The model is the
+bidirectional Llama of the tests' tiny builder (`tests/builders/mdlm.py`); training is LLaDA's masked-diffusion SFT (mask each completion token with probability
 ``t ~ U(0, 1)``, cross-entropy on the masked tokens divided by `t`, prompt never masked) on ``"042+517="`` ->
 ``"559"`` plus EOS padding to `gen_length`. Training stops at the first evaluation whose held-out greedy accuracy
 (the pipeline's decoding: full diffusion, one token per step, low-confidence remasking) reaches ``--stop-at``, so the
@@ -15,14 +15,18 @@ import argparse
 import json
 import math
 import random
+import sys
 import time
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the tiny-model builders (tests/builders/)
 
 import torch
 
 from mmgrpo.data.arith import ArithConfig, addition_pairs, format_prompt
-from mmgrpo.data.tiny_mdlm import tiny_mdlm
 from mmgrpo.samplers.masked_diffusion import make_schedule, unmask_step
+
+from builders.mdlm import tiny_mdlm
 
 
 def encode(tokenizer, a: int, b: int, digits: int, gen_length: int) -> tuple[list[int], list[int]]:
@@ -111,7 +115,7 @@ def train(args) -> dict:
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--output", default=str(Path(__file__).resolve().parent / "weights" / "mdlm_arith"))
+    parser.add_argument("--output", default=str(Path(__file__).resolve().parents[1] / "data" / "weights" / "mdlm_arith"))
     parser.add_argument("--digits", type=int, default=2)
     parser.add_argument("--gen-length", type=int, default=4)
     parser.add_argument("--n-eval", type=int, default=200)

@@ -16,7 +16,7 @@ was trained with 4 (``--pad-length``), so sample it with ``max_sequence_length=4
 Run (deterministic from ``--seed``; about 15-20 minutes on one CPU core; a killed run continues from its last
 checkpoint when started again with the same arguments)::
 
-    HF_HUB_OFFLINE=1 python -m mmgrpo.data.train_t2i_shapes --output data/weights/t2i_shapes
+    HF_HUB_OFFLINE=1 python scripts/train_t2i_shapes.py --output data/weights/t2i_shapes
 """
 
 from __future__ import annotations
@@ -25,8 +25,12 @@ import argparse
 import copy
 import json
 import os
+import sys
 import textwrap
 import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the tiny-model builders (tests/builders/)
 
 import numpy as np
 import torch
@@ -34,10 +38,11 @@ import torch.nn.functional as F
 from PIL import Image, ImageDraw, ImageFont
 
 from mmgrpo.data.shapes import KINDS, VOCABULARY, ShapesPrompts, prompt_from_metadata, render
-from mmgrpo.data.tiny_components import tiny_sd3_pipeline
 from mmgrpo.rewards.mini_geneval import MiniGenEval
 from mmgrpo.state_io import load_state, save_state
 from mmgrpo.types import PromptBatch
+
+from builders.sd3 import tiny_sd3_pipeline
 
 
 def parse_args(argv=None) -> argparse.Namespace:
