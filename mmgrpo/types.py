@@ -151,6 +151,9 @@ class Score:
             for a KL to the reference.
         std (`torch.FloatTensor` of shape `[n, k, 1, ...]`, *optional*): std of each flow SDE transition (0 where the
             step is deterministic or a placeholder), broadcastable to `mean`.
+        noise_scale (`torch.FloatTensor` of shape `[n, k, 1, ...]`, *optional*): the flow SDE's noise scale at each
+            step, ``sigma_t`` with ``std = sigma_t * sqrt(|dt|)`` (Flow-GRPO's ``std_dev_t``; equal to `std` for CPS),
+            for KL conventions that divide by ``sigma_t^2``.
         velocity (`torch.FloatTensor` of shape `[n, k, ...]`, *optional*): the model's velocity at each scored noise
             level of a flow likelihood (latent shape), for a velocity-space KL.
         group_ids (`torch.LongTensor` of shape `[n]`, *optional*): the group of each sample (a likelihood's
@@ -166,6 +169,7 @@ class Score:
     mask: torch.Tensor | None = None  # [n, k] bool
     mean: torch.Tensor | None = None  # [n, k, ...]
     std: torch.Tensor | None = None  # [n, k, 1, ...]
+    noise_scale: torch.Tensor | None = None  # [n, k, 1, ...]
     velocity: torch.Tensor | None = None  # [n, k, ...]
     group_ids: torch.Tensor | None = None  # [n] long
     token_log_prob: torch.Tensor | None = None  # [n, k, L]

@@ -26,7 +26,7 @@ from mmgrpo.types import FlowPlan, Score
 PLAN_FEATURES = frozenset({"merge", "branch", "unit_selection", "dpm", "likelihood"})
 # scoring method -> the `Score` fields a flow adapter fills ([`replay_plan`], [`plan_likelihood`])
 SCORE_FIELDS = {
-    "log_prob": frozenset({"log_prob", "mask", "mean", "std"}),
+    "log_prob": frozenset({"log_prob", "mask", "mean", "std", "noise_scale"}),
     "likelihood": frozenset({"log_prob", "velocity", "group_ids"}),
 }
 
@@ -370,6 +370,7 @@ def replay_plan(
         log_prob=torch.stack([o.log_prob for o in outs], dim=1),  # [n, k]
         mean=torch.stack([o.mean for o in outs], dim=1),  # [n, k, ...]
         std=torch.stack([o.std for o in outs], dim=1),  # [n, k, 1, ...]
+        noise_scale=torch.stack([o.noise_scale for o in outs], dim=1),  # [n, k, 1, ...]
         mask=torch.stack(masks, dim=1).to(device),  # [n, k]
     )
 
@@ -389,7 +390,8 @@ def _scatter(out, rows: torch.Tensor, n: int):
         return placed.index_put((rows.to(value.device),), value)
 
     return type(out)(
-        prev_sample=full(out.prev_sample), log_prob=full(out.log_prob), mean=full(out.mean), std=full(out.std)
+        prev_sample=full(out.prev_sample), log_prob=full(out.log_prob), mean=full(out.mean), std=full(out.std),
+        noise_scale=full(out.noise_scale),
     )
 
 

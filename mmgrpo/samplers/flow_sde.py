@@ -33,12 +33,16 @@ class FlowStepOutput:
             (zero for the ODE step, which is deterministic).
         mean (`torch.FloatTensor` of shape `[N, ...]`): mean of the transition.
         std (`torch.FloatTensor` of shape `[N, 1, ...]`): standard deviation of the transition (broadcastable).
+        noise_scale (`torch.FloatTensor` of shape `[N, 1, ...]`): the SDE's noise scale at the step, Flow-GRPO's
+            ``std_dev_t``: ``sigma_t = eta * sqrt(sigma / (1 - sigma))`` for ``"sde"`` (so ``std = sigma_t *
+            sqrt(|dt|)``), the transition std itself for ``"cps"``, 0 for a deterministic step.
     """
 
     prev_sample: torch.Tensor
     log_prob: torch.Tensor
     mean: torch.Tensor
     std: torch.Tensor
+    noise_scale: torch.Tensor
 
 
 def _as_batch(value, like: torch.Tensor) -> torch.Tensor:
@@ -154,14 +158,17 @@ def flow_sde_step(
     if sde_type == "ode" or noise_level == 0:
         mean = x + dt * v
         std = torch.zeros_like(s)
+        noise_scale = std
     elif sde_type == "sde":
         s_safe = s if sigma_at_one is None else torch.where(s >= 1, _as_batch(sigma_at_one, x), s)
         std_t = noise_level * torch.sqrt(s / (1 - s_safe))  # Flow-GRPO's sigma_t
         mean = x * (1 + std_t**2 / (2 * s) * dt) + v * (1 + std_t**2 * (1 - s) / (2 * s)) * dt
         std = std_t * torch.sqrt(-dt)
+        noise_scale = std_t
         _check_density(std, noise_level)
     else:  # cps
         std = s_next * math.sin(noise_level * math.pi / 2)
+        noise_scale = std
         x0_hat = x - s * v
         x1_hat = x + (1 - s) * v
         mean = (1 - s_next) * x0_hat + torch.sqrt(torch.clamp(s_next**2 - std**2, min=0)) * x1_hat
@@ -186,7 +193,7 @@ def flow_sde_step(
         log_prob = (
             -((prev.detach() - mean) ** 2) / (2 * std**2) - torch.log(std) - 0.5 * math.log(2 * math.pi)
         ).mean(dim=reduce_dims)
-    return FlowStepOutput(prev_sample=prev, log_prob=log_prob, mean=mean, std=std)
+    return FlowStepOutput(prev_sample=prev, log_prob=log_prob, mean=mean, std=std, noise_scale=noise_scale)
 
 
 def flow_sde_std(
