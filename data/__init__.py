@@ -1,1 +1,2 @@
-"""Prompt sources, synthetic task generators, tiny components and shipped toy weights (``mmgrpo.data``)."""
+"""Prompt sources, one per file (``mmgrpo.data.<name>``, the registry name), and the toy base models that configs
+name as ``mmgrpo:<name>`` (``weights/<name>``)."""

@@ -1,10 +1,15 @@
 """`pipelines/`, `rewards/` and `data/` install as `mmgrpo.pipelines`, `mmgrpo.rewards`, `mmgrpo.data`, never as
-top-level modules (those names belong to other PyPI distributions), in an editable install and in a wheel."""
+top-level modules (those names belong to other PyPI distributions), in an editable install and in a wheel. The wheel
+ships the toy base models that configs name (``mmgrpo:<name>``) and no tiny test builder or training script."""
 
+import re
+import shutil
 import subprocess
 import sys
 import zipfile
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 CHECK = (
@@ -14,6 +19,7 @@ CHECK = (
     "    assert importlib.util.find_spec(name) is None, name\n"
     "print(mmgrpo.pipelines.__file__)\n"
 )
+SOURCES = ("pyproject.toml", "README.md", "mmgrpo", "pipelines", "rewards", "data")
 
 
 def test_editable_install_maps_folders_into_namespace(tmp_path):
@@ -22,17 +28,38 @@ def test_editable_install_maps_folders_into_namespace(tmp_path):
     assert Path(proc.stdout.strip()) == ROOT / "pipelines" / "__init__.py"
 
 
-def test_built_wheel_installs_only_the_mmgrpo_package(tmp_path):
+@pytest.fixture(scope="module")
+def wheel(tmp_path_factory) -> Path:
+    """The wheel, built from a fresh copy of the sources (an in-tree ``build/`` may hold files since removed)."""
+    tmp_path = tmp_path_factory.mktemp("wheel")
+    source = tmp_path / "src"
+    source.mkdir()
+    for name in SOURCES:
+        if (ROOT / name).is_dir():
+            shutil.copytree(ROOT / name, source / name, ignore=shutil.ignore_patterns("__pycache__"))
+        else:
+            shutil.copy2(ROOT / name, source / name)
     build = subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-w", str(tmp_path / "dist"), str(ROOT)],
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-w", str(tmp_path / "dist"), str(source)],
         capture_output=True, text=True, timeout=300,
     )
     assert build.returncode == 0, build.stderr[-2000:]
-    wheel = next((tmp_path / "dist").glob("mmgrpo-*.whl"))
+    return next((tmp_path / "dist").glob("mmgrpo-*.whl"))
+
+
+def _configured_toy_models() -> set[str]:
+    """The shipped toy models that some config names as ``pretrained: mmgrpo:<name>``."""
+    found = set()
+    for config in (ROOT / "configs").rglob("*.yaml"):
+        found.update(re.findall(r"pretrained:\s*mmgrpo:(\w+)", config.read_text(encoding="utf-8")))
+    return found
+
+
+def test_built_wheel_installs_only_the_mmgrpo_package(wheel, tmp_path):
     names = zipfile.ZipFile(wheel).namelist()
     assert "mmgrpo/pipelines/sd3.py" in names and "mmgrpo/rewards/jpeg.py" in names
     assert "mmgrpo/data/prompt_file.py" in names
-    assert not any(n.split("/")[0] in ("pipelines", "rewards", "data", "tests", "configs") for n in names)
+    assert not any(n.split("/")[0] in ("pipelines", "rewards", "data", "tests", "configs", "scripts") for n in names)
     target = tmp_path / "site"
     install = subprocess.run(
         [sys.executable, "-m", "pip", "install", "--no-deps", "--no-index", "--target", str(target), str(wheel)],
@@ -45,3 +72,21 @@ def test_built_wheel_installs_only_the_mmgrpo_package(tmp_path):
     proc = subprocess.run([sys.executable, "-S", "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
     assert Path(proc.stdout.strip()) == target / "mmgrpo" / "pipelines" / "__init__.py"
+
+
+def test_wheel_ships_the_configured_toy_models_and_no_test_builder_or_training_script(wheel):
+    names = set(zipfile.ZipFile(wheel).namelist())
+    data = sorted(n.removeprefix("mmgrpo/data/") for n in names if n.startswith("mmgrpo/data/"))
+    # data/ ships prompt sources (modules) and the toy base models, nothing else
+    assert [n for n in data if not (n.startswith("weights/") or n.count("/") == 0 and n.endswith(".py"))] == []
+    assert not [n for n in names if re.search(r"(^|/)(tiny_\w+|train_\w+|_tokenizers)\.py$", n)]
+    assert not [n for n in names if n.endswith("samples.png")]
+    configured = _configured_toy_models()
+    assert {"t2i_shapes", "t2i_shapes_p2", "vlm_shapes", "mdlm_arith"} <= configured  # the embedded defaults
+    for name in configured:
+        model = ROOT / "data" / "weights" / name
+        files = {f"mmgrpo/data/weights/{name}/{p.relative_to(model).as_posix()}" for p in model.rglob("*")
+                 if p.is_file() and p.name != "samples.png"}
+        assert files and files <= names, (name, sorted(files - names))
+    shipped = {n.split("/")[3] for n in names if n.startswith("mmgrpo/data/weights/")}
+    assert shipped == configured, f"shipped toy models no config uses: {sorted(shipped - configured)}"
