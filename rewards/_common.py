@@ -1,4 +1,5 @@
-"""Helpers shared by the rewards (not a plugin: no ``PLUGIN``): media frames, answer extraction, the length cap of
+"""Helpers shared by the rewards (not a plugin: no ``PLUGIN``): media frames (an image reward scores a video frame by
+frame: [`frames`] picks the frames, [`reduce_frames`] reduces their scores), answer extraction, the length cap of
 model texts, NaN vectors.
 
 Every parser here reads its input in one pass (O(length)); the text rewards also cut each completion to
@@ -25,16 +26,21 @@ def nans(n: int) -> torch.Tensor:
     return torch.full((n,), NAN, dtype=torch.float32)
 
 
-def frames(outputs: dict[str, Any], modality: str, reward: str) -> tuple[torch.Tensor, int]:
+def frames(
+    outputs: dict[str, Any], modality: str, reward: str, stride: int = 1, reduce: str = "mean"
+) -> tuple[torch.Tensor, int]:
     """The images to score and the number of frames per sample.
 
     Args:
         outputs (`dict`): ``"images"`` `[N, 3, H, W]` or ``"videos"`` `[N, F, 3, H, W]`, values in [0, 1].
         modality (`str`): ``"image"`` or ``"video"``.
         reward (`str`): the reward's name, for errors.
+        stride (`int`, defaults to 1): videos keep frames ``0, stride, 2 * stride, ...`` (``F' = ceil(F / stride)``).
+        reduce (`str`, defaults to `"mean"`): the reduction [`reduce_frames`] will apply; ``"first"`` keeps frame 0
+            only (``F' = 1``), so the other frames are not scored at all.
 
     Returns:
-        `tuple`: the frames `[N * F, 3, H, W]` (float32, detached, non-finite values set to 0) and `F` (1 for images).
+        `tuple`: the frames `[N * F', 3, H, W]` (float32, detached, non-finite values set to 0) and `F'` (1 for images).
 
     Raises:
         ValueError: when the key is missing or the tensor has the wrong shape (a wiring error, not a bad sample).
@@ -42,17 +48,41 @@ def frames(outputs: dict[str, Any], modality: str, reward: str) -> tuple[torch.T
     key = MEDIA_KEYS[modality]
     value = outputs.get(key)
     ndim = 4 if modality == "image" else 5
-    if not isinstance(value, torch.Tensor) or value.dim() != ndim or value.shape[-3] != 3:
-        shape = "[N, 3, H, W]" if modality == "image" else "[N, F, 3, H, W]"
+    if not isinstance(value, torch.Tensor) or value.dim() != ndim or value.shape[-3] != 3 or value.shape[-4] == 0:
+        shape = "[N, 3, H, W]" if modality == "image" else "[N, F >= 1, 3, H, W]"
         got = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
         raise ValueError(
             f"{reward}: expected outputs[{key!r}] as a tensor {shape} in [0, 1], got {got}; "
             f"set the reward's `modality` to what the pipeline produces."
         )
     value = value.detach().float()
+    if modality == "video":
+        value = value[:, :1] if reduce == "first" else value[:, ::stride]  # [N, F', 3, H, W]
     per_sample = 1 if modality == "image" else value.shape[1]
-    flat = value.reshape(-1, *value.shape[-3:])  # [N * F, 3, H, W]
+    flat = value.reshape(-1, *value.shape[-3:])  # [N * F', 3, H, W]
     return torch.nan_to_num(flat, nan=0.0, posinf=1.0, neginf=0.0), per_sample
+
+
+def reduce_frames(values: torch.Tensor, per_sample: int, reduce: str) -> torch.Tensor:
+    """One value per sample from per-frame values `[N * F']` (in [`frames`]' order): their ``"mean"`` or ``"min"``,
+    or the ``"first"`` frame's value. Returns `[N]` float32 (an image is its own single frame)."""
+    values = values.float().reshape(-1, per_sample)  # [N, F']
+    if reduce == "mean":
+        return values.mean(dim=1)
+    if reduce == "min":
+        return values.min(dim=1).values
+    return values[:, 0]
+
+
+def check_frame_options(reward: str, modality: str, stride: int, reduce: str) -> None:
+    """Config-time checks of the per-frame options of an image reward applied to videos (`frame_stride`,
+    `frame_reduce`): a stride >= 1, and either option away from its default only with ``modality: video``."""
+    check_range(f"{reward}.frame_stride", stride, 1, fix="1 scores every frame, k every k-th frame from the first")
+    if modality != "video" and (stride != 1 or reduce != "mean"):
+        raise ConfigError(
+            f"{reward}.frame_stride / frame_reduce apply to videos, but modality is {modality!r}; set "
+            f"{reward}.modality to 'video' (outputs['videos'] [N, F, 3, H, W]) or leave the frame options out."
+        )
 
 
 def non_finite_samples(outputs: dict[str, Any], modality: str) -> torch.Tensor:

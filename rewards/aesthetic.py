@@ -4,7 +4,8 @@ Head: https://github.com/christophschuhmann/improved-aesthetic-predictor (``sac+
 aesthetic reward of DDPO (https://arxiv.org/abs/2305.13301) and Flow-GRPO. The head is five linear layers 768 -> 1024 ->
 128 -> 64 -> 16 -> 1 with dropouts 0.2, 0.2, 0.1 after the first three and no activations, exactly as published (its
 state-dict keys ``layers.0``, ``layers.2``, ``layers.4``, ``layers.6``, ``layers.7``). The input width is read from the
-head file, so a head trained on another CLIP loads the same way. A video scores the mean over its frames.
+head file, so a head trained on another CLIP loads the same way. A video (``modality: video``) is scored frame by frame,
+every `frame_stride`-th frame, and reduced by `frame_reduce` (mean, min or first frame).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import torch
 from torch import nn
 
 from mmgrpo.rewards import _clip
-from mmgrpo.rewards._common import frames, non_finite_samples
+from mmgrpo.rewards._common import check_frame_options, frames, non_finite_samples, reduce_frames
 from mmgrpo.types import PromptBatch, RewardResult
 from mmgrpo.validation import check_fields, check_text
 
@@ -68,7 +69,10 @@ class AestheticScoreConfig:
             improved-aesthetic-predictor repository (required; nothing is downloaded).
         model_name (`str`, defaults to `"ViT-L-14"`): the CLIP the head was trained on, as in `clip_score`.
         pretrained (`str`, *optional*, defaults to `"openai"`): its open_clip tag or a local checkpoint file.
-        modality (`str`, defaults to `"image"`): ``"image"`` or ``"video"`` (mean over frames).
+        modality (`str`, defaults to `"image"`): ``"image"`` or ``"video"`` (scored frame by frame).
+        frame_stride (`int`, defaults to 1): with ``modality: video``, scores frames ``0, k, 2k, ...`` (k = the stride).
+        frame_reduce (`str`, defaults to `"mean"`): with ``modality: video``, a sample's score from its frames' scores:
+            ``"mean"``, ``"min"`` or ``"first"`` (frame 0 only; the other frames are not scored).
         batch_size (`int`, defaults to 32): images per CLIP forward.
         device (`str`, defaults to `"auto"`): where CLIP and the head run.
     """
@@ -77,11 +81,14 @@ class AestheticScoreConfig:
     model_name: str = "ViT-L-14"
     pretrained: str | None = "openai"
     modality: Literal["image", "video"] = "image"
+    frame_stride: int = 1
+    frame_reduce: Literal["mean", "min", "first"] = "mean"
     batch_size: int = 32
     device: str = "auto"
 
     def __post_init__(self):
         check_fields(self)
+        check_frame_options("aesthetic", self.modality, self.frame_stride, self.frame_reduce)
         check_text("model_name", self.model_name)
         check_text("device", self.device)
         if not self.head_path or not os.path.isfile(os.path.expanduser(self.head_path)):
@@ -118,13 +125,13 @@ class AestheticScore:
 
     @torch.no_grad()
     def __call__(self, outputs: dict[str, Any], batch: PromptBatch) -> RewardResult:
-        """Returns `scores` `[N]` (the head's rating, frame mean) and `components` ``malformed`` (1 where the pixels held
-        NaN or infinity; those are scored as if they were 0)."""
+        """Returns `scores` `[N]` (the head's rating; a video's frame ratings reduced by `frame_reduce`) and
+        `components` ``malformed`` (1 where the pixels held NaN or infinity; those are scored as if they were 0)."""
         cfg = self.config
-        pixels, per_sample = frames(outputs, cfg.modality, "aesthetic")  # [N * F, 3, H, W]
-        embeddings = _clip.image_embeddings(pixels, self.model, cfg.batch_size)  # [N * F, D]
-        ratings = self.head(embeddings).squeeze(-1)  # [N * F]
-        scores = ratings.view(-1, per_sample).mean(dim=1)  # [N]
+        pixels, per_sample = frames(outputs, cfg.modality, "aesthetic", cfg.frame_stride, cfg.frame_reduce)
+        embeddings = _clip.image_embeddings(pixels, self.model, cfg.batch_size)  # [N * F', D]
+        ratings = self.head(embeddings).squeeze(-1)  # [N * F']
+        scores = reduce_frames(ratings, per_sample, cfg.frame_reduce)  # [N]
         return RewardResult(scores=scores.float(), components={"malformed": non_finite_samples(outputs, cfg.modality)})
 
 

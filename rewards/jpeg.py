@@ -1,9 +1,10 @@
 """JPEG compressibility (or incompressibility) of images, DDPO's classic programmatic reward.
 
 DDPO: https://arxiv.org/abs/2305.13301 . The score is minus (compressibility) or plus (incompressibility) the JPEG file
-size in kilobytes (1000 bytes) at the configured quality, as in DDPO's ``jpeg_compressibility``. Images are quantised
-to 8 bits (``round(255 * x)``) first. A video scores the mean over its frames. Pixels that are NaN or infinite are
-encoded as 0 (or 1 for +inf) and the sample is counted in ``malformed``; nothing is NaN (every image has a size).
+size in kilobytes (1000 bytes) at the configured quality, as in DDPO's ``jpeg_compressibility``. Images are quantised to
+8 bits (``round(255 * x)``) first. A video (``modality: video``) is scored frame by frame, every `frame_stride`-th
+frame, and reduced by `frame_reduce` (mean, min or first frame). Pixels that are NaN or infinite are encoded as 0 (or 1
+for +inf) and the sample is counted in ``malformed``; nothing is NaN (every image has a size).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import numpy as np
 import torch
 from PIL import Image
 
-from mmgrpo.rewards._common import frames, non_finite_samples
+from mmgrpo.rewards._common import check_frame_options, frames, non_finite_samples, reduce_frames
 from mmgrpo.types import PromptBatch, RewardResult
 from mmgrpo.validation import check_fields
 
@@ -30,15 +31,21 @@ class JpegConfig:
             large ones.
         quality (`int`, defaults to 95): JPEG quality used to encode (1-95).
         modality (`str`, defaults to `"image"`): ``"image"`` (``outputs["images"]`` `[N, 3, H, W]`) or ``"video"``
-            (``outputs["videos"]`` `[N, F, 3, H, W]`, mean over frames).
+            (``outputs["videos"]`` `[N, F, 3, H, W]`, scored frame by frame).
+        frame_stride (`int`, defaults to 1): with ``modality: video``, scores frames ``0, k, 2k, ...`` (k = the stride).
+        frame_reduce (`str`, defaults to `"mean"`): with ``modality: video``, a sample's score from its frames' scores:
+            ``"mean"``, ``"min"`` or ``"first"`` (frame 0 only; the other frames are not scored).
     """
 
     mode: Literal["compressibility", "incompressibility"] = "compressibility"
     quality: int = 95
     modality: Literal["image", "video"] = "image"
+    frame_stride: int = 1
+    frame_reduce: Literal["mean", "min", "first"] = "mean"
 
     def __post_init__(self):
         check_fields(self)
+        check_frame_options("jpeg", self.modality, self.frame_stride, self.frame_reduce)
         if not 1 <= self.quality <= 95:
             raise ValueError(f"jpeg.quality must be in [1, 95], got {self.quality}.")
 
@@ -66,12 +73,14 @@ class JpegReward:
         self.modalities = frozenset({self.config.modality})
 
     def __call__(self, outputs: dict[str, Any], batch: PromptBatch) -> RewardResult:
-        """Returns `scores` `[N]` (signed size) and `components` ``jpeg_kb`` (size) and ``malformed``, each `[N]`."""
-        pixels, per_sample = frames(outputs, self.config.modality, "jpeg")  # [N * F, 3, H, W]
-        size_kb = jpeg_kilobytes(pixels, self.config.quality).view(-1, per_sample).mean(dim=1)  # [N]
-        sign = -1.0 if self.config.mode == "compressibility" else 1.0
-        malformed = non_finite_samples(outputs, self.config.modality)
-        return RewardResult(scores=sign * size_kb, components={"jpeg_kb": size_kb, "malformed": malformed})
+        """Returns `scores` `[N]` (signed size; a video's frame scores reduced by `frame_reduce`) and `components`
+        ``jpeg_kb`` (the size that score stands for, ``sign * score``) and ``malformed``, each `[N]`."""
+        cfg = self.config
+        pixels, per_sample = frames(outputs, cfg.modality, "jpeg", cfg.frame_stride, cfg.frame_reduce)  # [N * F', ...]
+        sign = -1.0 if cfg.mode == "compressibility" else 1.0
+        scores = reduce_frames(sign * jpeg_kilobytes(pixels, cfg.quality), per_sample, cfg.frame_reduce)  # [N]
+        malformed = non_finite_samples(outputs, cfg.modality)
+        return RewardResult(scores=scores, components={"jpeg_kb": sign * scores, "malformed": malformed})
 
 
 PLUGIN = JpegReward

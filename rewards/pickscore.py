@@ -3,7 +3,8 @@
 PickScore: https://arxiv.org/abs/2305.01569 (weights ``yuvalkirstain/PickScore_v1``, processor
 ``laion/CLIP-ViT-H-14-laion2B-s32B-b79K``). The score is ``logit_scale.exp() * cos(image, prompt)`` (about 17-24 for
 real images), divided by `divisor` (Flow-GRPO divides by 26). Images go through the processor's resize (shorter side),
-centre crop and normalisation, applied on tensors. A video scores the mean over its frames.
+centre crop and normalisation, applied on tensors. A video (``modality: video``) is scored frame by frame, every
+`frame_stride`-th frame, and reduced by `frame_reduce` (mean, min or first frame).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import torch
 
 from mmgrpo.hub import resolve_pretrained
 from mmgrpo.rewards._clip import resize_crop_normalize
-from mmgrpo.rewards._common import frames, non_finite_samples
+from mmgrpo.rewards._common import check_frame_options, frames, non_finite_samples, reduce_frames
 from mmgrpo.types import PromptBatch, RewardResult
 from mmgrpo.validation import check_fields, check_text
 
@@ -30,7 +31,10 @@ class PickScoreConfig:
         processor (`str`, *optional*, defaults to `"laion/CLIP-ViT-H-14-laion2B-s32B-b79K"`): folder or hub id of
             the `CLIPProcessor` (tokenizer and image processor); None: the `model` folder.
         divisor (`float`, defaults to 1.0): the score is divided by it (Flow-GRPO: 26).
-        modality (`str`, defaults to `"image"`): ``"image"`` or ``"video"`` (mean over frames).
+        modality (`str`, defaults to `"image"`): ``"image"`` or ``"video"`` (scored frame by frame).
+        frame_stride (`int`, defaults to 1): with ``modality: video``, scores frames ``0, k, 2k, ...`` (k = the stride).
+        frame_reduce (`str`, defaults to `"mean"`): with ``modality: video``, a sample's score from its frames' scores:
+            ``"mean"``, ``"min"`` or ``"first"`` (frame 0 only; the other frames are not scored).
         batch_size (`int`, defaults to 32): images per forward.
         device (`str`, defaults to `"auto"`): where the model runs (``"auto"``: CUDA when available).
     """
@@ -39,11 +43,14 @@ class PickScoreConfig:
     processor: str | None = "laion/CLIP-ViT-H-14-laion2B-s32B-b79K"
     divisor: float = 1.0
     modality: Literal["image", "video"] = "image"
+    frame_stride: int = 1
+    frame_reduce: Literal["mean", "min", "first"] = "mean"
     batch_size: int = 32
     device: str = "auto"
 
     def __post_init__(self):
         check_fields(self)
+        check_frame_options("pickscore", self.modality, self.frame_stride, self.frame_reduce)
         check_text("device", self.device)
         if self.divisor <= 0 or self.batch_size < 1:
             raise ValueError(f"pickscore.divisor must be > 0 and batch_size >= 1, got {self.divisor}, {self.batch_size}.")
@@ -92,18 +99,20 @@ class PickScore:
         return (out.image_embeds * out.text_embeds).sum(dim=-1).float().cpu()  # embeddings are L2-normalised
 
     def __call__(self, outputs: dict[str, Any], batch: PromptBatch) -> RewardResult:
-        """Returns `scores` `[N]` and `components` ``cosine`` and ``malformed`` (non-finite pixels, scored as 0)."""
+        """Returns `scores` `[N]` and `components` ``cosine`` (a video's frame scores and cosines each reduced by
+        `frame_reduce`) and ``malformed`` (non-finite pixels, scored as 0)."""
         cfg = self.config
-        pixels, per_sample = frames(outputs, cfg.modality, "pickscore")  # [N * F, 3, H, W]
+        pixels, per_sample = frames(outputs, cfg.modality, "pickscore", cfg.frame_stride, cfg.frame_reduce)
         prompts = [p for p in batch.prompts for _ in range(per_sample)]
         cosine = torch.cat([
             self._cosines(pixels[i : i + cfg.batch_size], prompts[i : i + cfg.batch_size])
             for i in range(0, len(prompts), cfg.batch_size)
-        ]).view(-1, per_sample)  # [N, F]
-        scores = (self.model.logit_scale.exp().float().cpu() * cosine / cfg.divisor).mean(dim=1)  # [N]
+        ])  # [N * F']
+        per_frame = self.model.logit_scale.exp().float().cpu() * cosine / cfg.divisor  # [N * F']
         return RewardResult(
-            scores=scores.float(),
-            components={"cosine": cosine.mean(dim=1).float(), "malformed": non_finite_samples(outputs, cfg.modality)},
+            scores=reduce_frames(per_frame, per_sample, cfg.frame_reduce),
+            components={"cosine": reduce_frames(cosine, per_sample, cfg.frame_reduce),
+                        "malformed": non_finite_samples(outputs, cfg.modality)},
         )
 
 
