@@ -161,7 +161,9 @@ def test_serve_reward_command(tmp_path):
 
 def test_list_shows_every_reward_on_one_line(capsys):
     assert cli.main(["list"]) == 0
-    lines = capsys.readouterr().out.splitlines()
+    out = capsys.readouterr().out
+    lines = out[out.index("rewards:"):].split("\n\n")[0].splitlines()  # the rewards section (a name may be a source too)
+    lines = lines[: next((i for i, line in enumerate(lines[1:], 1) if not line.startswith(" ")), len(lines))]
     for name in registry.available("reward"):
         matching = [line for line in lines if line.split() and line.split()[0] == name]
         assert len(matching) == 1 and len(matching[0].split()) > 1, name
