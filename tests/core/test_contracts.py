@@ -17,6 +17,7 @@ from mmgrpo.preflight import SCORING_METHODS, require_plan, require_scores
 from mmgrpo.trainer import check_plan, score_unit
 from mmgrpo.types import PromptBatch, Score
 from reward_fixtures import jpeg_server, tiny_aesthetic_head, tiny_clip_dir, tiny_pickscore_dir  # noqa: F401
+from builders._sam import tiny_sam2_dir  # noqa: F401
 
 
 TEXTS = [
@@ -45,6 +46,7 @@ REWARD_OPTIONS = {
     "pickscore": lambda request: {"model": request.getfixturevalue("tiny_pickscore_dir"), "processor": None, "device": "cpu"},
     "remote": lambda request: {"url": request.getfixturevalue("jpeg_server").url, "timeout": 10.0, "retries": 0},
     "composite": {"rewards": {"format": {"weight": 0.5}, "accuracy": {}, "jpeg": {"weight": 0.01}}},
+    "sam_mask": lambda request: {"model": request.getfixturevalue("tiny_sam2_dir"), "device": "cpu", "coords": "original"},
 }
 # fit the tiny policies' 3 steps (dgpo); read the transitions' mean and std (flow_grpo's KL term)
 ALGORITHM_OPTIONS = {"dgpo": {"trunc_steps": 2, "num_train_timesteps": 2}, "flow_grpo": {"kl_beta": 0.04}}
@@ -64,7 +66,16 @@ def _task_batch(n):
     return PromptBatch(["a red circle"] * n, metadata=[dict(truth) for _ in range(n)])
 
 
-REWARD_BATCHES = {"mini_geneval": _shapes_batch}  # rewards that need other per-prompt metadata than `_task_batch`
+def _seg_batch(n):
+    """Referring-segmentation prompts: the image (in the metadata, so it survives the contract's metadata-only
+    batches), its mask and its size."""
+    image = torch.rand(3, 16, 16, generator=torch.Generator().manual_seed(0))
+    truth = {"images": image, "mask": torch.arange(256).view(16, 16) % 3 == 0, "image_size": [16, 16]}
+    return PromptBatch(["segment the cat"] * n, metadata=[dict(truth) for _ in range(n)])
+
+
+# rewards that need other per-prompt metadata than `_task_batch`
+REWARD_BATCHES = {"mini_geneval": _shapes_batch, "sam_mask": _seg_batch}
 
 
 BUILDERS = Path(__file__).resolve().parents[1] / "builders"
