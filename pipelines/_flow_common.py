@@ -97,10 +97,15 @@ class TrainableTransformer:
         """Forwards run through the reference: LoRA adapter disabled, or the frozen initial transformer."""
         return self.switch.reference()
 
-    def save(self, path: str | Path, pipeline_cls: type) -> None:
+    def save(self, path: str | Path, pipeline_cls: type, name: str = "transformer") -> None:
         """Writes a diffusers LoRA file with its adapter metadata (``pipeline_cls.load_lora_weights(path)`` reads it)
-        or, when fully fine-tuned, a ``transformer/`` folder that replaces the base pipeline's."""
+        or, when fully fine-tuned, a ``transformer/`` folder that replaces the base pipeline's.
+
+        A pipeline with a second trained transformer (Wan 2.2's ``transformer_2``) saves it with its component `name`:
+        its LoRA file goes to ``path/<name>/``, its full weights to ``path/<name>/`` too."""
         path = Path(path)
+        if self.lora and name != "transformer":
+            path = path / name
         path.mkdir(parents=True, exist_ok=True)
         if self.lora:
             from peft.utils import get_peft_model_state_dict
@@ -112,11 +117,14 @@ class TrainableTransformer:
                 safe_serialization=True,
             )
         else:
-            self.module.save_pretrained(path / "transformer")
+            self.module.save_pretrained(path / name)
 
-    def load(self, path: str | Path) -> None:
-        """Loads weights written by [`~TrainableTransformer.save`] into the trained module."""
+    def load(self, path: str | Path, name: str = "transformer") -> None:
+        """Loads weights written by [`~TrainableTransformer.save`] (with the same component `name`) into the trained
+        module."""
         path = Path(path)
+        if self.lora and name != "transformer":
+            path = path / name
         if self.lora:
             from peft.utils import set_peft_model_state_dict
             from safetensors.torch import load_file
@@ -133,5 +141,5 @@ class TrainableTransformer:
                     f"LoRA file {path / LORA_WEIGHTS} has keys this model lacks: {result.unexpected_keys[:3]}"
                 )
         else:
-            loaded = type(self.module).from_pretrained(path / "transformer", use_safetensors=True)  # never a pickle
+            loaded = type(self.module).from_pretrained(path / name, use_safetensors=True)  # never a pickle
             self.module.load_state_dict(loaded.state_dict())
