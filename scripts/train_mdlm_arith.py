@@ -1,9 +1,9 @@
 """Base-trains the tiny masked-diffusion LM shipped as ``mmgrpo:mdlm_arith`` on multi-digit addition.
 
 ``python scripts/train_mdlm_arith.py [--output data/weights/mdlm_arith]`` from the repository root. The model is the
-bidirectional Llama of the tests' tiny builder (`tests/builders/mdlm.py`); training is LLaDA's masked-diffusion SFT (mask each completion token with probability
-``t ~ U(0, 1)``, cross-entropy on the masked tokens divided by `t`, prompt never masked) on ``"042+517="`` ->
-``"559"`` plus EOS padding to `gen_length`. Training stops at the first evaluation whose held-out greedy accuracy
+bidirectional Llama of the tests' tiny builder (`tests/builders/mdlm.py`); training is LLaDA's masked-diffusion SFT
+(mask each completion token with probability ``t ~ U(0, 1)``, cross-entropy on the masked tokens divided by `t`,
+prompt never masked) on ``"042+517="`` -> ``"559"`` plus EOS padding to `gen_length`. Training stops at the first evaluation whose held-out greedy accuracy
 (the pipeline's decoding: full diffusion, one token per step, low-confidence remasking) reaches ``--stop-at``, so the
 shipped model is deliberately imperfect and RL has room to improve it. Writes the model, tokenizer and
 ``metrics.json`` (the accuracy curve).
@@ -19,7 +19,8 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the tiny-model builders (tests/builders/)
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests"))  # the tiny-model builders (tests/builders/)
 
 import torch
 
@@ -115,7 +116,7 @@ def train(args) -> dict:
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--output", default=str(Path(__file__).resolve().parents[1] / "data" / "weights" / "mdlm_arith"))
+    parser.add_argument("--output", default=str(ROOT / "data" / "weights" / "mdlm_arith"))
     parser.add_argument("--digits", type=int, default=2)
     parser.add_argument("--gen-length", type=int, default=4)
     parser.add_argument("--n-eval", type=int, default=200)

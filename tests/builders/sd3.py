@@ -36,9 +36,8 @@ def build_policy(request):
     from mmgrpo.pipelines.sd3 import SD3Config, SD3Policy
 
     path = request.getfixturevalue("tiny_sd3_dir")
-    return SD3Policy(SD3Config(
-        pretrained=path, resolution=32, num_steps=3, guidance_scale=1.0, lora_rank=4, max_sequence_length=TEXT_PAD_LENGTH,
-    ))
+    return SD3Policy(SD3Config(pretrained=path, resolution=32, num_steps=3, guidance_scale=1.0, lora_rank=4,
+                               max_sequence_length=TEXT_PAD_LENGTH))
 
 
 def tiny_sd3_pipeline(
