@@ -68,6 +68,7 @@ class ArithPrompts:
     """Addition prompts ``{"prompt": "042+517=", "metadata": {"answer": "559", "answer_type": "numeric"}}``."""
 
     Config = ArithConfig
+    disjoint_splits = True  # held-out operand pairs are never training pairs
 
     def __init__(self, config: ArithConfig):
         self.config = config

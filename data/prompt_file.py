@@ -55,6 +55,7 @@ class PromptFile:
     """A prompt source read from files."""
 
     Config = PromptFileConfig
+    disjoint_splits = False  # the user's files decide (an example config evaluates on its training file)
 
     def __init__(self, config: PromptFileConfig):
         self.config = config

@@ -213,6 +213,8 @@ class ShapesPrompts:
     kind's pool is used up. Everything is fixed by `seed`.
     """
 
+    disjoint_splits = True  # held-out prompt strings are never training prompts
+
     @dataclass
     class Config:
         """Configuration of [`ShapesPrompts`].

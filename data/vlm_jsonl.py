@@ -61,6 +61,7 @@ class VLMJsonl:
     """Prompt items with images (or video) and ground truth from JSONL files."""
 
     Config = VLMJsonlConfig
+    disjoint_splits = False  # the user's files decide (an example config evaluates on its training file)
 
     def __init__(self, config: VLMJsonlConfig):
         self.config = config

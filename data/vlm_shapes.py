@@ -127,6 +127,7 @@ class VLMShapes:
     """The synthetic shapes questions as a prompt source."""
 
     Config = VLMShapesConfig
+    disjoint_splits = True  # held-out items are drawn from other scene indices than the training items
 
     def __init__(self, config: VLMShapesConfig):
         self.config = config

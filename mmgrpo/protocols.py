@@ -1,6 +1,6 @@
-"""The three plugin contracts: a pipeline is a `StochasticPolicy`, a reward is a `RewardFn`, an algorithm is an
-`Algorithm`. Plugins implement them structurally (no inheritance); each plugin module exposes its class as
-``PLUGIN``."""
+"""The four plugin contracts: a pipeline is a `StochasticPolicy`, a reward is a `RewardFn`, an algorithm is an
+`Algorithm`, a prompt source is a `PromptSource`. Plugins implement them structurally (no inheritance); each plugin
+module exposes its class as ``PLUGIN``."""
 
 from __future__ import annotations
 
@@ -130,3 +130,27 @@ class Algorithm(Protocol):
         """Loss of one unit of trained steps for a minibatch: `new` the [`Score`] of the scoring method (`log_prob`
         `[n, k]`, maybe `mask` `[n, k]`...), `old_log_prob` `[n, k]`, `advantages` `[n]`, `ref` the reference policy's
         score (or None)."""
+
+
+@runtime_checkable
+class PromptSource(Protocol):
+    """The prompts of a task: training items and held-out (evaluation) items, built from the source's `Config`.
+
+    An item is a dict ``{"prompt": str, "metadata": dict, **conditions}``: `metadata` holds what the reward reads
+    (ground-truth answer, boxes, the objects a prompt asks for...), and each other key is a condition the pipeline
+    reads (``images``: a list of PIL images per item, ``video``...). The trainer streams `train_items` in a seeded
+    order, repeated `group_size` times ([`~mmgrpo.prompt_stream.PromptStream`]), and evaluates on the first
+    ``eval.num_prompts`` of `eval_items`; both are called while a run is set up, never per step, so they may build
+    every item in memory.
+    """
+
+    Config: type
+    # True when the source guarantees that no held-out item is also a training item (held-out scores then measure
+    # generalisation, and a contract test checks it); False when the split is the user's (prompt files)
+    disjoint_splits: bool
+
+    def train_items(self) -> list[dict]:
+        """The training items; the trainer refuses an empty list before any model loads."""
+
+    def eval_items(self) -> list[dict]:
+        """The held-out items (may be empty when the run does not evaluate)."""
