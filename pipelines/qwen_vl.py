@@ -29,13 +29,13 @@ When a prompt has images and its metadata has ``image_size``, `sample` writes ``
 from __future__ import annotations
 
 import contextlib
-import copy
 from dataclasses import dataclass, field
 from typing import Literal
 
 import torch
 
 from mmgrpo.hub import DTYPES, resolve_pretrained
+from mmgrpo.reference import ReferenceSwitch
 from mmgrpo.pipelines._qwen_vl_forward import GroupForward, collate_prompts, unique_rows
 from mmgrpo.pipelines._qwen_vl_inputs import PromptEncoder, vision_inputs
 from mmgrpo.types import PromptBatch, Rollout, Score, TokenPlan
@@ -173,17 +173,16 @@ class QwenVLPolicy:
         self.stop_ids = sorted({tok.eos_token_id, *[vocab[t] for t in ("<|im_end|>", "<|endoftext|>") if t in vocab]})
         suppress = [vocab[t] for t in VISION_TOKENS if t in vocab]
         self.model.requires_grad_(False)
-        self.frozen = None
-        if config.lora_rank > 0:
+        self.lora = config.lora_rank > 0
+        if self.lora:
             self._add_lora()
         else:  # full fine-tuning runs in float32 (weights_dtype then only sets the loading dtype)
             self.model.float()
             for name, param in self.model.named_parameters():
                 param.requires_grad_(not (config.freeze_vision and ".visual." in f".{name}"))
-            self.frozen = GroupForward(copy.deepcopy(self.model).requires_grad_(False).eval(), suppress)
-        self.group_forward = GroupForward(self.model, suppress)
-        self.forward = self.group_forward  # what training forwards run through (its DDP/FSDP wrapper after prepare)
-        self._active = None  # the reference's GroupForward inside `reference()`
+        # the group forward that training runs through (its DDP/FSDP wrapper after prepare), and the reference: the
+        # same forward with the adapter off, or a frozen copy of the initial model when fully fine-tuned
+        self.switch = ReferenceSwitch(GroupForward(self.model, suppress), self._adapters_off if self.lora else None)
         self.device = torch.device("cpu")
 
     def _add_lora(self) -> None:
@@ -207,15 +206,22 @@ class QwenVLPolicy:
         if not self.trainable_parameters():
             raise ValueError(f"lora_targets {c.lora_targets} matched no language-model layer of {c.pretrained!r}.")
 
-    def _set_adapters(self, enabled: bool) -> None:
+    @contextlib.contextmanager
+    def _adapters_off(self):
+        """The model's LoRA layers disabled inside the context (the adapter was injected, so there is no peft
+        ``disable_adapter`` context); on exit only LoRA weights are trainable again."""
         from peft.tuners.tuners_utils import BaseTunerLayer
 
-        for module in self.model.modules():
-            if isinstance(module, BaseTunerLayer):
-                module.enable_adapters(enabled)
-                if enabled:  # enable_adapters(True) marks the adapter trainable again; keep only LoRA weights trained
-                    for name, param in module.named_parameters():
-                        param.requires_grad_("lora_" in name)
+        layers = [m for m in self.model.modules() if isinstance(m, BaseTunerLayer)]
+        for layer in layers:
+            layer.enable_adapters(False)
+        try:
+            yield
+        finally:
+            for layer in layers:
+                layer.enable_adapters(True)  # this marks the whole layer trainable: keep only LoRA weights trained
+                for name, param in layer.named_parameters():
+                    param.requires_grad_("lora_" in name)
 
     # ------------------------------------------------------------------------------------------------------ set-up
     @property
@@ -236,26 +242,11 @@ class QwenVLPolicy:
         """Moves the model (and a frozen reference) to the accelerator's device; wraps the group forward."""
         self.device = accelerator.device
         self.model.to(self.device)
-        if self.frozen is not None:
-            self.frozen.to(self.device)
-        self.forward = accelerator.prepare_model(self.group_forward)
-        return [self.forward]
+        return self.switch.prepare(accelerator)
 
-    @contextlib.contextmanager
     def reference(self):
         """The reference policy: LoRA adapter disabled, or the frozen initial model when fully fine-tuned."""
-        if self.frozen is not None:
-            self._active = self.frozen
-            try:
-                yield
-            finally:
-                self._active = None
-        else:
-            self._set_adapters(False)
-            try:
-                yield
-            finally:
-                self._set_adapters(True)
+        return self.switch.reference()
 
     # -------------------------------------------------------------------------------------------------- prompts
     def messages(self, prompt: str, images: list, videos: list) -> list[dict]:
@@ -296,7 +287,7 @@ class QwenVLPolicy:
         n, steps = len(batch), plan.num_steps
         prompts = self._encode_batch(batch)
         unique, inverse = unique_rows(prompts)
-        module = self.group_forward
+        module = self.switch.module
         prefix = collate_prompts(unique, self.pad_id, self.device)
         logits, cache, prompt_mask, start = module.prefix(prefix, inverse)  # [N, V], cache of N rows
         tokens = torch.full((n, steps), self.pad_id, dtype=torch.long)
@@ -358,7 +349,7 @@ class QwenVLPolicy:
         unique, inverse = unique_rows(rollout.trajectory["prompt_inputs"])
         prefix = collate_prompts(unique, self.pad_id, self.device)
         completion = rollout.trajectory["completion_ids"][:, :length].to(self.device)  # [n, T']
-        module = self._active if self._active is not None else self.forward
+        module = self.switch.forward  # the reference's inside `reference()`
         scored = module(prefix, inverse.to(self.device), completion, self.config.temperature,
                         shared=self.config.prefix_sharing)  # [n, T']
         n, full = rollout.mask.shape
@@ -375,7 +366,7 @@ class QwenVLPolicy:
         from pathlib import Path
 
         Path(path).mkdir(parents=True, exist_ok=True)
-        if self.frozen is None:
+        if self.lora:
             from peft.utils import get_peft_model_state_dict
             from safetensors.torch import save_file
 
@@ -390,7 +381,7 @@ class QwenVLPolicy:
         """Loads weights written by [`~QwenVLPolicy.save_pretrained`] into this policy."""
         from pathlib import Path
 
-        if self.frozen is None:
+        if self.lora:
             from peft.utils import set_peft_model_state_dict
             from safetensors.torch import load_file
 
