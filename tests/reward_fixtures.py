@@ -1,4 +1,5 @@
-"""Fixtures of the reward tests: a tiny open_clip model folder, an aesthetic head file and a running reward server.
+"""Fixtures of the reward tests: a tiny open_clip model folder, an aesthetic head file, a running reward server, and
+random 8-bit video clips.
 
 Test modules import the fixtures they use (``from reward_fixtures import tiny_clip_dir``); pytest finds fixtures in a
 module's namespace.
@@ -6,6 +7,7 @@ module's namespace.
 
 import json
 
+import numpy as np
 import pytest
 import torch
 
@@ -76,3 +78,18 @@ def tiny_pickscore_dir(tmp_path_factory):
     model.save_pretrained(path)
     CLIPProcessor(image_processor=image_processor, tokenizer=tokenizer).save_pretrained(path)
     return str(path)
+
+
+def clip_of(levels: np.ndarray) -> torch.Tensor:
+    """8-bit frames `[N, F, H, W, 3]` (uint8) -> the pipelines' video layout `[N, F, 3, H, W]` in [0, 1]."""
+    return torch.from_numpy(levels).permute(0, 1, 4, 2, 3).float() / 255
+
+
+def random_levels(seed: int = 0, n: int = 2, f: int = 5, size: int = 32) -> np.ndarray:
+    """Random 8-bit clips `[n, f, size, size, 3]`: a base image plus per-frame noise, each frame in its own colour
+    cast, so that frames differ from each other by various amounts in pixels and in feature space."""
+    rng = np.random.default_rng(seed)
+    base = rng.integers(0, 256, size=(n, 1, size, size, 3))
+    drift = rng.integers(-40, 41, size=(n, f, size, size, 3))
+    cast = rng.uniform(0.1, 1.0, size=(n, f, 1, 1, 3))
+    return np.clip((base + drift) * cast, 0, 255).round().astype(np.uint8)
