@@ -46,6 +46,7 @@ REWARD_OPTIONS = {
     "pickscore": lambda request: {"model": request.getfixturevalue("tiny_pickscore_dir"), "processor": None, "device": "cpu"},
     "remote": lambda request: {"url": request.getfixturevalue("jpeg_server").url, "timeout": 10.0, "retries": 0},
     "composite": {"rewards": {"format": {"weight": 0.5}, "accuracy": {}, "jpeg": {"weight": 0.01}}},
+    "temporal_consistency": _tiny_clip,
     "sam_mask": lambda request: {"model": request.getfixturevalue("tiny_sam2_dir"), "device": "cpu", "coords": "original"},
 }
 # fit the tiny policies' 3 steps (dgpo); read the transitions' mean and std (flow_grpo's KL term)
