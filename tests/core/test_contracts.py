@@ -47,6 +47,7 @@ REWARD_OPTIONS = {
     "remote": lambda request: {"url": request.getfixturevalue("jpeg_server").url, "timeout": 10.0, "retries": 0},
     "composite": {"rewards": {"format": {"weight": 0.5}, "accuracy": {}, "jpeg": {"weight": 0.01}}},
     "temporal_consistency": _tiny_clip,
+    "dpp_diversity": _tiny_clip,
     "sam_mask": lambda request: {"model": request.getfixturevalue("tiny_sam2_dir"), "device": "cpu", "coords": "original"},
 }
 # fit the tiny policies' 3 steps (dgpo); read the transitions' mean and std (flow_grpo's KL term)
