@@ -63,18 +63,18 @@ def encode_first_frames(policy, batch) -> dict[str, torch.Tensor]:
     shape = (1, vae.config.z_dim, 1, 1, 1)
     mean = torch.tensor(vae.config.latents_mean).view(shape).to(policy.device)
     inv_std = 1.0 / torch.tensor(vae.config.latents_std).view(shape).to(policy.device)
-    images, cache, rows = _first_images(batch), {}, []
+    images, cache = _first_images(batch), {}
     for image in images:
-        if id(image) not in cache:
-            if isinstance(image, torch.Tensor):
-                image = image.float()[None] * 2 - 1 if image.dim() == 3 else image.float() * 2 - 1  # [1, 3, H, W]
-            pixels = pipe.video_processor.preprocess(image, height=cfg.height, width=cfg.width)  # [1, 3, H, W], [-1, 1]
-            video = pixels.to(policy.device, torch.float32).unsqueeze(2)  # [1, 3, 1, H, W]
-            if not geometry.expand_timesteps:  # the image, then black frames
-                video = torch.cat([video, video.new_zeros((1, 3, cfg.num_frames - 1, cfg.height, cfg.width))], dim=2)
-            latent = vae.encode(video.to(vae.dtype)).latent_dist.mode().float()  # [1, C, T or 1, h, w]
-            cache[id(images[len(rows)])] = (latent - mean) * inv_std
-        rows.append(cache[id(images[len(rows)])])
+        if id(image) in cache:
+            continue
+        pixels = image[None] if isinstance(image, torch.Tensor) and image.dim() == 3 else image  # tensors in [0, 1]
+        pixels = pipe.video_processor.preprocess(pixels, height=cfg.height, width=cfg.width)  # [1, 3, H, W], [-1, 1]
+        video = pixels.to(policy.device, torch.float32).unsqueeze(2)  # [1, 3, 1, H, W]
+        if not geometry.expand_timesteps:  # the image, then black frames
+            video = torch.cat([video, video.new_zeros((1, 3, cfg.num_frames - 1, cfg.height, cfg.width))], dim=2)
+        latent = vae.encode(video.to(vae.dtype)).latent_dist.mode().float()  # [1, C, T or 1, h, w]
+        cache[id(image)] = (latent - mean) * inv_std
+    rows = [cache[id(image)] for image in images]
     latents = torch.cat(rows)  # [N, C, T or 1, h, w]
     if geometry.expand_timesteps:
         return {"condition": latents}

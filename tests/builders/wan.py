@@ -102,20 +102,20 @@ def tiny_wan_dir(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def tiny_wan_experts_dir(tmp_path_factory):
-    """Wan 2.2 A14B-style: two experts switching at ``boundary_ratio = 0.9``."""
-    return _save(tmp_path_factory, "tiny_wan_experts", two_experts=True)
+    """Wan 2.2 A14B-style: two experts switching at ``boundary_ratio = 0.9`` (Euler scheduler)."""
+    return _save(tmp_path_factory, "tiny_wan_experts", two_experts=True, scheduler="euler")
 
 
 @pytest.fixture(scope="session")
 def tiny_wan_ti2v_dir(tmp_path_factory):
-    """Wan 2.2 TI2V-style: per-token timesteps (``expand_timesteps``), first-frame conditioning."""
-    return _save(tmp_path_factory, "tiny_wan_ti2v", expand_timesteps=True, image_to_video=True)
+    """Wan 2.2 TI2V-style: per-token timesteps (``expand_timesteps``), first-frame conditioning (Euler scheduler)."""
+    return _save(tmp_path_factory, "tiny_wan_ti2v", expand_timesteps=True, image_to_video=True, scheduler="euler")
 
 
 @pytest.fixture(scope="session")
 def tiny_wan_i2v_dir(tmp_path_factory):
-    """Wan 2.2 I2V-style: the image condition as extra input channels (no image encoder)."""
-    return _save(tmp_path_factory, "tiny_wan_i2v", image_to_video=True)
+    """Wan 2.2 I2V-style: the image condition as extra input channels, no image encoder (Euler scheduler)."""
+    return _save(tmp_path_factory, "tiny_wan_i2v", image_to_video=True, scheduler="euler")
 
 
 @pytest.fixture(scope="session")
