@@ -8,13 +8,14 @@ https://huggingface.co/docs/trl/main/en/grpo_trainer :
   large spread cannot drown the others.
 - ``"none"``: the plain weighted sum (the algorithm's own group normalisation then applies).
 
-A normalising composite scores in two stages (see `mmgrpo.protocols.RewardFn`): ``__call__`` returns each sample's
-weighted sum and components on its process, then its ``group_stage`` normalises on the batch gathered from every
-process, so a group that spans processes is normalised as a whole. Group statistics use the global group ids (the
-whole batch is one group without them), population std, ``eps`` 1e-4, over the finite values only
-(`mmgrpo.advantages.group_normalize`). A component that is NaN ("not applicable") for a sample is left out of that
-sample's sum; a sample for which every component is NaN scores NaN. A component must score per sample (a normalising
-composite inside a composite is refused: normalise in the outer one).
+A normalising composite, and one with a component that scores against its group (``dpp_diversity``, a normalising
+composite), scores in two stages (see `mmgrpo.protocols.RewardFn`): ``__call__`` returns each sample's weighted sum,
+components and the group-level components' ``features`` (side by side, ``[n, D_1 + D_2 + ...]``) on its process; then
+its ``group_stage``, on the batch gathered from every process, runs each group-level component's own group stage on its
+score, components and features, sums again, and normalises, so a group that spans processes is scored as a whole.
+Group statistics use the global group ids (the whole batch is one group without them), population std, ``eps`` 1e-4,
+over the finite values only (`mmgrpo.advantages.group_normalize`). A component that is NaN ("not applicable") for a
+sample is left out of that sample's sum; a sample for which every component is NaN scores NaN.
 
 Config: ``rewards`` maps a component name to ``{name: <registered reward, defaults to the component name>, weight:
 <float, defaults to 1>, **that reward's options}``, e.g.::
@@ -27,7 +28,7 @@ Config: ``rewards`` maps a component name to ``{name: <registered reward, defaul
         accuracy: {weight: 0.9, mode: numeric}
 
 `components` hold each reward's score under its component name, that reward's own components as ``<name>/<key>``, and
-``weighted_sum`` (before any normalisation).
+``weighted_sum`` (after the components' group stages, before any normalisation).
 """
 
 from __future__ import annotations
@@ -89,45 +90,75 @@ class CompositeReward:
 
     Config = CompositeConfig
     modalities = frozenset()  # depends on the components; an instance holds the union of theirs
-    group_stage = None  # the class default; an instance that normalises per group holds its own
+    group_stage = None  # the class default; an instance that normalises or has group-level components holds its own
 
     def __init__(self, config: CompositeConfig):
         self.config = config
         self.rewards = {key: registry.get("reward", name)(options) for key, (name, _, options) in config.specs.items()}
         self.weights = {key: weight for key, (_, weight, _) in config.specs.items()}
         self.modalities = frozenset().union(*(reward.modalities for reward in self.rewards.values()))
-        staged = [key for key, reward in self.rewards.items() if reward.group_stage is not None]
-        if staged:
-            raise ValueError(f"composite: reward.rewards.{staged[0]} scores against its group; a component must score "
-                             "per sample: set its normalize to none and normalise in this composite.")
-        if config.normalize != "none":
-            self.group_stage = self.normalize_per_group  # after the gather (see the module docstring)
+        # the components that score against their group, in order, and the width of the features each returned
+        self.staged = [key for key, reward in self.rewards.items() if reward.group_stage is not None]
+        self.feature_widths: dict[str, int] | None = None  # set by __call__, read by the group stage
+        if config.normalize != "none" or self.staged:
+            self.group_stage = self.stage_groups  # after the gather (see the module docstring)
 
     def __call__(self, outputs: dict[str, Any], batch: PromptBatch) -> RewardResult:
-        """Returns each sample's weighted sum `[N]` (NaN where no component applies) and every component's score and
-        parts, each `[N]`; a normalising composite normalises it in [`normalize_per_group`], its group stage."""
-        components, terms = {}, []
+        """Returns each sample's weighted sum `[N]` (NaN where no component applies), every component's score and
+        parts, each `[N]`, and the group-level components' features `[N, D_1 + D_2 + ...]` (None without any); the
+        group stage ([`stage_groups`]), if any, gives the final scores."""
+        components, features, widths = {}, [], {}
         for key, reward in self.rewards.items():
             result = reward(outputs, batch)
-            score = result.scores.detach().float().cpu()  # [N]
-            components[key] = score
+            components[key] = result.scores.detach().float().cpu()  # [N]
             components.update({f"{key}/{name}": value.detach().float().cpu() for name, value in result.components.items()})
-            terms.append(self.weights[key] * score)
-        total = _nan_sum(torch.stack(terms))  # [N]
-        components["weighted_sum"] = _nan_sum(torch.stack([self.weights[k] * components[k] for k in self.rewards]))
-        return RewardResult(scores=total.float(), components=components)
+            if key in self.staged:
+                feature = None if result.features is None else result.features.detach().float().cpu().flatten(1)
+                widths[key] = 0 if feature is None else feature.shape[1]
+                if feature is not None:
+                    features.append(feature)  # [N, D_key]
+        self.feature_widths = widths
+        total = self._weighted_sum(components)  # [N]
+        components["weighted_sum"] = total
+        features = torch.cat(features, dim=1) if features else None  # [N, D_1 + D_2 + ...]
+        return RewardResult(scores=total, components=components, features=features)
 
-    def normalize_per_group(self, result: RewardResult, group_ids: torch.Tensor | None) -> RewardResult:
-        """The group stage: `result` of the whole batch (``scores`` `[N]`, ``components`` each `[N]`) and its global
-        `group_ids` `[N]` (`None`: one group) -> the scores normalised per group, ``sum_then_normalize`` or
-        ``normalize_then_sum``, and the same components."""
+    def stage_groups(self, result: RewardResult, group_ids: torch.Tensor | None) -> RewardResult:
+        """The group stage: `result` of the whole batch (``scores`` `[N]`, ``components`` each `[N]`, ``features``) and
+        its global `group_ids` `[N]` (`None`: one group) -> each group-level component's group stage on its slice of
+        the batch, the weighted sum again, then the normalisation per group (``sum_then_normalize`` or
+        ``normalize_then_sum``; none with ``"none"``). Returns the scores `[N]` and the components after the stages."""
+        components, summed = dict(result.components), result.scores.float()  # [N] the weighted sum before the stages
+        if self.staged:
+            if self.feature_widths is None:
+                raise ValueError("composite: the group stage runs on the gathered results of this reward's __call__; "
+                                 "call the reward on the samples first.")
+            offset = 0
+            for key in self.staged:
+                width, prefix = self.feature_widths[key], f"{key}/"
+                own = RewardResult(
+                    scores=components[key],
+                    components={k[len(prefix):]: v for k, v in components.items() if k.startswith(prefix)},
+                    features=None if width == 0 else result.features[:, offset : offset + width],  # [N, D_key]
+                )
+                offset += width
+                staged = self.rewards[key].group_stage(own, group_ids)
+                components[key] = staged.scores.detach().float().cpu()  # [N]
+                components.update({prefix + k: v.detach().float().cpu() for k, v in staged.components.items()})
+            summed = components["weighted_sum"] = self._weighted_sum(components)  # [N]
         eps = self.config.eps
         if self.config.normalize == "normalize_then_sum":
-            parts = {k: normalize_groups(result.components[k].float(), group_ids, eps) for k in self.rewards}
+            parts = {k: normalize_groups(components[k].float(), group_ids, eps) for k in self.rewards}
             total = _nan_sum(torch.stack([self.weights[k] * parts[k] for k in self.rewards]))  # [N]
+        elif self.config.normalize == "sum_then_normalize":
+            total = normalize_groups(summed, group_ids, eps)  # [N]
         else:
-            total = normalize_groups(result.scores.float(), group_ids, eps)  # [N]
-        return RewardResult(scores=total.float(), components=dict(result.components), features=result.features)
+            total = summed
+        return RewardResult(scores=total.float(), components=components, features=result.features)
+
+    def _weighted_sum(self, components: dict[str, torch.Tensor]) -> torch.Tensor:
+        """``sum_k w_k r_k`` `[N]` over the components' scores, leaving NaN terms out."""
+        return _nan_sum(torch.stack([self.weights[k] * components[k] for k in self.rewards])).float()
 
 
 def _nan_sum(stacked: torch.Tensor) -> torch.Tensor:

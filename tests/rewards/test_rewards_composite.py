@@ -1,5 +1,7 @@
 """composite: the weighted sum and its two per-group normalisations (its group stage, after the gather) against
-hand-computed values and against normalising inside one call; NaN handling; any split of a batch gives the same."""
+hand-computed values and against normalising inside one call; NaN handling; any split of a batch gives the same; the
+group stages of its components (a nested normalising composite; per-frame CLIP + consistency + DPP diversity on
+videos) against each component scored on its own."""
 
 import math
 
@@ -9,6 +11,7 @@ import torch
 from mmgrpo.config import ConfigError, build_dataclass
 from mmgrpo.rewards.composite import CompositeReward
 from mmgrpo.types import PromptBatch, RewardResult
+from reward_fixtures import tiny_clip_dir  # noqa: F401 (fixture)
 
 # format scores [1, 0, 1, 1]; accuracy scores [1, 1, 0, NaN] (the last sample has no ground truth)
 TEXTS = ["<think>a</think><answer>7</answer>", "<answer>7</answer>", "<think>a</think><answer>8</answer>",
@@ -114,10 +117,74 @@ def test_group_stage_on_whole_groups_equals_normalising_in_one_call_and_any_spli
     assert not torch.equal(torch.cat(alone), whole.scores)
 
 
-def test_only_a_normalising_composite_has_a_group_stage_and_components_score_per_sample():
+def test_a_group_stage_only_where_needed_and_a_nested_normalising_composite_runs_its_own():
     assert composite("none").group_stage is None
     assert composite("sum_then_normalize").group_stage is not None
     inner = {"name": "composite", "normalize": "sum_then_normalize", "rewards": {"format": {}}}
-    with pytest.raises(ValueError, match=r"reward\.rewards\.inner scores against its group"):
-        composite("none", {"inner": inner})
     assert composite("none", {"inner": {**inner, "normalize": "none"}}).group_stage is None
+    nested = composite("none", {"inner": {**inner, "weight": 2.0}})
+    assert nested.group_stage is not None  # its component scores against its group
+    result = nested.group_stage(nested({"texts": TEXTS}, PromptBatch(["p"] * 4, metadata=METADATA)), GROUPS)
+    # format [1, 0 | 1, 1] normalised in each group: [z, -z | 0, 0], z = 0.5 / (0.5 + eps), times the weight 2
+    z = 0.5 / (0.5 + EPS)
+    assert result.scores.tolist() == pytest.approx([2 * z, -2 * z, 0.0, 0.0], abs=1e-6)
+    assert result.components["inner"].tolist() == pytest.approx([z, -z, 0.0, 0.0], abs=1e-6)
+
+
+# ------------------------------------------------------------------------- video: per-frame CLIP + consistency + DPP
+
+VIDEO_PROMPTS = ["a red circle moving right"] * 3 + ["a green triangle growing"] * 3
+VIDEO_GROUPS = torch.tensor([0, 0, 0, 1, 1, 1])
+
+
+def video_components(clip_dir):
+    """Per-frame CLIP (every 2nd frame, worst frame), VBench consistency and DPP diversity with a relevance term."""
+    clip = {"model_name": f"local-dir:{clip_dir}", "device": "cpu"}
+    return {
+        "clip": {"name": "clip_score", "weight": 1.0, "modality": "video", "frame_stride": 2, "frame_reduce": "min",
+                 **clip},
+        "consistency": {"name": "temporal_consistency", "weight": 0.5, **clip},
+        "diversity": {"name": "dpp_diversity", "weight": 0.1, "relevance_weight": 0.2, "jitter": 0.01, **clip},
+    }
+
+
+def by_hand(clip_dir, videos, batch):
+    """Each component built and scored on its own (the DPP through its own group stage), then summed with the
+    weights: [N]."""
+    from mmgrpo import registry
+
+    total = torch.zeros(videos.shape[0])
+    for spec in video_components(clip_dir).values():
+        options = {k: v for k, v in spec.items() if k not in ("name", "weight")}
+        cls = registry.get("reward", spec["name"])
+        reward = cls(cls.Config(**options))
+        result = reward({"videos": videos}, batch)
+        if reward.group_stage is not None:
+            result = reward.group_stage(result, batch.group_ids)
+        total += spec["weight"] * result.scores
+    return total
+
+
+@pytest.mark.parametrize("normalize", ["none", "sum_then_normalize"])
+def test_video_composite_of_per_frame_clip_consistency_and_diversity(tiny_clip_dir, normalize):
+    from mmgrpo.rewards.composite import normalize_groups
+    from reward_fixtures import clip_of, random_levels
+
+    videos = clip_of(random_levels(seed=5, n=6, f=5))  # [6, 5, 3, 32, 32]
+    batch = PromptBatch(VIDEO_PROMPTS, group_ids=VIDEO_GROUPS)
+    reward = composite(normalize, video_components(tiny_clip_dir))
+    assert reward.modalities == {"video"} and reward.group_stage is not None  # the DPP component needs its group
+    per_sample = reward({"videos": videos}, batch)
+    assert per_sample.features.shape == (6, 32)  # the DPP component's CLIP features (embed_dim 32)
+    whole = reward.group_stage(per_sample, VIDEO_GROUPS)
+    expected = by_hand(tiny_clip_dir, videos, batch)
+    if normalize == "sum_then_normalize":
+        expected = normalize_groups(expected, VIDEO_GROUPS, EPS)
+    torch.testing.assert_close(whole.scores, expected, rtol=0, atol=1e-5)
+    assert "diversity/dpp_gain" in whole.components and "consistency/previous" in whole.components
+    # two processes holding samples [0, 1] and [2..5] (group 0 split), gathered, then the stage: the same scores
+    parts = [reward({"videos": videos[s]}, batch.select(s)) for s in ([0, 1], [2, 3, 4, 5])]
+    gathered = RewardResult(scores=torch.cat([p.scores for p in parts]),
+                            components={k: torch.cat([p.components[k] for p in parts]) for k in parts[0].components},
+                            features=torch.cat([p.features for p in parts]))
+    torch.testing.assert_close(reward.group_stage(gathered, VIDEO_GROUPS).scores, whole.scores, rtol=0, atol=1e-6)
