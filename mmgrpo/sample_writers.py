@@ -9,7 +9,8 @@ one is refused there and by ``mmgrpo check``, before any model loads:
 - ``image``, ``outputs["images"]`` `[N, 3, H, W]`: ``step_XXXXX.png``, a grid, each image with its prompt and reward
   (``step_XXXXX`` is the evaluated step).
 - ``text``, ``outputs["texts"]`` (`N` strings): ``step_XXXXX.jsonl`` (prompt, text, reward) and ``step_XXXXX.html``
-  (the same rows with the prompt's input images).
+  (the same rows with the prompt's input images); with a segmenter reward's ``outputs["masks"]``, also the overlays
+  ``step_XXXXX_seg.png`` and ``step_XXXXX_seg.html`` (see `mmgrpo._mask_overlays`).
 - ``video``, ``outputs["videos"]`` `[N, F, 3, H, W]`: ``step_XXXXX_video/sample_NN.mp4`` (H.264), the frame strips
   with prompt and reward in ``step_XXXXX_video.png``, and ``step_XXXXX_video.html``, which plays and links them.
 - ``mask``, ``outputs["masks"]`` `[N, H, W]` or `N` tensors `[H_i, W_i]` (`None`: no mask): ``step_XXXXX_masks.png``,
@@ -28,6 +29,7 @@ from typing import Any
 
 import torch
 
+from . import _mask_overlays
 from .types import PromptBatch, as_list
 from .visualize import as_pil, save_image_grid, save_sample_table
 
@@ -50,6 +52,7 @@ class SampleWriter:
                 "the pipeline's `modalities`, or add a writer to mmgrpo.sample_writers.WRITERS."
             )
         self.modality, self.limit, self.prompts, self.items, self.inputs = modality, limit, [], [], []
+        self.segmentation = []  # text samples with a segmenter reward's masks (mmgrpo._mask_overlays)
 
     def add(self, outputs: dict[str, Any], batch: PromptBatch) -> None:
         """Keeps the first samples of `batch` while fewer than `limit` are kept; `outputs` must hold the modality's
@@ -67,6 +70,8 @@ class SampleWriter:
         self.items.extend(outputs[key][i] for i in range(k))
         self.prompts.extend(batch.prompts[:k])
         self.inputs.extend(as_list(pictures[i]) for i in range(k))
+        if self.modality == "text" and "masks" in outputs:
+            self.segmentation.extend(_mask_overlays.keep(outputs, batch, k))
 
     def write(self, folder: str | Path, step: int, rewards: list[float]) -> list[Path]:
         """Writes the kept samples, with their `rewards`, in `folder` for `step`; returns the files written."""
@@ -93,7 +98,7 @@ def write_text_table(kept: SampleWriter, folder: Path, step: int, rewards: list[
     table, page = folder / f"step_{step:05d}.jsonl", folder / f"step_{step:05d}.html"
     table.write_text("\n".join(lines) + "\n", encoding="utf-8")
     save_sample_table(rows, page, f"step {step}")
-    return [table, page]
+    return [table, page, *_mask_overlays.write(kept.segmentation, kept.prompts, folder, step, rewards)]
 
 
 def write_mp4(video: torch.Tensor, path: str | Path, fps: int = VIDEO_FPS) -> None:

@@ -1,0 +1,97 @@
+"""Overlays of a segmentation policy's evaluation samples: the input image, the predicted mask (red), the true mask
+(green outline), the VLM's boxes (yellow) and points (cyan foreground, magenta background), with its text.
+
+A segmenter reward (`sam_mask`, in this process) puts the predicted masks and the parsed prompts in the outputs
+(``outputs["masks"]``, ``outputs["seg_prompts"]``); the text sample writer keeps them ([`keep`]) next to its texts and
+writes, beside its table, ``step_XXXXX_seg.png`` (a grid of the overlays with prompt and reward) and
+``step_XXXXX_seg.html`` (each overlay beside the full prompt, text and reward) with [`write`].
+"""
+
+from __future__ import annotations
+
+import html
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from .types import PromptBatch, as_list
+
+RED, GREEN, YELLOW = (1.0, 0.0, 0.0), (0.0, 0.8, 0.0), (255, 220, 0)
+POINT_COLOURS = {1: (0, 230, 230), 0: (230, 0, 230)}
+
+
+def keep(outputs: dict[str, Any], batch: PromptBatch, k: int) -> list[dict]:
+    """The first `k` samples' predicted mask, true mask (``metadata["mask"]`` when it is an array), parsed prompts,
+    text and input image, for [`write`]."""
+    prompts = outputs.get("seg_prompts") or [None] * len(batch)
+    pictures = batch.conditions.get("images", [None] * len(batch))
+    rows = []
+    for i in range(k):
+        truth = batch.metadata[i].get("mask")
+        truth = torch.as_tensor(np.asarray(truth)) if isinstance(truth, (torch.Tensor, np.ndarray, list)) else None
+        image = as_list(pictures[i])
+        rows.append({"mask": outputs["masks"][i], "truth": truth, "prompt": prompts[i],
+                     "text": (outputs.get("texts") or [""] * len(batch))[i], "image": image[0] if image else None})
+    return rows
+
+
+def _tint(base: torch.Tensor, mask: torch.Tensor | None, colour, strength: float, outline: bool) -> torch.Tensor:
+    """`base` `[3, H, W]` with `mask` (`[h, w]`, resized by nearest neighbour) tinted, or its edge drawn."""
+    if mask is None or mask.dim() != 2:
+        return base
+    m = torch.nn.functional.interpolate(mask.float()[None, None], size=base.shape[-2:], mode="nearest")[0, 0] > 0.5
+    if outline:  # pixels of the mask with a neighbour outside it
+        padded = torch.nn.functional.pad(m[None, None].float(), (1, 1, 1, 1))
+        m = m & (torch.nn.functional.max_pool2d(1 - padded, 3, stride=1)[0, 0] > 0)
+    colour = torch.tensor(colour)[:, None, None]
+    return torch.where(m[None], base * (1 - strength) + colour * strength, base)
+
+
+def panel(row: dict) -> torch.Tensor:
+    """One overlay `[3, H, W]` in [0, 1] at the input image's size (the mask's size, on grey, without an image)."""
+    from PIL import Image, ImageDraw
+
+    from .visualize import as_pil
+
+    picture = as_pil(row["image"])
+    if picture is None:
+        size = tuple(row["mask"].shape[-2:]) if row["mask"] is not None else (32, 32)
+        picture = Image.new("RGB", (size[1], size[0]), (128, 128, 128))
+    base = torch.from_numpy(np.asarray(picture, dtype=np.float32) / 255).permute(2, 0, 1)  # [3, H, W]
+    base = _tint(base, row["mask"], RED, 0.5, outline=False)
+    base = _tint(base, row["truth"], GREEN, 1.0, outline=True)
+    drawn = Image.fromarray((base.permute(1, 2, 0).numpy() * 255).round().astype(np.uint8))
+    draw = ImageDraw.Draw(drawn)
+    prompt = row["prompt"] or {"boxes": [], "points": [], "labels": []}
+    for box, points, labels in zip(prompt["boxes"], prompt["points"], prompt["labels"]):
+        draw.rectangle([box[0], box[1], max(box[0], box[2] - 1), max(box[1], box[3] - 1)], outline=YELLOW)
+        for (x, y), label in zip(points, labels):
+            draw.ellipse([x - 1.5, y - 1.5, x + 1.5, y + 1.5], fill=POINT_COLOURS.get(label, YELLOW))
+    return torch.from_numpy(np.asarray(drawn, dtype=np.float32) / 255).permute(2, 0, 1)
+
+
+def write(rows: list[dict], prompts: list[str], folder: Path, step: int, rewards: list[float]) -> list[Path]:
+    """``step_XXXXX_seg.png`` (the overlays with prompt and reward) and ``step_XXXXX_seg.html`` (each overlay with the
+    full prompt, text and reward); nothing when `rows` is empty."""
+    from .visualize import _thumbnail_src, save_image_grid
+
+    if not rows:
+        return []
+    folder.mkdir(parents=True, exist_ok=True)
+    pictures = [panel(row) for row in rows]
+    grid, page = folder / f"step_{step:05d}_seg.png", folder / f"step_{step:05d}_seg.html"
+    save_image_grid(pictures, [f"{p[:60]}\nr={s:.2f}" for p, s in zip(prompts, rewards)], grid)
+    cells = "".join(
+        f"<tr><td><img src='{_thumbnail_src(picture, 256)}' alt='overlay'></td><td><pre>{html.escape(p)}</pre></td>"
+        f"<td><pre>{html.escape(str(row['text']))}</pre></td><td>{s:.3f}</td></tr>"
+        for picture, row, p, s in zip(pictures, rows, prompts, rewards)
+    )
+    page.write_text(
+        "<!doctype html><meta charset='utf-8'><style>body{font-family:sans-serif}td{vertical-align:top;"
+        "border-bottom:1px solid #ddd;padding:4px}pre{white-space:pre-wrap;margin:0;max-width:40em}</style>"
+        f"<h3>step {step}: predicted mask red, truth green, boxes yellow, points cyan (1) / magenta (0)</h3>"
+        f"<p><a href='{grid.name}'>grid</a></p><table><tr><th>overlay</th><th>prompt</th><th>text</th>"
+        f"<th>reward</th></tr>{cells}</table>\n", encoding="utf-8")
+    return [grid, page]

@@ -1,0 +1,53 @@
+"""Segmentation overlays: the colours of one panel by hand (predicted mask red, truth outline green, box yellow,
+points cyan / magenta), and the text writer of an evaluation writing the grid and the HTML page when the segmenter
+reward attached its masks."""
+
+import numpy as np
+import torch
+from PIL import Image
+
+from builders._sam import tiny_sam2_dir  # noqa: F401
+from mmgrpo._mask_overlays import panel
+from mmgrpo.rewards.sam_mask import SamMask, SamMaskConfig
+from mmgrpo.sample_writers import SampleWriter
+from mmgrpo.types import PromptBatch
+
+
+def test_panel_colours_by_hand():
+    image = Image.new("RGB", (20, 10), (102, 102, 102))  # grey 0.4
+    pred = torch.zeros(10, 20, dtype=torch.bool)
+    pred[2:5, 2:5] = True
+    truth = torch.zeros(10, 20, dtype=torch.bool)
+    truth[1:9, 10:18] = True
+    prompt = {"boxes": [[1.0, 1.0, 8.0, 8.0]], "points": [[[3.0, 3.0], [14.0, 5.0]]], "labels": [[1, 0]]}
+    out = panel({"image": image, "mask": pred, "truth": truth, "prompt": prompt, "text": ""})
+    pixels = (out.permute(1, 2, 0).numpy() * 255).round()  # [H, W, 3]
+    assert out.shape == (3, 10, 20)
+    np.testing.assert_allclose(pixels[4, 4], [0.5 * 102 + 127.5, 51, 51], atol=1)  # red tint 0.5 over grey
+    assert tuple(pixels[1, 12]) == (0, 204, 0)  # truth's top edge: green
+    assert tuple(pixels[7, 12]) == (102, 102, 102)  # inside the truth: untouched
+    assert tuple(pixels[7, 3]) == (255, 220, 0)  # the box [1, 8) x [1, 8): its last row 7 is its edge, yellow
+    assert tuple(pixels[3, 3]) == (0, 230, 230) and tuple(pixels[5, 14]) == (230, 0, 230)  # points
+
+
+def test_text_writer_writes_segmentation_overlays(tiny_sam2_dir, tmp_path):
+    reward = SamMask(SamMaskConfig(model=tiny_sam2_dir, coords="original", device="cpu"))
+    truth = torch.zeros(60, 80, dtype=torch.bool)
+    truth[10:30, 20:50] = True
+    image = Image.fromarray((np.random.default_rng(0).random((60, 80, 3)) * 255).astype(np.uint8))
+    batch = PromptBatch(["segment it"], metadata=[{"mask": truth}], conditions={"images": [image]}).repeat(2)
+    outputs = {"texts": ['<answer>{"bbox": [20, 10, 50, 30], "points_1": [30, 20], "points_2": [40, 25]}</answer>',
+                         "no box"]}
+    result = reward(outputs, batch)
+    writer = SampleWriter("text", limit=4)
+    writer.add(outputs, batch)
+    files = writer.write(tmp_path, 7, result.scores.tolist())
+    names = sorted(f.name for f in files)
+    assert names == ["step_00007.html", "step_00007.jsonl", "step_00007_seg.html", "step_00007_seg.png"]
+    page = (tmp_path / "step_00007_seg.html").read_text()
+    assert page.count("<img") == 2 and "no box" in page and f"{result.scores[0].item():.3f}" in page
+    assert Image.open(tmp_path / "step_00007_seg.png").size[0] > 0
+    plain = SampleWriter("text", limit=4)  # without masks: the text table only
+    plain.add({"texts": ["a", "b"]}, batch)
+    assert sorted(f.name for f in plain.write(tmp_path / "plain", 7, [0.0, 1.0])) == ["step_00007.html",
+                                                                                       "step_00007.jsonl"]
