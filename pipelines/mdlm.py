@@ -99,7 +99,7 @@ class MDLMConfig:
 
     def __post_init__(self):
         check_fields(self)
-        self.pretrained = resolve_pretrained(self.pretrained, "pipeline.pretrained")
+        resolve_pretrained(self.pretrained, "pipeline.pretrained")  # checked now; kept as configured (adapters record it)
         check_range("gen_length", self.gen_length, 1, 65536, fix="completions longer than 65536 fit no model")
         self.block_length = self.block_length or self.gen_length
         check_range("block_length", self.block_length, 1, self.gen_length, fix="it divides gen_length")
@@ -141,8 +141,9 @@ def _load(config: MDLMConfig):
     from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, AutoModelForMaskedLM, AutoTokenizer
 
     kwargs = {"revision": config.revision, "trust_remote_code": config.trust_remote_code}
+    location = resolve_pretrained(config.pretrained, "pipeline.pretrained")
     try:
-        model_config = AutoConfig.from_pretrained(config.pretrained, **kwargs)
+        model_config = AutoConfig.from_pretrained(location, **kwargs)
     except ValueError as err:
         raise ValueError(
             f"pipeline.pretrained {config.pretrained!r} could not be configured ({err}). LLaDA and Dream ship their "
@@ -153,13 +154,13 @@ def _load(config: MDLMConfig):
         kind = str(getattr(model_config, "model_type", "")).lower()
         family = "llada" if kind.startswith("llada") else "dream" if kind == "dream" else "generic"
     dtype = DTYPES[config.weights_dtype]
-    tokenizer = AutoTokenizer.from_pretrained(config.pretrained, **kwargs)
+    tokenizer = AutoTokenizer.from_pretrained(location, **kwargs)
     if family in ("llada", "dream"):
-        model = AutoModel.from_pretrained(config.pretrained, dtype=dtype, **kwargs)
+        model = AutoModel.from_pretrained(location, dtype=dtype, **kwargs)
     elif any("MaskedLM" in a for a in getattr(model_config, "architectures", None) or []):
-        model = AutoModelForMaskedLM.from_pretrained(config.pretrained, dtype=dtype, **kwargs)
+        model = AutoModelForMaskedLM.from_pretrained(location, dtype=dtype, **kwargs)
     else:
-        model = make_bidirectional(AutoModelForCausalLM.from_pretrained(config.pretrained, dtype=dtype, **kwargs))
+        model = make_bidirectional(AutoModelForCausalLM.from_pretrained(location, dtype=dtype, **kwargs))
     return model.requires_grad_(False).eval(), tokenizer, family
 
 
@@ -193,6 +194,7 @@ class MDLMPolicy:
                 r=config.lora_rank, lora_alpha=config.lora_alpha, lora_dropout=0.0,
                 target_modules=self._lora_targets(model, config.lora_targets or targets, config.lora_targets is None),
             ))
+            model.peft_config["default"].base_model_name_or_path = config.pretrained  # as configured, not resolved
             for param in model.parameters():
                 if param.requires_grad:
                     param.data = param.data.float()

@@ -47,6 +47,8 @@ ATTENTION = ("sdpa", "eager", "flash_attention_2", "flash_attention_3", "flash_a
 MODEL_CLASSES = {"qwen2_vl": "Qwen2VLForConditionalGeneration", "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration"}
 VISION_TOKENS = ("<|image_pad|>", "<|video_pad|>", "<|vision_start|>", "<|vision_end|>", "<|vision_pad|>")
 LANGUAGE_LORA = r".*language_model.*\.({names})$"
+# peft's `PeftModel` names the base model's parameters under this prefix: adapters saved with it load there
+PEFT_PREFIX = "base_model.model."
 LORA_FILE = "adapter_model.safetensors"
 VISION_LORA = r".*visual\.blocks.*\.(qkv|proj|fc1|fc2|gate_proj|up_proj|down_proj)$"
 
@@ -137,7 +139,7 @@ class QwenVLConfig:
         if self.attn_implementation not in ATTENTION and "/" not in self.attn_implementation:
             raise ConfigError(f"attn_implementation must be one of {list(ATTENTION)} or a hub kernel ('org/name'), "
                               f"got {self.attn_implementation!r}.")
-        self.pretrained = resolve_pretrained(self.pretrained, "pipeline.pretrained")
+        resolve_pretrained(self.pretrained, "pipeline.pretrained")  # checked now; kept as configured (adapters record it)
 
 
 class QwenVLPolicy:
@@ -155,17 +157,18 @@ class QwenVLPolicy:
         from transformers import AutoConfig, AutoProcessor
 
         self.config = config
-        model_type = AutoConfig.from_pretrained(config.pretrained).model_type
+        location = resolve_pretrained(config.pretrained, "pipeline.pretrained")
+        model_type = AutoConfig.from_pretrained(location).model_type
         if model_type not in MODEL_CLASSES:
             raise ValueError(
                 f"pipeline.pretrained {config.pretrained!r} is a {model_type!r} model; the qwen_vl pipeline takes "
                 f"{sorted(MODEL_CLASSES)} (Qwen2-VL or Qwen2.5-VL)."
             )
-        self.processor = AutoProcessor.from_pretrained(config.pretrained)
+        self.processor = AutoProcessor.from_pretrained(location)
         self.inputs = PromptEncoder(self.processor, config)  # resolves the pixel budgets before the weights load
         model_cls = getattr(transformers, MODEL_CLASSES[model_type])
         self.model = model_cls.from_pretrained(
-            config.pretrained, dtype=DTYPES[config.weights_dtype], attn_implementation=config.attn_implementation
+            location, dtype=DTYPES[config.weights_dtype], attn_implementation=config.attn_implementation
         ).eval()
         tok = self.processor.tokenizer
         self.pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
@@ -196,7 +199,7 @@ class QwenVLPolicy:
             pattern = f"({pattern})|({VISION_LORA})"
         self.lora_config = LoraConfig(
             r=c.lora_rank, lora_alpha=c.lora_alpha, lora_dropout=c.lora_dropout, target_modules=pattern,
-            init_lora_weights="gaussian",
+            init_lora_weights="gaussian", base_model_name_or_path=c.pretrained,  # as configured, not resolved
         )
         inject_adapter_in_model(self.lora_config, self.model)
         for name, param in self.model.named_parameters():
@@ -371,8 +374,9 @@ class QwenVLPolicy:
             from safetensors.torch import save_file
 
             self.lora_config.save_pretrained(path)
-            state = get_peft_model_state_dict(self.model)
-            save_file({k: v.detach().contiguous().cpu() for k, v in state.items()}, str(Path(path) / LORA_FILE))
+            state = get_peft_model_state_dict(self.model)  # keys of the injected model; PeftModel's carry a prefix
+            save_file({PEFT_PREFIX + k: v.detach().contiguous().cpu() for k, v in state.items()},
+                      str(Path(path) / LORA_FILE))
         else:
             self.model.save_pretrained(path)
         self.processor.save_pretrained(path)
@@ -385,7 +389,8 @@ class QwenVLPolicy:
             from peft.utils import set_peft_model_state_dict
             from safetensors.torch import load_file
 
-            result = set_peft_model_state_dict(self.model, load_file(str(Path(path) / LORA_FILE)))
+            state = {k.removeprefix(PEFT_PREFIX): v for k, v in load_file(str(Path(path) / LORA_FILE)).items()}
+            result = set_peft_model_state_dict(self.model, state)
             if getattr(result, "unexpected_keys", None):
                 raise ValueError(f"{path}: adapter weights {result.unexpected_keys[:3]}... do not fit this model.")
         else:
