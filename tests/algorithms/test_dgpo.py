@@ -14,6 +14,8 @@ from mmgrpo.pipelines.sd3 import SD3Config, SD3Policy
 from mmgrpo.trainer import Trainer, score_unit
 from mmgrpo.types import FlowPlan, PromptBatch, Score
 
+from builders._runs import dgpo_config
+
 PROMPTS = ["a red circle", "two blue squares"]
 
 
@@ -270,25 +272,6 @@ def test_without_clip_the_old_model_is_not_scored(tiny_sd3_dir):
     assert clipping.loss(new, far_old, advantages, ref).metrics["clip_frac"] > 0
     algorithm.after_update(policy)
     assert algorithm.ema.shadow is None and algorithm.updates == 1  # no EMA is kept
-
-
-def dgpo_config(tmp_path, tiny_sd3_dir, max_steps):
-    tmp_path.mkdir(parents=True, exist_ok=True)
-    prompts = tmp_path / "prompts.txt"
-    prompts.write_text("a red circle\na blue square\na green triangle\n")
-    return {
-        "output_dir": str(tmp_path / "run"),
-        "seed": 5,
-        "pipeline": {"name": "sd3", "pretrained": tiny_sd3_dir, "resolution": 32, "num_steps": 3,
-                     "guidance_scale": 1.0, "lora_rank": 4, "max_sequence_length": 16},
-        "algorithm": {"name": "dgpo", "trunc_steps": 1, "num_train_timesteps": 2, "ema_decay_rate": 0.1},
-        "reward": {"name": "jpeg"},
-        "data": {"name": "prompt_file", "train_file": str(prompts), "eval_file": str(prompts)},
-        "train": {"max_steps": max_steps, "prompts_per_step": 2, "group_size": 2, "minibatch_size": 4,
-                  "learning_rate": 1e-3},
-        "eval": {"every": 0},
-        "checkpoint": {"every": 2, "keep_last": 3},
-    }
 
 
 def test_resume_restores_the_old_model_exactly(tmp_path, tiny_sd3_dir):

@@ -13,7 +13,7 @@ import yaml
 
 from mmgrpo import checkpoint, cli, config as config_mod, state_io
 from mmgrpo.trainer import Trainer
-from test_dgpo import dgpo_config  # two DGPO steps on the tiny SD3
+from builders._runs import dgpo_config  # two DGPO steps on the tiny SD3
 
 STATE_FILES = ("optimizer", "lr_scheduler", "algorithm", "rng_rank0")
 
