@@ -1,0 +1,134 @@
+"""Synthetic referring segmentation: coloured shapes on a black image, a question naming one of them, its exact mask.
+
+Scenes are those of `vlm_shapes` (1-4 circles, squares and triangles, one per quadrant, never overlapping, drawn from
+the item's index alone). The target's mask is the shape drawn alone with the same drawing call, so it holds exactly
+the pixels of the shape in the image. Questions (each asked only when it names one shape):
+
+- ``colour_shape``: "the red triangle" (the only red triangle);
+- ``shape``: "the circle" (the only circle);
+- ``largest``: "the largest blue shape" (several blue shapes; a small reasoning step: compare their sizes; the largest
+  is larger than the others by at least `min_margin` pixels).
+
+The prompt template wraps the expression (``seg_r1``: 'Segment "the red triangle". ...').
+
+Items carry ``images`` (one PIL image) and metadata ``mask`` (bool `[size, size]`), ``boxes`` (the mask's tight box
+``[x1, y1, x2, y2]``), ``image_size``, ``question`` and ``task``. Held-out items use scene indices disjoint from the
+training ones. The prompt is `prompt_template` (``"seg_zero"``, ``"seg_r1"`` or a template with ``{question}``).
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from mmgrpo.data.referring_jsonl import TEMPLATES, tight_box
+from mmgrpo.data.vlm_shapes import render, scene
+from mmgrpo.validation import check_fields, check_range, check_seed, check_template
+
+QUESTIONS = ("colour_shape", "shape", "largest")
+
+
+@dataclass
+class SegShapesConfig:
+    """Options of [`SegShapes`].
+
+    Args:
+        questions (`list[str]`): question kinds, from ``colour_shape``, ``shape`` and ``largest``.
+        n_train (`int`), n_eval (`int`): numbers of training and held-out items.
+        size (`int`): image side in pixels.
+        min_margin (`int`): a ``largest`` question needs its target larger than the others by this many pixels.
+        prompt_template (`str`): ``"seg_zero"``, ``"seg_r1"`` or a template with ``{question}``.
+        seed (`int`): offsets the scene indices (another seed, other images).
+    """
+
+    questions: list[str] = field(default_factory=lambda: list(QUESTIONS))
+    n_train: int = 2000
+    n_eval: int = 200
+    size: int = 56
+    min_margin: int = 20
+    prompt_template: str = "seg_zero"
+    seed: int = 0
+
+    def __post_init__(self):
+        check_fields(self)
+        check_seed("seed", self.seed)
+        check_range("n_train", self.n_train, 0, 10**5, fix="items are built in memory; training needs some")
+        check_range("n_eval", self.n_eval, 0, 10**5, fix="0: no held-out items (then set eval.every=0)")
+        check_range("size", self.size, 28, 1024)
+        check_range("min_margin", self.min_margin, 0)
+        check_template("prompt_template", TEMPLATES.get(self.prompt_template, self.prompt_template), question="q")
+        if not self.questions or set(self.questions) - set(QUESTIONS):
+            raise ValueError(f"data.questions must be a non-empty subset of {list(QUESTIONS)}, got {self.questions}.")
+
+
+def shape_mask(shape: dict, size: int) -> torch.Tensor:
+    """The exact pixels of one shape: bool `[size, size]` (the shape drawn alone, non-black)."""
+    return torch.from_numpy(np.asarray(render([shape], size)).any(axis=-1))
+
+
+def pick(index: int, shapes: list[dict], masks: list[torch.Tensor], kinds: list[str], margin: int):
+    """The question of scene `index`: ``(kind, referring expression, target index)``, or None when no asked kind names
+    one shape."""
+    rng = random.Random(20_000_003 + index)
+    options = []
+    for k, s in enumerate(shapes):
+        same = [t for t in shapes if t["colour"] == s["colour"] and t["shape"] == s["shape"]]
+        if "colour_shape" in kinds and len(same) == 1:
+            options.append(("colour_shape", f"the {s['colour']} {s['shape']}", k))
+        if "shape" in kinds and sum(t["shape"] == s["shape"] for t in shapes) == 1:
+            options.append(("shape", f"the {s['shape']}", k))
+        rivals = [j for j, t in enumerate(shapes) if t["colour"] == s["colour"] and j != k]
+        area = int(masks[k].sum())
+        if "largest" in kinds and rivals and all(area >= int(masks[j].sum()) + margin for j in rivals):
+            options.append(("largest", f"the largest {s['colour']} shape", k))
+    if not options:
+        return None
+    preferred = [o for o in options if o[0] == rng.choice(kinds)]  # each kind about equally often where it applies
+    return rng.choice(preferred or options)
+
+
+class SegShapes:
+    """The synthetic referring-segmentation task as a prompt source."""
+
+    Config = SegShapesConfig
+    disjoint_splits = True  # held-out items come from other scene indices than the training items
+
+    def __init__(self, config: SegShapesConfig):
+        self.config = config
+        self.template = TEMPLATES.get(config.prompt_template, config.prompt_template)
+
+    def item(self, index: int) -> dict | None:
+        """The item of scene `index`, or None when no question names one of its shapes."""
+        c = self.config
+        shapes = scene(index, c.size)
+        masks = [shape_mask(s, c.size) for s in shapes]
+        chosen = pick(index, shapes, masks, c.questions, c.min_margin)
+        if chosen is None:
+            return None
+        kind, question, target = chosen
+        metadata = {"mask": masks[target], "boxes": tight_box(masks[target]), "image_size": [c.size, c.size],
+                    "question": question, "task": kind}
+        return {"prompt": self.template.format(question=question), "metadata": metadata,
+                "images": [render(shapes, c.size)]}
+
+    def items(self, start: int, count: int) -> list[dict]:
+        """`count` items from scene `start` on (scenes without a question are skipped)."""
+        out, index = [], start
+        while len(out) < count:
+            item = self.item(index)
+            if item is not None:
+                out.append(item)
+            index += 1
+        return out
+
+    def train_items(self) -> list[dict]:
+        return self.items(self.config.seed * 1_000_003, self.config.n_train)
+
+    def eval_items(self) -> list[dict]:
+        return self.items(self.config.seed * 1_000_003 + 500_000, self.config.n_eval)  # disjoint scene indices
+
+
+PLUGIN = SegShapes
