@@ -201,6 +201,69 @@ def render(metadata: dict, rng: np.random.Generator, size: int = 32) -> Image.Im
 # ----------------------------------------------------------------------------------------------- plugin
 
 
+@dataclass
+class ShapesPromptsConfig:
+    """Options of [`ShapesPrompts`].
+
+    Args:
+        seed (`int`, defaults to 0): seed of the item draws.
+        n_train (`int`, defaults to 1000): number of train items (prompts repeat only once a kind's pool is spent).
+        n_eval (`int`, defaults to 200): number of held-out items.
+        kinds (`tuple[str, ...]`, defaults to all four kinds): prompt kinds, among ``single``, ``counting``,
+            ``two_objects``, ``position``.
+        counts (`tuple[int, ...]`, defaults to `(1, 2, 3)`): object counts of ``counting`` prompts (1 to 4).
+        eval_fraction (`float`, defaults to 0.2): share of the distinct prompts held out for eval.
+        held_out (`str`, defaults to `"unseen"`): ``"unseen"`` (held-out prompts new to base training and RL) or
+            ``"rl_only"`` (held-out prompts the base model was trained on but RL never sees); see the class doc.
+        image_size (`int`, defaults to 32): side of the rendered images, in pixels.
+        train_kinds (`tuple[str, ...]`, *optional*): the kinds training draws from, a subset of `kinds` (default:
+            all of `kinds`). Held-out items always cover every kind of `kinds`, so training can skip a kind the
+            model already gets right and still be measured on it.
+    """
+
+    seed: int = 0
+    n_train: int = 1000
+    n_eval: int = 200
+    kinds: tuple[str, ...] = KINDS
+    counts: tuple[int, ...] = (1, 2, 3)
+    eval_fraction: float = 0.2
+    held_out: Literal["unseen", "rl_only"] = "unseen"
+    image_size: int = 32
+    train_kinds: tuple[str, ...] | None = None
+
+    def __post_init__(self):
+        check_fields(self)
+        check_seed("seed", self.seed)
+        check_range("n_train", self.n_train, 0, 10**6, fix="items are built in memory; training needs some")
+        check_range("n_eval", self.n_eval, 0, 10**6, fix="0: no held-out items (then set eval.every=0)")
+        self.kinds = tuple(self.kinds)
+        self.counts = tuple(self.counts)
+        unknown = [k for k in self.kinds if k not in KINDS]
+        if not self.kinds or unknown:
+            raise ValueError(f"data.kinds has unknown or no kinds {unknown}; choose from {KINDS}.")
+        self.train_kinds = tuple(self.train_kinds) if self.train_kinds is not None else self.kinds
+        outside = [k for k in self.train_kinds if k not in self.kinds]
+        if not self.train_kinds or outside:
+            raise ValueError(
+                f"data.train_kinds {list(self.train_kinds)} must be a non-empty subset of kinds "
+                f"{list(self.kinds)}: add {outside} to kinds or remove them from train_kinds."
+            )
+        bad = [n for n in self.counts if n not in NUMBERS]
+        if not self.counts or bad:
+            raise ValueError(f"data.counts {self.counts} must be non-empty values in 1..4.")
+        if self.held_out not in ("unseen", "rl_only"):
+            raise ValueError(f"data.held_out must be 'unseen' or 'rl_only', got {self.held_out!r}.")
+        if not 0.0 < self.eval_fraction < (0.5 if self.held_out == "rl_only" else 1.0):
+            raise ValueError(
+                f"data.eval_fraction must be in (0, 1) (below 0.5 with held_out=rl_only), got "
+                f"{self.eval_fraction}; 0.2 is usual."
+            )
+        if self.n_train < 0 or self.n_eval < 0:
+            raise ValueError(f"n_train ({self.n_train}) and n_eval ({self.n_eval}) must be >= 0.")
+        if self.image_size < 24:
+            raise ValueError(f"data.image_size must be >= 24 pixels, got {self.image_size}.")
+
+
 class ShapesPrompts:
     """Prompt source of the shapes task, with disjoint train and held-out (eval) prompt strings.
 
@@ -209,75 +272,14 @@ class ShapesPrompts:
     neither base training nor RL ever saw: zero-shot composition), and RL trains on the rest. With
     ``held_out="rl_only"`` the held-out prompts are those in ``[eval_fraction, 2 * eval_fraction)``: the base model
     saw them, RL never does (RL trains on ``>= 2 * eval_fraction``), which is GenEval's situation for a pretrained
-    model (its test prompts are new to RL, not to pretraining). Items are drawn kind by kind in turn (so kinds are balanced), without repeating a prompt until its
-    kind's pool is used up. Everything is fixed by `seed`.
+    model (its test prompts are new to RL, not to pretraining). Items are drawn kind by kind in turn (so kinds are
+    balanced), without repeating a prompt until its kind's pool is used up. Everything is fixed by `seed`.
     """
 
+    Config = ShapesPromptsConfig
     disjoint_splits = True  # held-out prompt strings are never training prompts
 
-    @dataclass
-    class Config:
-        """Configuration of [`ShapesPrompts`].
-
-        Args:
-            seed (`int`, defaults to 0): seed of the item draws.
-            n_train (`int`, defaults to 1000): number of train items (prompts repeat only once a kind's pool is spent).
-            n_eval (`int`, defaults to 200): number of held-out items.
-            kinds (`tuple[str, ...]`, defaults to all four kinds): prompt kinds, among ``single``, ``counting``,
-                ``two_objects``, ``position``.
-            counts (`tuple[int, ...]`, defaults to `(1, 2, 3)`): object counts of ``counting`` prompts (1 to 4).
-            eval_fraction (`float`, defaults to 0.2): share of the distinct prompts held out for eval.
-            held_out (`str`, defaults to `"unseen"`): ``"unseen"`` (held-out prompts new to base training and RL) or
-                ``"rl_only"`` (held-out prompts the base model was trained on but RL never sees); see the class doc.
-            image_size (`int`, defaults to 32): side of the rendered images, in pixels.
-            train_kinds (`tuple[str, ...]`, *optional*): the kinds training draws from, a subset of `kinds` (default:
-                all of `kinds`). Held-out items always cover every kind of `kinds`, so training can skip a kind the
-                model already gets right and still be measured on it.
-        """
-
-        seed: int = 0
-        n_train: int = 1000
-        n_eval: int = 200
-        kinds: tuple[str, ...] = KINDS
-        counts: tuple[int, ...] = (1, 2, 3)
-        eval_fraction: float = 0.2
-        held_out: Literal["unseen", "rl_only"] = "unseen"
-        image_size: int = 32
-        train_kinds: tuple[str, ...] | None = None
-
-        def __post_init__(self):
-            check_fields(self)
-            check_seed("seed", self.seed)
-            check_range("n_train", self.n_train, 0, 10**6, fix="items are built in memory; training needs some")
-            check_range("n_eval", self.n_eval, 0, 10**6, fix="0: no held-out items (then set eval.every=0)")
-            self.kinds = tuple(self.kinds)
-            self.counts = tuple(self.counts)
-            unknown = [k for k in self.kinds if k not in KINDS]
-            if not self.kinds or unknown:
-                raise ValueError(f"ShapesPrompts.Config.kinds has unknown or no kinds {unknown}; choose from {KINDS}.")
-            self.train_kinds = tuple(self.train_kinds) if self.train_kinds is not None else self.kinds
-            outside = [k for k in self.train_kinds if k not in self.kinds]
-            if not self.train_kinds or outside:
-                raise ValueError(
-                    f"ShapesPrompts.Config.train_kinds {list(self.train_kinds)} must be a non-empty subset of kinds "
-                    f"{list(self.kinds)}: add {outside} to kinds or remove them from train_kinds."
-                )
-            bad = [n for n in self.counts if n not in NUMBERS]
-            if not self.counts or bad:
-                raise ValueError(f"ShapesPrompts.Config.counts {self.counts} must be non-empty values in 1..4.")
-            if self.held_out not in ("unseen", "rl_only"):
-                raise ValueError(f"ShapesPrompts.Config.held_out must be 'unseen' or 'rl_only', got {self.held_out!r}.")
-            if not 0.0 < self.eval_fraction < (0.5 if self.held_out == "rl_only" else 1.0):
-                raise ValueError(
-                    f"ShapesPrompts.Config.eval_fraction must be in (0, 1) (below 0.5 with held_out=rl_only), got "
-                    f"{self.eval_fraction}; 0.2 is usual."
-                )
-            if self.n_train < 0 or self.n_eval < 0:
-                raise ValueError(f"n_train ({self.n_train}) and n_eval ({self.n_eval}) must be >= 0.")
-            if self.image_size < 24:
-                raise ValueError(f"ShapesPrompts.Config.image_size must be >= 24 pixels, got {self.image_size}.")
-
-    def __init__(self, config: "ShapesPrompts.Config | None" = None):
+    def __init__(self, config: ShapesPromptsConfig | None = None):
         self.config = config or self.Config()
         self.train_pools: dict[str, list[dict]] = {}
         self.eval_pools: dict[str, list[dict]] = {}
