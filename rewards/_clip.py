@@ -7,6 +7,8 @@ import os
 import torch
 import torch.nn.functional as F
 
+from mmgrpo.validation import check_range, check_text
+
 
 def looks_like_file(value: str | None) -> bool:
     """Whether a ``pretrained`` value names a local file rather than an open_clip tag such as ``"openai"``."""
@@ -29,6 +31,15 @@ def check_source(reward: str, model_name: str, pretrained: str | None) -> None:
             f"{model_name} (e.g. open_clip_pytorch_model.bin downloaded from the model's hub page); set "
             f"{reward}.pretrained to its path, or to an open_clip tag such as 'openai' when the hub is reachable."
         )
+
+
+def check_options(reward: str, config) -> None:
+    """Config-time checks shared by the open_clip rewards, on `config`'s ``model_name``, ``pretrained``,
+    ``batch_size`` and ``device``: names not blank, at least one image per forward, the source as [`check_source`]."""
+    check_text(f"{reward}.model_name", config.model_name)
+    check_text(f"{reward}.device", config.device)
+    check_range(f"{reward}.batch_size", config.batch_size, 1, fix="images per CLIP forward")
+    check_source(reward, config.model_name, config.pretrained)
 
 
 def load_open_clip(reward: str, model_name: str, pretrained: str | None, device: str):

@@ -20,7 +20,7 @@ from torch import nn
 from mmgrpo.rewards import _clip
 from mmgrpo.rewards._common import check_frame_options, frames, non_finite_samples, reduce_frames
 from mmgrpo.types import PromptBatch, RewardResult
-from mmgrpo.validation import check_fields, check_text
+from mmgrpo.validation import check_fields
 
 HEAD_FILE = "sac+logos+ava1-l14-linearMSE.pth"
 HEAD_URL = "https://github.com/christophschuhmann/improved-aesthetic-predictor"
@@ -89,8 +89,6 @@ class AestheticScoreConfig:
     def __post_init__(self):
         check_fields(self)
         check_frame_options("aesthetic", self.modality, self.frame_stride, self.frame_reduce)
-        check_text("model_name", self.model_name)
-        check_text("device", self.device)
         if not self.head_path or not os.path.isfile(os.path.expanduser(self.head_path)):
             where = "is not set" if not self.head_path else f"={self.head_path!r} does not exist"
             raise ValueError(
@@ -98,9 +96,7 @@ class AestheticScoreConfig:
                 f"{HEAD_FILE} (from {HEAD_URL}); download it and set head_path to its path (reward.head_path=... "
                 f"in an experiment config)."
             )
-        if self.batch_size < 1:
-            raise ValueError(f"aesthetic.batch_size must be >= 1, got {self.batch_size}.")
-        _clip.check_source("aesthetic", self.model_name, self.pretrained)
+        _clip.check_options("aesthetic", self)
 
 
 class AestheticScore:

@@ -14,7 +14,7 @@ from typing import Any, Literal
 from mmgrpo.rewards import _clip
 from mmgrpo.rewards._common import check_frame_options, frames, non_finite_samples, reduce_frames
 from mmgrpo.types import PromptBatch, RewardResult
-from mmgrpo.validation import check_fields, check_text
+from mmgrpo.validation import check_fields
 
 
 @dataclass
@@ -50,13 +50,9 @@ class ClipScoreConfig:
     def __post_init__(self):
         check_fields(self)
         check_frame_options("clip_score", self.modality, self.frame_stride, self.frame_reduce)
-        check_text("model_name", self.model_name)
-        check_text("device", self.device)
         if self.scale <= 0:
             raise ValueError(f"clip_score.scale must be > 0, got {self.scale}.")
-        if self.batch_size < 1:
-            raise ValueError(f"clip_score.batch_size must be >= 1, got {self.batch_size}.")
-        _clip.check_source("clip_score", self.model_name, self.pretrained)
+        _clip.check_options("clip_score", self)
 
 
 class ClipScore:

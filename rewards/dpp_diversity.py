@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from mmgrpo.rewards import _clip
 from mmgrpo.rewards._common import check_frame_options, frames, nans, non_finite_samples
 from mmgrpo.types import PromptBatch, RewardResult
-from mmgrpo.validation import check_fields, check_range, check_text
+from mmgrpo.validation import check_fields, check_range
 
 
 @dataclass
@@ -67,14 +67,11 @@ class DppDiversityConfig:
 
     def __post_init__(self):
         check_fields(self)
-        check_text("model_name", self.model_name)
-        check_text("device", self.device)
         check_frame_options("dpp_diversity", self.modality, self.frame_stride, "mean")
         check_range("dpp_diversity.gain_weight", self.gain_weight, 0, low_open=True, fix="the gain is the reward")
         check_range("dpp_diversity.relevance_weight", self.relevance_weight, 0, fix="0 leaves the relevance out")
         check_range("dpp_diversity.jitter", self.jitter, 0, low_open=True, fix="e.g. 1e-3")
-        check_range("dpp_diversity.batch_size", self.batch_size, 1)
-        _clip.check_source("dpp_diversity", self.model_name, self.pretrained)
+        _clip.check_options("dpp_diversity", self)
 
 
 def leave_one_out_gains(features: torch.Tensor, jitter: float) -> torch.Tensor:

@@ -23,7 +23,7 @@ import torch
 from mmgrpo.rewards import _clip
 from mmgrpo.rewards._common import frames, nans, non_finite_samples
 from mmgrpo.types import PromptBatch, RewardResult
-from mmgrpo.validation import check_fields, check_range, check_text
+from mmgrpo.validation import check_fields, check_range
 
 
 @dataclass
@@ -48,11 +48,8 @@ class TemporalConsistencyConfig:
 
     def __post_init__(self):
         check_fields(self)
-        check_text("model_name", self.model_name)
-        check_text("device", self.device)
         check_range("temporal_consistency.frame_stride", self.frame_stride, 1, fix="1 compares every frame")
-        check_range("temporal_consistency.batch_size", self.batch_size, 1)
-        _clip.check_source("temporal_consistency", self.model_name, self.pretrained)
+        _clip.check_options("temporal_consistency", self)
 
 
 def consistency_terms(features: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
