@@ -168,7 +168,7 @@ def test_list_shows_every_reward_on_one_line(capsys):
         matching = [line for line in lines if line.split() and line.split()[0] == name]
         assert len(matching) == 1 and len(matching[0].split()) > 1, name
     expected = {"accuracy", "aesthetic", "box_iou", "clip_score", "composite", "format", "jpeg", "mask_iou", "pickscore",
-                "remote"}
+                "remote", "temporal_consistency", "temporal_flicker", "dpp_diversity"}
     assert expected <= set(registry.available("reward"))
 
 
