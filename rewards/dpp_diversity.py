@@ -19,8 +19,9 @@ component, and, before the group stage, ``scores = relevance_weight * rel``), an
 the batch gathered from every process, with the global group ids, so a group that spans processes is scored as a
 whole and the result does not depend on which process held which member. Members whose features are not finite are
 left out of their group's kernel and score NaN. In evaluation every held-out sample is its own group, so its gain is
-the constant ``log(1 + jitter)``: diversity shows in the training groups. It rewards diversity in CLIP space only: it does not check quality or
-that the members follow the prompt beyond the relevance term (combine it with such rewards in `composite`).
+the constant ``log(1 + jitter)``: diversity shows in the training groups. It rewards diversity in CLIP space only: it
+does not check quality or that the members follow the prompt beyond the relevance term (combine it with such rewards
+in `composite`).
 """
 
 from __future__ import annotations

@@ -50,7 +50,8 @@ def test_consistency_equals_vbench_rule_by_hand(consistency, tiny_clip_dir, stri
 def test_consistency_of_a_still_video_is_one_and_of_one_frame_nan(consistency):
     still = np.repeat(random_levels(seed=2, f=1), 4, axis=1)  # [2, 4, H, W, 3]: the same frame four times
     reward = consistency()
-    assert reward({"videos": clip_of(still)}, PromptBatch(PROMPTS)).scores.tolist() == pytest.approx([1.0, 1.0], abs=1e-5)
+    scores = reward({"videos": clip_of(still)}, PromptBatch(PROMPTS)).scores
+    assert scores.tolist() == pytest.approx([1.0, 1.0], abs=1e-5)
     assert torch.isnan(reward({"videos": clip_of(still[:, :1])}, PromptBatch(PROMPTS)).scores).all()
 
 

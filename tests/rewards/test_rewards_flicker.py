@@ -25,7 +25,8 @@ def test_flicker_on_a_small_clip_by_hand():
 @pytest.mark.parametrize("stride", [1, 2])
 def test_flicker_equals_the_numpy_transcription(stride):
     levels = random_levels()
-    result = TemporalFlicker(TemporalFlicker.Config(frame_stride=stride))({"videos": clip_of(levels)}, PromptBatch(PROMPTS))
+    reward = TemporalFlicker(TemporalFlicker.Config(frame_stride=stride))
+    result = reward({"videos": clip_of(levels)}, PromptBatch(PROMPTS))
     expected = []
     for video in levels.astype(np.int64):  # [F, H, W, 3]
         kept = video[::stride]
@@ -40,7 +41,8 @@ def test_flicker_extremes_and_a_single_frame():
     strobe = np.zeros((1, 4, 8, 8, 3), dtype=np.uint8)
     strobe[:, 1::2] = 255  # every pixel jumps 0 <-> 255
     reward = TemporalFlicker()
-    assert reward({"videos": clip_of(np.concatenate([still, strobe]))}, PromptBatch(PROMPTS)).scores.tolist() == [1.0, 0.0]
+    both = clip_of(np.concatenate([still, strobe]))
+    assert reward({"videos": both}, PromptBatch(PROMPTS)).scores.tolist() == [1.0, 0.0]
     assert math.isnan(reward({"videos": clip_of(still[:, :1])}, PromptBatch(["p"])).scores[0])  # no pair to compare
     # a stride that keeps one frame of the strobe compares nothing either
     strided = TemporalFlicker(TemporalFlicker.Config(frame_stride=4))

@@ -31,7 +31,8 @@ def build(tiny_clip_dir, tiny_aesthetic_head, tiny_pickscore_dir):
     return {
         "clip_score": lambda **o: ClipScore(ClipScore.Config(**clip, **o)),
         "aesthetic": lambda **o: AestheticScore(AestheticScore.Config(head_path=tiny_aesthetic_head, **clip, **o)),
-        "pickscore": lambda **o: PickScore(PickScore.Config(model=tiny_pickscore_dir, processor=None, device="cpu", **o)),
+        "pickscore": lambda **o: PickScore(PickScore.Config(
+            model=tiny_pickscore_dir, processor=None, device="cpu", **o)),
         "jpeg": lambda **o: JpegReward(JpegReward.Config(quality=80, **o)),
     }
 
