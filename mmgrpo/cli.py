@@ -1,6 +1,7 @@
 """Command line: ``mmgrpo check CONFIG [key=value ...]``, ``mmgrpo train CONFIG [key=value ...]``,
 ``mmgrpo eval CONFIG [--checkpoint DIR] [--split train]``,
-``mmgrpo list``, ``mmgrpo serve-reward CONFIG [--port P]``, ``mmgrpo convert-checkpoint DIR... --trust-pickles``."""
+``mmgrpo list``, ``mmgrpo show NAME [--kind KIND]``, ``mmgrpo serve-reward CONFIG [--port P]``,
+``mmgrpo convert-checkpoint DIR... --trust-pickles``, ``mmgrpo --version``."""
 
 from __future__ import annotations
 
@@ -9,10 +10,21 @@ import json
 import os
 import sys
 
-from . import registry
+from . import plugin_help, registry
 from .config import ConfigError, load
 from .config_yaml import dump_yaml
 from .preflight import preflight
+
+
+class _PrintVersion(argparse.Action):
+    """``--version``: prints the versions on one line (argparse's own action re-wraps the text) and exits."""
+
+    def __init__(self, option_strings, dest, **kwargs):
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, **kwargs)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        print(plugin_help.version_text())
+        parser.exit()
 
 
 def _list() -> int:
@@ -61,6 +73,7 @@ def _evaluate(config, split: str) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="mmgrpo", description="Group-relative RL for multimodal generative models.")
+    parser.add_argument("--version", action=_PrintVersion, help="print the versions of mmgrpo and its pinned libraries")
     sub = parser.add_subparsers(dest="command", required=True)
     p_check = sub.add_parser("check", help="validate a config without loading weights and print it resolved")
     p_check.add_argument("config")
@@ -77,6 +90,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="score the held-out prompts (default) or the train prompts (is a gap over-fitting?)")
     p_eval.add_argument("overrides", nargs="*")
     sub.add_parser("list", help="list registered pipelines, algorithms, rewards and prompt sources")
+    p_show = sub.add_parser("show", help="a plugin's options: type, default and documentation")
+    p_show.add_argument("name", help="a name from `mmgrpo list`")
+    p_show.add_argument("--kind", choices=sorted(registry.KINDS), help="needed when two kinds share the name")
     p_convert = sub.add_parser("convert-checkpoint", help="convert checkpoints of older mmgrpo versions (pickled "
                                "training state) to the pickle-free format, in place")
     p_convert.add_argument("folders", nargs="+", metavar="DIR", help="checkpoint folders (step_XXXXXXX)")
@@ -95,11 +111,18 @@ def main(argv: list[str] | None = None) -> int:
     p_serve.add_argument("overrides", nargs="*")
     args, extra = parser.parse_known_args(argv)
     unknown = [item for item in extra if "=" not in item or item.startswith("-")]
-    if unknown or (extra and args.command in ("list", "convert-checkpoint")):
+    if unknown or (extra and args.command in ("list", "show", "convert-checkpoint")):
         parser.error(f"unrecognized arguments: {' '.join(unknown or extra)}")
 
     if args.command == "list":
         return _list()
+    if args.command == "show":
+        try:
+            print(plugin_help.describe(args.name, args.kind))
+        except ValueError as err:
+            print(f"mmgrpo: {err}", file=sys.stderr)
+            return 2
+        return 0
     if args.command == "convert-checkpoint":
         return _convert_checkpoints(args.folders, args.trust_pickles)
     overrides = list(args.overrides) + extra  # key=value overrides may also follow --checkpoint DIR

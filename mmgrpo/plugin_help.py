@@ -1,0 +1,108 @@
+"""``mmgrpo show NAME``: a plugin's options (type, default, documentation) read from its ``Config`` dataclass, and
+``mmgrpo --version``: the versions of mmgrpo and of the libraries it pins."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import typing
+from importlib import metadata
+
+from . import __version__, registry
+
+PINNED = ("torch", "torchvision", "diffusers", "transformers", "accelerate", "peft", "open-clip-torch")
+# documented arguments in a Hugging Face docstring: ``name (`type`, *optional*): text``, or several sharing a text,
+# ``low (`float`), high (`float`): text``
+_ARG = re.compile(r"^(\s*)(\w+ \(`.*?\)(?:, \w+ \(`.*?\))*):\s(.*)$")
+_NAME = re.compile(r"(\w+) \(`")
+
+
+def version_text() -> str:
+    """``mmgrpo X.Y.Z`` and the installed versions of the pinned libraries, without importing them."""
+    found = []
+    for name in PINNED:
+        try:
+            found.append(f"{name} {metadata.version(name)}")
+        except metadata.PackageNotFoundError:
+            found.append(f"{name} (not installed)")
+    return f"mmgrpo {__version__} ({', '.join(found)})"
+
+
+def argument_docs(docstring: str | None) -> dict[str, str]:
+    """The text of each argument documented under ``Args:`` in a Hugging Face style docstring, continuation lines
+    joined (nested bullet lists kept on their own lines). Linear in the docstring's length."""
+    docs: dict[str, list[str]] = {}
+    current: list[str] | None = None
+    indent, in_args = 0, False
+    for line in (docstring or "").splitlines():
+        stripped = line.strip()
+        if stripped in ("Args:", "Arguments:", "Parameters:"):
+            in_args, current = True, None
+            continue
+        if not in_args:
+            continue
+        if stripped in ("Returns:", "Raises:", "Example:", "Examples:", "Attributes:"):
+            break
+        match = _ARG.match(line)
+        if match and (current is None or len(match.group(1)) <= indent):
+            current, indent = [match.group(3).strip()], len(match.group(1))
+            for name in _NAME.findall(match.group(2)):
+                docs[name] = current  # arguments documented together share one text
+        elif current is not None and stripped:
+            current.append(("\n" if stripped.startswith("- ") else " ") + stripped)
+    return {name: "".join(parts).strip() for name, parts in docs.items()}
+
+
+def _type_name(tp) -> str:
+    if isinstance(tp, str):
+        return tp
+    if typing.get_origin(tp) is typing.Literal:
+        return " | ".join(repr(v) for v in typing.get_args(tp))
+    return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
+
+
+def _default(field: dataclasses.Field) -> str:
+    if field.default is not dataclasses.MISSING:
+        return repr(field.default)
+    if field.default_factory is not dataclasses.MISSING:
+        return repr(field.default_factory())
+    return "(required)"
+
+
+def find(name: str, kind: str | None = None) -> tuple[str, type]:
+    """``(kind, plugin class)`` of the plugin called `name` (of `kind` when given).
+
+    Raises:
+        `ValueError`: no plugin has that name (the message lists them), or several kinds do and `kind` is unset.
+    """
+    kinds = [kind] if kind else list(registry.KINDS)
+    matches = [k for k in kinds if name in registry.available(k)]
+    if not matches:
+        known = {k: sorted(registry.available(k)) for k in kinds}
+        raise ValueError(f"no plugin {name!r}{f' of kind {kind!r}' if kind else ''}; registered: {known}")
+    if len(matches) > 1:
+        raise ValueError(f"{name!r} names plugins of several kinds ({', '.join(matches)}): add --kind {matches[0]} (or another)")
+    return matches[0], registry.get(matches[0], name)
+
+
+def describe(name: str, kind: str | None = None) -> str:
+    """The text ``mmgrpo show`` prints: the plugin's summary, then one entry per option (name, type, default, doc).
+
+    Raises:
+        `ValueError`: see [`find`]; a plugin without a ``Config`` dataclass.
+    """
+    kind, plugin = find(name, kind)
+    config = getattr(plugin, "Config", None)
+    if config is None or not dataclasses.is_dataclass(config):
+        raise ValueError(f"{kind} {name!r} ({plugin.__name__}) has no Config dataclass to describe")
+    summary = (plugin.__doc__ or "").strip().split("\n\n")[0]
+    docs = argument_docs(config.__doc__)
+    hints = typing.get_type_hints(config)
+    lines = [f"{kind} {name}: {' '.join(summary.split())}", "", f"options ({kind} section of a config):"]
+    for field in dataclasses.fields(config):
+        if not field.init:
+            continue
+        lines.append(f"  {field.name}: {_type_name(hints.get(field.name, field.type))} = {_default(field)}")
+        for doc_line in docs.get(field.name, "(undocumented)").splitlines():
+            lines.append(f"      {doc_line.strip()}")
+    return "\n".join(lines)
