@@ -1,10 +1,25 @@
-"""Metrics to ``<output_dir>/metrics.jsonl`` and TensorBoard (main process only), and the one reader of that file."""
+"""Metrics to ``<output_dir>/metrics.jsonl`` and TensorBoard (main process only), and the one reader of that file.
+
+The JSON lines are standard JSON: a non-finite value (a NaN reward, an infinite loss) is written as ``null``.
+"""
 
 from __future__ import annotations
 
 import json
+import math
 import os
 from pathlib import Path
+
+
+def json_safe(value):
+    """`value` with every non-finite float replaced by None (``null``), recursively through dicts and lists."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {key: json_safe(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [json_safe(item) for item in value]
+    return value
 
 
 def read_records(path: str | Path) -> list[dict]:
@@ -39,29 +54,38 @@ class MetricsLog:
     def __init__(self, output_dir: str | Path, enabled: bool = True):
         self.enabled = enabled
         self.path = Path(output_dir) / "metrics.jsonl"
+        self._tensorboard_dir = str(Path(output_dir) / "tensorboard")
         self._writer = None
         if enabled:
             from torch.utils.tensorboard import SummaryWriter
 
-            self._writer = SummaryWriter(str(Path(output_dir) / "tensorboard"))
+            self._writer = SummaryWriter(self._tensorboard_dir)
 
     def write(self, step: int, metrics: dict[str, float]) -> None:
         if not self.enabled:
             return
         with self.path.open("a", encoding="utf-8") as f:
-            f.write(json.dumps({"step": step, **metrics}) + "\n")
+            f.write(json.dumps(json_safe({"step": step, **metrics}), allow_nan=False) + "\n")
         for key, value in metrics.items():
-            self._writer.add_scalar(key, value, step)
+            if isinstance(value, (int, float)) and not isinstance(value, bool):
+                self._writer.add_scalar(key, value, step)
         self._writer.flush()
 
     def truncate_after(self, step: int) -> None:
-        """On resume, drops records of steps after the checkpoint (they will be recomputed) and a torn last line."""
-        if not self.enabled or not self.path.is_file():
+        """On resume, drops records of steps after the checkpoint (they will be recomputed) and a torn last line, and
+        has TensorBoard hide the earlier run's events after `step`, so no step shows twice."""
+        if not self.enabled:
+            return
+        from torch.utils.tensorboard import SummaryWriter
+
+        self._writer.close()
+        self._writer = SummaryWriter(self._tensorboard_dir, purge_step=step + 1)
+        if not self.path.is_file():
             return
         kept = [record for record in read_records(self.path) if record["step"] <= step]
         tmp = self.path.with_name(self.path.name + ".tmp")
         with tmp.open("w", encoding="utf-8") as f:  # replaced atomically: a crash here keeps the old log whole
-            f.write("".join(json.dumps(record) + "\n" for record in kept))
+            f.write("".join(json.dumps(json_safe(record), allow_nan=False) + "\n" for record in kept))
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, self.path)

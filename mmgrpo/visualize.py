@@ -46,8 +46,10 @@ def save_image_grid(images, captions: list[str], path: str | Path, columns: int 
 def plot_reward_curve(metrics_file: str | Path, path: str | Path, eval_metric: str) -> None:
     """Plots training reward per step and held-out `eval_metric` per evaluation from ``metrics.jsonl``."""
     records = read_records(metrics_file)  # a torn last line (a crash mid-write) is skipped
-    train = [(r["step"], r["reward/mean"]) for r in records if "reward/mean" in r]
-    evals = [(r["step"], r[f"eval/{eval_metric}"]) for r in records if f"eval/{eval_metric}" in r]
+    nan = float("nan")  # a non-finite value is logged as null: a gap in the curve
+    train = [(r["step"], nan if r["reward/mean"] is None else r["reward/mean"]) for r in records if "reward/mean" in r]
+    evals = [(r["step"], nan if r[f"eval/{eval_metric}"] is None else r[f"eval/{eval_metric}"])
+             for r in records if f"eval/{eval_metric}" in r]
     fig, ax = plt.subplots(figsize=(6, 3.6))
     if train:
         ax.plot(*zip(*train), color="tab:blue", alpha=0.5, label="train reward (mean)")

@@ -63,3 +63,36 @@ def test_bench_reads_a_run_with_a_torn_last_line(tmp_path, load_bench):
     write_log(run / "metrics.jsonl", [1, 2], tail=TORN)
     result = load_bench("flow_algorithms").read_run(run)
     assert result["steps"] == 2 and [p["value"] for p in result["curve"]] == [2.0, 3.0]
+
+
+def test_non_finite_values_are_written_as_json_null(tmp_path):
+    log = MetricsLog(tmp_path)
+    log.write(1, {"reward/mean": float("nan"), "loss": float("inf"), "grad_norm": float("-inf"), "lr": 1e-3})
+    log.close()
+    line = (tmp_path / "metrics.jsonl").read_text()
+    assert "NaN" not in line and "Infinity" not in line
+    assert json.loads(line) == {"step": 1, "reward/mean": None, "loss": None, "grad_norm": None, "lr": 1e-3}
+    plot_reward_curve(tmp_path / "metrics.jsonl", tmp_path / "curve.png", "jpeg_kb")  # a null is a gap, not an error
+    assert (tmp_path / "curve.png").is_file()
+
+
+def _tensorboard_steps(folder, tag):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    accumulator = EventAccumulator(str(folder))
+    accumulator.Reload()
+    return [event.step for event in accumulator.Scalars(tag)]
+
+
+def test_tensorboard_shows_no_step_twice_after_a_resume(tmp_path):
+    log = MetricsLog(tmp_path)
+    for step in (1, 2, 3, 4):  # the run is killed after step 4; its last checkpoint is step 2
+        log.write(step, {"reward/mean": 0.1 * step})
+    log.close()
+    resumed = MetricsLog(tmp_path)
+    resumed.truncate_after(2)
+    for step in (3, 4, 5):
+        resumed.write(step, {"reward/mean": 1.0 + step})
+    resumed.close()
+    assert _tensorboard_steps(tmp_path / "tensorboard", "reward/mean") == [1, 2, 3, 4, 5]
+    assert [r["step"] for r in read_records(tmp_path / "metrics.jsonl")] == [1, 2, 3, 4, 5]
