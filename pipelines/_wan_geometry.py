@@ -71,7 +71,10 @@ class WanGeometry:
     def check_model(self, config, where: str = "pipeline") -> None:
         """Raises a `ValueError` when `config` (a `WanConfig`) asks this model for what it cannot do: image-to-video on
         a text-to-video transformer or the reverse, a CLIP image encoder (Wan 2.1 I2V), ``guidance_scale_2`` without
-        a second expert."""
+        a second expert. Nothing is checked for a hub id before loading (its configs are not read); the policy checks
+        again with the loaded model's configs."""
+        if not self.local:
+            return
         concat = 2 * self.z_dim + self.temporal  # I2V transformers take [latents, first-frame mask, image latents]
         if self.image_dim is not None and config.image_to_video:
             raise ValueError(
@@ -93,7 +96,7 @@ class WanGeometry:
                 f"{concat}; "
                 "set image_to_video: false for text-to-video."
             )
-        if self.local and config.guidance_scale_2 is not None and not self.has_transformer_2:
+        if config.guidance_scale_2 is not None and not self.has_transformer_2:
             raise ValueError(
                 f"{where}.guidance_scale_2 is the low-noise expert's guidance, but this model has one transformer "
                 "(no transformer_2 / boundary_ratio); leave it out."
@@ -132,8 +135,8 @@ def read_geometry(location: str) -> WanGeometry:
 
 def geometry_of(pipe) -> WanGeometry:
     """The [`WanGeometry`] of a loaded Wan pipeline (its modules' configs)."""
-    transformer = pipe.transformer if pipe.transformer is not None else pipe.transformer_2
-    if pipe.transformer is None:
+    transformer = pipe.transformer
+    if transformer is None:
         raise ValueError("this Wan pipeline has no `transformer` (high-noise expert); the adapter needs one.")
     vae = pipe.vae.config
     return WanGeometry(

@@ -80,6 +80,9 @@ def test_the_rule_comes_from_the_model_folder(tiny_wan_dir, tmp_path):
         WanConfig(pretrained=tiny_wan_dir, num_frames=3, height=16, width=16)
     hub = WanConfig(pretrained="Wan-AI/Wan2.1-T2V-1.3B-Diffusers", num_frames=33, height=240, width=416)  # no lookup
     assert hub.pretrained == "Wan-AI/Wan2.1-T2V-1.3B-Diffusers"
+    # a hub id's model checks wait for its configs: an I2V model with guidance for two experts is accepted here
+    WanConfig(pretrained="Wan-AI/Wan2.2-I2V-A14B-Diffusers", num_frames=5, height=480, width=480, image_to_video=True,
+              guidance_scale_2=3.0)
 
 
 @pytest.mark.parametrize(("key", "value", "fragment"), [
