@@ -1,5 +1,6 @@
-"""Referring-segmentation prompts from JSONL: an image, a referring expression, the object's mask and box, as
-refCOCO(g)-style sets carry them (Seg-Zero, Seg-R1, LISA / ReasonSeg converted to rows).
+"""Referring-segmentation prompts from JSONL: an image, a referring expression, the object's mask and box per row.
+
+The rows carry what refCOCO(g)-style sets hold (Seg-Zero, Seg-R1, LISA / ReasonSeg converted to rows).
 
 A row::
 

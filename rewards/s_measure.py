@@ -1,5 +1,7 @@
-"""S-measure (structure measure) of predicted masks against the truth, Fan et al., ICCV 2017,
-https://arxiv.org/abs/1708.00786 ; Seg-R1 (https://arxiv.org/abs/2506.22624) rewards ``0.7 IoU + 0.3 S``.
+"""S-measure: the structure similarity of predicted masks to the truth (object and region terms, Fan et al. 2017).
+
+Paper: https://arxiv.org/abs/1708.00786 (ICCV 2017); Seg-R1 (https://arxiv.org/abs/2506.22624) rewards ``0.7 IoU + 0.3
+S``.
 
 For a prediction ``P`` in [0, 1] and a binary truth ``T`` (`[H, W]`), with ``mu = mean(T)`` the foreground share:
 
@@ -9,9 +11,9 @@ For a prediction ``P`` in [0, 1] and a binary truth ``T`` (`[H, W]`), with ``mu 
     on a region ``O = 2 * mean(x) / (mean(x)^2 + 1 + std(x) + eps)`` (std with ``n - 1``, 0 for one value): high when
     the prediction is uniformly high on the object and uniformly low on the background;
   - **region term** ``S_region = sum_k w_k * ssim(P_k, T_k)``: the image is cut into four blocks at the truth's
-    centroid ``(round(mean row) + 1, round(mean column) + 1)`` (the first block holds rows and columns before it), ``w_k``
-    the share of the image's pixels in block ``k``, and ``ssim(x, y) = 4 mean(x) mean(y) cov(x, y) / ((mean(x)^2 +
-    mean(y)^2) (var(x) + var(y)) + eps)`` (variances and covariance over ``n - 1``; 1 when numerator and denominator
+    centroid ``(round(mean row) + 1, round(mean column) + 1)`` (the first block holds rows and columns before it),
+    ``w_k`` the share of the image's pixels in block ``k``, and ``ssim(x, y) = 4 mean(x) mean(y) cov(x, y) / ((mean(x)^2
+    + mean(y)^2) (var(x) + var(y)) + eps)`` (variances and covariance over ``n - 1``; 1 when numerator and denominator
     are both 0, 0 when only the numerator is).
 
 ``eps`` is 1e-8. The computation is `mmgrpo.rewards.mask_iou.s_measure` (shared with `mask_iou`'s ``s_measure_weight``).

@@ -22,11 +22,11 @@ image's embedding; low-resolution masks are up-sampled to the original image wit
 ``post_process_masks``.
 
 Inputs: ``outputs["texts"]``; the image from ``batch.conditions[image_key]``, else ``metadata[image_key]`` (a path, PIL
-image or tensor `[3, H, W]` in [0, 1]; the first of a list); the truth ``metadata[gt_key]`` (a tensor `[H, W]` or any encoding of
-`mmgrpo.rewards._seg_masks.load_mask`); ``image_size`` / ``input_size`` as in `box_iou` (``image_size`` is read from
-the image when absent). A sample without truth is not applicable (NaN). Components (each `[N]`): ``iou`` (its mean
-over an evaluation is the gIoU), ``intersection`` and ``union`` (pixels; ``mean(intersection) / mean(union)`` is the
-cIoU), ``s_measure``, ``num_boxes``, ``truncated`` and the parser's 0/1 counters. With `attach_masks`, the predicted
+image or tensor `[3, H, W]` in [0, 1]; the first of a list); the truth ``metadata[gt_key]`` (a tensor `[H, W]` or any
+encoding of `mmgrpo.rewards._seg_masks.load_mask`); ``image_size`` / ``input_size`` as in `box_iou` (``image_size`` is
+read from the image when absent). A sample without truth is not applicable (NaN). Components (each `[N]`): ``iou`` (its
+mean over an evaluation is the gIoU), ``intersection`` and ``union`` (pixels; ``mean(intersection) / mean(union)`` is
+the cIoU), ``s_measure``, ``num_boxes``, ``truncated`` and the parser's 0/1 counters. With `attach_masks`, the predicted
 masks (bool `[H, W]`, original pixels) and the parsed prompts are put in ``outputs["masks"]`` and
 ``outputs["seg_prompts"]`` for the sample writers' overlays (in this process only: a remote reward returns scores).
 Not checked: whether the reasoning in ``<think>`` is sound (add the ``format`` or ``seg_zero`` reward for layout).

@@ -1,5 +1,6 @@
-"""Seg-Zero's rule rewards for a VLM that prompts a segmenter (https://arxiv.org/abs/2503.06520): the sum of five 0/1
-terms, each reported as a component.
+"""Seg-Zero's rule reward for a VLM that prompts a segmenter: five 0/1 terms (layout, JSON, box IoU, box L1, points).
+
+Seg-Zero: https://arxiv.org/abs/2503.06520 . The score is the sum of the terms, each reported as a component:
 
 1. ``think_format``: the text has the R1 layout ``<think>...</think><answer>...</answer>`` (`format`'s linear check);
 2. ``answer_format``: the answer is JSON with a box and two points (``bbox``, ``points_1``, ``points_2``; parsed by
@@ -13,7 +14,8 @@ terms, each reported as a component.
 ``score = sum_k w_k * term_k`` with `weights` (all 1 by default, Seg-Zero's sum; maximum 5). Coordinates are read in
 the frame `coords` and mapped to the original image as in `box_iou`. The first predicted object is compared with the
 first true box (``metadata[gt_key]``: ``[x1, y1, x2, y2]`` or a list of boxes; ``image_size`` is needed, as for the
-mapping); a sample without a true box is not applicable (NaN). An answer without a usable box scores 0 on terms 2-5. Texts are cut to `max_completion_chars` (``truncated``).
+mapping); a sample without a true box is not applicable (NaN). An answer without a usable box scores 0 on terms 2-5.
+Texts are cut to `max_completion_chars` (``truncated``).
 Not checked: the mask (add `sam_mask` in a `composite`), or whether the reasoning is sound.
 """
 

@@ -3,10 +3,10 @@ rendered shapes of `seg_shapes` from box and point prompts.
 
 ``python scripts/train_tiny_sam.py [--output data/weights/tiny_sam2] [--steps 3000]`` from the repository root. Every
 shape of every training scene is a target; each example prompts it with its tight box (each side moved by up to
-`--box-jitter` pixels), half of them also with one or two points drawn inside its mask. The loss is a per-pixel binary cross-entropy
-plus a soft Dice loss on SAM's low-resolution mask logits (the single-mask output) against the target mask averaged
-down to that resolution. Pixels are prepared as the processor does (bilinear resize to the input side, scaled to
-[0, 1], normalised with its mean and std) in torch, in batches.
+`--box-jitter` pixels), half of them also with one or two points drawn inside its mask. The loss is a per-pixel binary
+cross-entropy plus a soft Dice loss on SAM's low-resolution mask logits (the single-mask output) against the target mask
+averaged down to that resolution. Pixels are prepared as the processor does (bilinear resize to the input side, scaled
+to [0, 1], normalised with its mean and std) in torch, in batches.
 
 Evaluation is the reward's own path: the saved folder is loaded by the `sam_mask` reward, which prompts every
 held-out target with its true tight box only (no points) in batched decoder calls and up-samples the masks with the

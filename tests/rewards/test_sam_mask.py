@@ -86,7 +86,8 @@ def test_masks_are_at_the_original_size_and_scored_by_their_iou(reward):
 def test_seg_r1_scores_0_7_iou_plus_0_3_s_measure_and_unites_boxes(tiny_sam2_dir):
     reward = SamMask(SamMaskConfig(model=tiny_sam2_dir, coords="original", device="cpu", answer_format="seg_r1",
                                    s_measure_weight=0.3))
-    text = "<think>two</think><bbox>[20,10,50,30]</bbox><bbox>[0,0,15,15]</bbox><points>[[30,20],[5,5]]</points><labels>[1,1]</labels>"
+    text = ("<think>two</think><bbox>[20,10,50,30]</bbox><bbox>[0,0,15,15]</bbox><points>[[30,20],[5,5]]</points>"
+            "<labels>[1,1]</labels>")
     batch = _batch(1, images=1)
     outputs = {"texts": [text]}
     result = reward(outputs, batch)

@@ -14,7 +14,8 @@ from mmgrpo.rewards._seg_masks import (
 
 
 def test_rle_runs_go_down_the_columns_starting_with_background():
-    # 2 x 3 image, column-major pixel order (0,0) (1,0) (0,1) (1,1) (0,2) (1,2): 1 background, 2 foreground, 3 background
+    # 2 x 3 image, column-major pixel order (0,0) (1,0) (0,1) (1,1) (0,2) (1,2): 1 background, 2 foreground,
+    # 3 background
     mask = rle_decode({"size": [2, 3], "counts": [1, 2, 3]})
     assert mask.tolist() == [[False, True, False], [True, False, False]]
     assert rle_encode(mask) == {"size": [2, 3], "counts": [1, 2, 3]}

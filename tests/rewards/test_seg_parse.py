@@ -43,7 +43,8 @@ def test_the_other_frames_of_box_iou(coords, box, expected):
 
 
 def test_vision_reasoner_lists_of_objects_are_read():
-    text = '<answer>[{"bbox_2d": [0, 0, 10, 10], "point_2d": [5, 5]}, {"bbox_2d": [20, 20, 40, 40], "point_2d": [30, 30]}]</answer>'
+    text = ('<answer>[{"bbox_2d": [0, 0, 10, 10], "point_2d": [5, 5]}, '
+            '{"bbox_2d": [20, 20, 40, 40], "point_2d": [30, 30]}]</answer>')
     prompt = parse(text, coords="original")
     assert prompt.boxes == [[0, 0, 10, 10], [20, 20, 40, 40]]
     assert prompt.points == [[[5, 5]], [[30, 30]]]
@@ -113,7 +114,8 @@ def test_parsers_never_raise_and_keep_only_valid_prompts(parts, answer_format):
         assert all(0 <= x <= 200 and 0 <= y <= 100 for x, y in points)
 
 
-SEG_ADVERSARIAL = {**ADVERSARIAL, "unclosed <bbox>": "<bbox>" * (MB // 6), "[[ then digits": "<points>[[" + "1," * (MB // 2),
+SEG_ADVERSARIAL = {**ADVERSARIAL, "unclosed <bbox>": "<bbox>" * (MB // 6),
+                   "[[ then digits": "<points>[[" + "1," * (MB // 2),
                    "answer with a deep JSON list": "<answer>" + "[" * MB + "</answer>"}
 
 

@@ -85,7 +85,8 @@ def test_the_seg_r1_config_layout_accepts_its_answers_and_finishes_on_adversaria
     config = Path(__file__).resolve().parents[2] / "configs" / "qwen2_5_vl_7b_seg_r1.yaml"
     options = {k: v for k, v in read_yaml(config)["reward"]["rewards"]["format"].items() if k != "weight"}
     reward = FormatReward(FormatReward.Config(**options))
-    good = "<think>a</think> <bbox>[1,2,3,4]</bbox>, <bbox>[5,6,7,8]</bbox> <points>[[2,3]]</points>, <labels>[1]</labels>"
+    good = ("<think>a</think> <bbox>[1,2,3,4]</bbox>, <bbox>[5,6,7,8]</bbox> <points>[[2,3]]</points>, "
+            "<labels>[1]</labels>")
     bad = ["<think>a</think><points>[[2,3]]</points><labels>[1]</labels>", good + "<labels>[1]</labels>", "junk"]
     batch = PromptBatch(["q"] * 4)
     assert reward({"texts": [good, *bad]}, batch).scores.tolist() == [1, 0, 0, 0]
