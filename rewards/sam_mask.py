@@ -57,7 +57,8 @@ class SamMaskConfig:
     """Configuration of [`SamMask`].
 
     Args:
-        model (`str`): a SAM 2 folder written by ``save_pretrained`` (model + processor) or a hub id
+        model (`str`): a SAM 2 folder written by ``save_pretrained`` (model + processor) or a hub id; SAM 2 / 2.1 only (SAM
+            v1 normalises prompts against its padded resize and is refused)
             (``facebook/sam2.1-hiera-large``).
         processor (`str`, *optional*): where the processor is, when not beside the model.
         answer_format (`str`, defaults to `"seg_zero"`): ``"seg_zero"`` or ``"seg_r1"`` (see the module docstring).
@@ -125,6 +126,11 @@ class SamMask:
         self.dtype = DTYPES[config.dtype]
         location = resolve_pretrained(config.model, "reward.model")
         self.model = AutoModel.from_pretrained(location, dtype=self.dtype).to(self.device).eval().requires_grad_(False)
+        if type(self.model).__name__ != "Sam2Model":
+            raise ValueError(
+                f"sam_mask: reward.model {config.model!r} is a {type(self.model).__name__}; it runs SAM 2 / 2.1 "
+                "(transformers' Sam2Model with its Sam2Processor), e.g. facebook/sam2.1-hiera-large."
+            )
         self.processor = AutoProcessor.from_pretrained(resolve_pretrained(config.processor or config.model))
         self.mapper = BoxIoU(BoxIoU.Config(coords=config.coords))
 

@@ -119,6 +119,20 @@ def test_config_errors_come_before_any_model_loads(tmp_path):
         SamMaskConfig(model=str(tmp_path), s_measure_weight=1.5)
 
 
+def test_a_model_that_is_not_sam_2_is_refused_naming_it(tmp_path):
+    from transformers import SamConfig, SamModel
+
+    config = SamConfig(vision_config={"hidden_size": 16, "num_hidden_layers": 1, "num_attention_heads": 2,
+                                      "image_size": 64, "patch_size": 16, "output_channels": 16,
+                                      "num_pos_feats": 8, "mlp_dim": 32},
+                       prompt_encoder_config={"hidden_size": 16, "image_size": 64, "patch_size": 16},
+                       mask_decoder_config={"hidden_size": 16, "mlp_dim": 32, "num_attention_heads": 2,
+                                            "iou_head_hidden_dim": 16})
+    SamModel(config).save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match="is a SamModel; it runs SAM 2"):
+        SamMask(SamMaskConfig(model=str(tmp_path), device="cpu"))
+
+
 def test_served_over_http_gives_the_in_process_scores_with_one_embedding_per_group(reward):
     batch = _batch(4, images=2)
     outputs = {"texts": [TEXTS[i % 4] for i in range(len(batch))]}
