@@ -57,9 +57,9 @@ class SamMaskConfig:
     """Configuration of [`SamMask`].
 
     Args:
-        model (`str`): a SAM 2 folder written by ``save_pretrained`` (model + processor) or a hub id; SAM 2 / 2.1 only (SAM
-            v1 normalises prompts against its padded resize and is refused)
-            (``facebook/sam2.1-hiera-large``).
+        model (`str`): a SAM 2 / 2.1 folder written by ``save_pretrained`` (model + processor) or a hub id
+            (``facebook/sam2.1-hiera-large``); SAM v1, whose processor normalises prompts against its padded resize,
+            is refused.
         processor (`str`, *optional*): where the processor is, when not beside the model.
         answer_format (`str`, defaults to `"seg_zero"`): ``"seg_zero"`` or ``"seg_r1"`` (see the module docstring).
         coords (`str`, defaults to `"resized"`): the frame of the model's numbers, as in `box_iou`.
