@@ -119,11 +119,12 @@ def clip_boxes(metadata: dict, rng: np.random.Generator, size: int = 32, num_fra
             travel = int(rng.integers(round(size / 4), round(size / 3) + 1))
             dx, dy = TRANSLATIONS[motion]
             free = size - side
-            bounds = (max(0, -dx * travel), free - max(0, dx * travel), max(0, -dy * travel), free - max(0, dy * travel))
-            start = _place(n, side, size, bounds, gap, rng)
+            x0, y0 = max(0, -dx * travel), max(0, -dy * travel)
+            start = _place(n, side, size, (x0, free - max(0, dx * travel), y0, free - max(0, dy * travel)), gap, rng)
             if start is None:
                 continue
-            return [[(x + round(dx * travel * t), y + round(dy * travel * t), side) for x, y, _ in start] for t in steps]
+            return [[(x + round(dx * travel * t), y + round(dy * travel * t), side) for x, y, _ in start]
+                    for t in steps]
         if motion not in ("growing", "shrinking"):
             raise ValueError(f"Unknown motion {motion!r}; expected one of {tuple(MOTIONS)}.")
         small, large = int(rng.integers(lo, hi + 1)), int(rng.integers(big_lo, big_hi + 1))
@@ -235,6 +236,7 @@ class MovingShapesPrompts:
     """
 
     Config = MovingShapesConfig
+    disjoint_splits = True  # held-out prompt strings are never training prompts
 
     def __init__(self, config: MovingShapesConfig | None = None):
         self.config = config or MovingShapesConfig()
