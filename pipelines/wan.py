@@ -62,6 +62,8 @@ class WanConfig:
             activations of one block at a time).
         offload (`bool`): keep the rollout's latents and text embeddings on the CPU between sampling and training;
             each replayed minibatch moves back to the device.
+        decode_batch_size (`int`): clips per VAE decode call (the VAE's memory grows with it; one call per clip is the
+            smallest).
         image_to_video (`bool`): condition the first frame on the prompt batch's ``conditions["images"]`` (one image
             per prompt); needs a Wan 2.2 TI2V model (``expand_timesteps``) or an I2V transformer without an image
             encoder (``in_channels = 2 z_dim + t``).
@@ -86,12 +88,14 @@ class WanConfig:
     weights_dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     gradient_checkpointing: bool = False
     offload: bool = False
+    decode_batch_size: int = 4
     image_to_video: bool = False
 
     def __post_init__(self):
         check_flow_config(self)
         check_range("lora_rank", self.lora_rank, 0, fix="0 trains the whole transformer")
         check_range("guidance_scale", self.guidance_scale, 1, fix="1 disables CFG")
+        check_range("decode_batch_size", self.decode_batch_size, 1)
         if self.guidance_scale_2 is not None:
             check_range("guidance_scale_2", self.guidance_scale_2, 1, fix="leave it out to use guidance_scale")
         if self.flow_shift is not None:
@@ -279,16 +283,16 @@ class WanPolicy:
 
     @torch.no_grad()
     def decode(self, latents: torch.Tensor) -> torch.Tensor:
-        """Latents `[N, C, T, h, w]` -> videos `[N, F, 3, H, W]` in [0, 1], one sample at a time through the VAE."""
+        """Latents `[N, C, T, h, w]` -> videos `[N, F, 3, H, W]` in [0, 1], `decode_batch_size` clips per VAE call."""
         vae = self.pipe.vae
         shape = (1, vae.config.z_dim, 1, 1, 1)
         mean = torch.tensor(vae.config.latents_mean).view(shape).to(self.device)
         std = torch.tensor(vae.config.latents_std).view(shape).to(self.device)
         videos = []
-        for z in latents.split(1):
+        for z in latents.split(self.config.decode_batch_size):
             z = z.to(self.device).float() * std + mean  # the pipeline's latents / (1 / std) + mean
-            video = vae.decode(z.to(vae.dtype), return_dict=False)[0]  # [1, 3, F, H, W] in [-1, 1]
-            videos.append((video.float() / 2 + 0.5).clamp(0, 1).transpose(1, 2).cpu())  # [1, F, 3, H, W]
+            video = vae.decode(z.to(vae.dtype), return_dict=False)[0]  # [b, 3, F, H, W] in [-1, 1]
+            videos.append((video.float() / 2 + 0.5).clamp(0, 1).transpose(1, 2).cpu())  # [b, F, 3, H, W]
         return torch.cat(videos)
 
     def _model(self, embeds: dict[str, torch.Tensor], guidance: bool = True):

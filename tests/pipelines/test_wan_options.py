@@ -101,6 +101,19 @@ def test_gradient_checkpointing_recomputes_blocks_with_the_same_loss_and_gradien
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-7)
 
 
+def test_decode_batch_size_changes_the_calls_not_the_videos(tiny_wan_dir):
+    policy = make_policy(tiny_wan_dir, decode_batch_size=4)
+    latents = torch.randn(6, 16, 2, 4, 4, generator=seeded(0))
+    calls = []
+    hook = policy.pipe.vae.post_quant_conv.register_forward_pre_hook(lambda _, args: calls.append(args[0].shape[0]))
+    together = policy.decode(latents)
+    policy.config.decode_batch_size = 1
+    alone = policy.decode(latents)
+    hook.remove()
+    assert calls == [4, 2] + [1] * 6
+    torch.testing.assert_close(together, alone, rtol=0, atol=1e-5)
+
+
 def test_bf16_weights_keep_trainable_parameters_in_float32(tiny_wan_dir):
     policy = make_policy(tiny_wan_dir, weights_dtype="bfloat16")
     assert policy.pipe.vae.dtype == torch.bfloat16 and policy.pipe.text_encoder.dtype == torch.bfloat16
