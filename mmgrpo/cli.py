@@ -1,7 +1,8 @@
 """Command line: ``mmgrpo check CONFIG [key=value ...]``, ``mmgrpo train CONFIG [key=value ...]``,
 ``mmgrpo eval CONFIG [--checkpoint DIR] [--split train]``,
 ``mmgrpo list``, ``mmgrpo show NAME [--kind KIND]``, ``mmgrpo serve-reward CONFIG [--port P]``,
-``mmgrpo convert-checkpoint DIR... --trust-pickles``, ``mmgrpo --version``."""
+``mmgrpo convert-checkpoint DIR... --trust-pickles``, ``mmgrpo export CHECKPOINT OUTPUT [--merge-lora]
+[--push-to-hub REPO]``, ``mmgrpo --version``."""
 
 from __future__ import annotations
 
@@ -71,6 +72,25 @@ def _evaluate(config, split: str) -> dict:
     return trainer.evaluate(trainer.step)
 
 
+def _export(args) -> int:
+    """``mmgrpo export``: a self-contained model folder with its model card, optionally pushed to the hub."""
+    from .export import export_checkpoint, push_to_hub
+
+    try:
+        folder = export_checkpoint(args.checkpoint, args.output, merge_lora=args.merge_lora)
+    except (OSError, ValueError) as err:
+        print(f"mmgrpo: export: {' '.join(str(err).split())}", file=sys.stderr)
+        return 2
+    print(f"exported {args.checkpoint} -> {folder}")
+    if args.push_to_hub:
+        try:
+            print(f"pushed to {push_to_hub(folder, args.push_to_hub, private=args.private)}")
+        except RuntimeError as err:
+            print(f"mmgrpo: {err}", file=sys.stderr)
+            return 1
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="mmgrpo", description="Group-relative RL for multimodal generative models.")
     parser.add_argument("--version", action=_PrintVersion, help="print the versions of mmgrpo and its pinned libraries")
@@ -98,6 +118,12 @@ def main(argv: list[str] | None = None) -> int:
     p_convert.add_argument("folders", nargs="+", metavar="DIR", help="checkpoint folders (step_XXXXXXX)")
     p_convert.add_argument("--trust-pickles", action="store_true",
                            help="required: you trust the checkpoints' source (their pickles are loaded)")
+    p_export = sub.add_parser("export", help="write a self-contained model folder (stock from_pretrained + model card)")
+    p_export.add_argument("checkpoint", help="a checkpoint folder (step_XXXXXXX) or a run folder (its latest checkpoint)")
+    p_export.add_argument("output", help="a new folder")
+    p_export.add_argument("--merge-lora", action="store_true", help="fold a LoRA into the weights (default: lora/)")
+    p_export.add_argument("--push-to-hub", metavar="REPO", help="then upload the folder to this hub repository")
+    p_export.add_argument("--private", action="store_true", help="create the hub repository as private")
     p_serve = sub.add_parser("serve-reward", help="serve the config's reward over HTTP (for the `remote` reward)",
                              allow_abbrev=False)  # `--token SECRET` must not pass for `--token-file`
     p_serve.add_argument("config", help="an experiment YAML (its reward section) or a YAML with the reward's name")
@@ -111,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
     p_serve.add_argument("overrides", nargs="*")
     args, extra = parser.parse_known_args(argv)
     unknown = [item for item in extra if "=" not in item or item.startswith("-")]
-    if unknown or (extra and args.command in ("list", "show", "convert-checkpoint")):
+    if unknown or (extra and args.command in ("list", "show", "convert-checkpoint", "export")):
         parser.error(f"unrecognized arguments: {' '.join(unknown or extra)}")
 
     if args.command == "list":
@@ -123,6 +149,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"mmgrpo: {err}", file=sys.stderr)
             return 2
         return 0
+    if args.command == "export":
+        return _export(args)
     if args.command == "convert-checkpoint":
         return _convert_checkpoints(args.folders, args.trust_pickles)
     overrides = list(args.overrides) + extra  # key=value overrides may also follow --checkpoint DIR

@@ -261,5 +261,14 @@ class FluxPolicy:
         """Loads weights written by [`~FluxPolicy.save_pretrained`] into this policy."""
         self.trainable.load(path)
 
+    def export_pretrained(self, path: str, merge_lora: bool = False) -> None:
+        """Writes the whole diffusers pipeline with the trained weights (a LoRA fused in, or in ``lora/``), loadable
+        with ``FluxPipeline.from_pretrained`` (see [`mmgrpo.export.export_diffusers`])."""
+        from diffusers import FluxPipeline
+
+        from mmgrpo.export import export_diffusers
+
+        export_diffusers(self, FluxPipeline, self.config.pretrained, path, merge_lora, self.trainable.lora)
+
 
 PLUGIN = FluxPolicy

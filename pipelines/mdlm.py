@@ -488,5 +488,16 @@ class MDLMPolicy:
             if unexpected:
                 raise ValueError(f"Weights in {path} have keys this model lacks: {unexpected[:3]}")
 
+    def export_pretrained(self, path: str, merge_lora: bool = False) -> None:
+        """Writes the whole model and its tokenizer (a LoRA merged by peft, or the base model plus the adapter in
+        ``lora/``), loadable with the transformers class's ``from_pretrained`` (see
+        [`mmgrpo.export.export_transformers`])."""
+        from mmgrpo.export import export_transformers
+
+        c = self.config
+        base = self.model.get_base_model() if self.lora else self.model
+        export_transformers(self, type(base), resolve_pretrained(c.pretrained, "pipeline.pretrained"), path, merge_lora,
+                            self.lora, self.tokenizer, revision=c.revision, trust_remote_code=c.trust_remote_code)
+
 
 PLUGIN = MDLMPolicy

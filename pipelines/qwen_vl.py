@@ -36,6 +36,7 @@ import torch
 
 from mmgrpo.hub import DTYPES, resolve_pretrained
 from mmgrpo.reference import ReferenceSwitch
+from mmgrpo.sharding import any_process
 from mmgrpo.pipelines._qwen_vl_forward import GroupForward, collate_prompts, unique_rows
 from mmgrpo.pipelines._qwen_vl_inputs import PromptEncoder, vision_inputs
 from mmgrpo.types import PromptBatch, Rollout, Score, TokenPlan
@@ -307,7 +308,7 @@ class QwenVLPolicy:
             log_probs[:, t] = torch.where(alive, logp.gather(1, chosen[:, None]).squeeze(1), torch.zeros(n))
             mask[:, t] = alive
             alive = alive & ~torch.isin(chosen, stop)
-            if not alive.any() or t == steps - 1:
+            if not any_process(bool(alive.any()), module) or t == steps - 1:  # sharded: every process steps alike
                 break
             attention = torch.cat([attention, attention.new_ones(n, 1)], dim=1)  # [N, P + t + 1]
             positions = (start + t)[:, None]  # [N, 1]
@@ -399,6 +400,15 @@ class QwenVLPolicy:
             model_cls = getattr(transformers, type(self.model).__name__)
             loaded = model_cls.from_pretrained(path, dtype=torch.float32, use_safetensors=True)  # never a pickle
             self.model.load_state_dict(loaded.state_dict())
+
+    def export_pretrained(self, path: str, merge_lora: bool = False) -> None:
+        """Writes the whole model and its processor (a LoRA merged by peft, or the base model plus the adapter in
+        ``lora/``), loadable with the transformers class's ``from_pretrained`` (see
+        [`mmgrpo.export.export_transformers`])."""
+        from mmgrpo.export import export_transformers
+
+        location = resolve_pretrained(self.config.pretrained, "pipeline.pretrained")
+        export_transformers(self, type(self.model), location, path, merge_lora, self.lora, self.processor)
 
 
 PLUGIN = QwenVLPolicy

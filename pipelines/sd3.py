@@ -261,5 +261,14 @@ class SD3Policy:
         """Loads weights written by [`~SD3Policy.save_pretrained`] into this policy."""
         self.trainable.load(path)
 
+    def export_pretrained(self, path: str, merge_lora: bool = False) -> None:
+        """Writes the whole diffusers pipeline with the trained weights (a LoRA fused in, or in ``lora/``), loadable
+        with ``StableDiffusion3Pipeline.from_pretrained`` (see [`mmgrpo.export.export_diffusers`])."""
+        from diffusers import StableDiffusion3Pipeline
+
+        from mmgrpo.export import export_diffusers
+
+        export_diffusers(self, StableDiffusion3Pipeline, self.config.pretrained, path, merge_lora, self.trainable.lora)
+
 
 PLUGIN = SD3Policy

@@ -1,0 +1,189 @@
+"""``mmgrpo export CHECKPOINT OUTPUT``: a self-contained model folder a user can hand to someone else.
+
+The folder holds the whole diffusers pipeline or transformers model with its processor / tokenizer, loadable with the
+stock library's ``from_pretrained`` alone, and a model card (``README.md``). A LoRA run is exported either merged into
+the weights (``--merge-lora``) or as the base model plus the adapter in ``lora/``, which stock diffusers
+(``pipe.load_lora_weights(folder / "lora")``) or peft (``PeftModel.from_pretrained(model, folder / "lora")``) read.
+
+The merge itself goes through the stock libraries (diffusers ``fuse_lora``, peft ``merge_and_unload``) on a fresh
+copy of the base model, so what is exported is what a user would get by loading the checkpoint themselves.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import tempfile
+from pathlib import Path
+
+from . import checkpoint, registry
+from .config_yaml import dump_yaml
+from .metrics_log import json_safe, read_records
+
+LORA_FOLDER = "lora"
+
+
+def export_diffusers(policy, pipeline_cls, location: str, path: str | Path, merge_lora: bool, lora: bool) -> None:
+    """Exports a diffusers policy: the base pipeline from `location` with the trained weights applied.
+
+    Args:
+        policy: the policy; its ``save_pretrained`` writes the trained weights (LoRA files, or component folders
+            such as ``transformer/`` that replace the base pipeline's).
+        pipeline_cls (`type`): the diffusers pipeline class (e.g. ``StableDiffusion3Pipeline``).
+        location (`str`): the base pipeline's folder or hub id.
+        path (`str` or `Path`): the output folder.
+        merge_lora (`bool`): fold a LoRA into the weights (``fuse_lora``) instead of writing it to ``lora/``.
+        lora (`bool`): whether the policy trains a LoRA.
+    """
+    from .hub import load_diffusers_pipeline
+
+    path = Path(path)
+    with tempfile.TemporaryDirectory() as trained:
+        policy.save_pretrained(trained)
+        if not lora:  # trained component folders replace the base pipeline's, loaded with the same classes
+            base = load_diffusers_pipeline(pipeline_cls, location)
+            replaced = {name: type(base.components[name]).from_pretrained(str(Path(trained) / name))
+                        for name in base.components if (Path(trained) / name / "config.json").is_file()}
+            pipe = pipeline_cls(**{**base.components, **replaced})
+            pipe.save_pretrained(path)
+            return
+        pipe = load_diffusers_pipeline(pipeline_cls, location)
+        if merge_lora:
+            pipe.load_lora_weights(trained)
+            second = Path(trained) / "transformer_2"  # a two-expert model's second LoRA (Wan 2.2)
+            if (second / "pytorch_lora_weights.safetensors").is_file():
+                pipe.load_lora_weights(str(second), load_into_transformer_2=True)
+            pipe.fuse_lora()
+            pipe.unload_lora_weights()
+        pipe.save_pretrained(path)
+        if not merge_lora:
+            shutil.copytree(trained, path / LORA_FOLDER)
+
+
+def export_transformers(policy, model_cls, location: str, path: str | Path, merge_lora: bool, lora: bool,
+                        processor, **load_kwargs) -> None:
+    """Exports a transformers policy: the whole model (the trained one, or the base with the adapter merged by peft,
+    or the base plus the adapter in ``lora/``) and its `processor` (or tokenizer).
+
+    Args:
+        policy: the policy; its ``save_pretrained`` writes a peft adapter (LoRA) or the whole model.
+        model_cls (`type`): the transformers class that loads the base model (e.g. ``Qwen2VLForConditionalGeneration``).
+        location (`str`): the base model's folder or hub id.
+        path (`str` or `Path`): the output folder.
+        merge_lora (`bool`): merge a LoRA into the weights (peft ``merge_and_unload``) instead of writing ``lora/``.
+        lora (`bool`): whether the policy trains a LoRA.
+        processor: the processor or tokenizer saved beside the model.
+        load_kwargs: passed to ``from_pretrained`` (e.g. ``trust_remote_code``, ``revision``).
+    """
+    path = Path(path)
+    if not lora:
+        policy.save_pretrained(str(path))  # the whole trained model and its processor
+        return
+    from peft import PeftModel
+
+    with tempfile.TemporaryDirectory() as trained:
+        policy.save_pretrained(trained)
+        base = model_cls.from_pretrained(location, **load_kwargs)
+        if merge_lora:
+            PeftModel.from_pretrained(base, trained).merge_and_unload().save_pretrained(path)
+        else:
+            base.save_pretrained(path)
+            (path / LORA_FOLDER).mkdir(parents=True, exist_ok=True)
+            for name in ("adapter_config.json", "adapter_model.safetensors"):
+                shutil.copy2(Path(trained) / name, path / LORA_FOLDER / name)
+    processor.save_pretrained(path)
+
+
+def _run_folder(source: Path) -> tuple[Path, Path]:
+    """``(checkpoint folder, run folder)`` for a checkpoint folder or a run folder (its latest checkpoint)."""
+    if (source / checkpoint.STATE_FILE).is_file():
+        return checkpoint.resolve(str(source), source.parent), source.parent.parent
+    return checkpoint.resolve("latest", source / "checkpoints"), source
+
+
+def _final_evaluation(run: Path) -> dict:
+    """The last evaluation's figures of a run (``eval/...`` metrics of its last record that has them)."""
+    metrics = run / "metrics.jsonl"
+    evals = [r for r in read_records(metrics) if any(k.startswith("eval/") for k in r)] if metrics.is_file() else []
+    return {k: v for k, v in evals[-1].items() if k == "step" or k.startswith("eval/")} if evals else {}
+
+
+def model_card(config: dict, step: int, evaluation: dict, lora: bool, merged: bool) -> str:
+    """A Hugging Face model card: front matter (library, base model, tags), then what was trained, how and how well,
+    how to load it, and the full config."""
+    pipeline, algorithm = config["pipeline"], config["algorithm"]
+    library = "diffusers" if pipeline["name"] in ("sd3", "flux", "wan") else "transformers"
+    base = pipeline.get("pretrained", "")
+    front = {"library_name": library, "tags": ["mmgrpo", "reinforcement-learning", algorithm["name"]]}
+    if base and not base.startswith(("/", ".", "~", "mmgrpo:")):
+        front["base_model"] = base
+    how = "LoRA merged into the weights" if lora and merged else "LoRA adapter in `lora/`" if lora else "full fine-tuning"
+    figures = "\n".join(f"| `{k}` | {v} |" for k, v in evaluation.items() if k != "step") or "| (no evaluation) | |"
+    load = (f"```python\nfrom diffusers import DiffusionPipeline\npipe = DiffusionPipeline.from_pretrained(\"<this folder>\")\n"
+            + ("pipe.load_lora_weights(\"<this folder>/lora\")\n" if lora and not merged else "") + "```") \
+        if library == "diffusers" else (
+            "```python\nfrom transformers import AutoModel\nmodel = AutoModel.from_pretrained(\"<this folder>\")\n"
+            + ("from peft import PeftModel\nmodel = PeftModel.from_pretrained(model, \"<this folder>/lora\")\n"
+               if lora and not merged else "") + "```")
+    return "\n".join([
+        "---", dump_yaml(front).rstrip(), "---", "",
+        f"# {pipeline['name']} trained with {algorithm['name']} (mmgrpo)", "",
+        f"- Base model: `{base}`",
+        f"- Algorithm: `{algorithm['name']}`; reward: `{config['reward']['name']}`; prompts: `{config['data']['name']}`",
+        f"- Training steps: {step} ({how})", "",
+        "## Evaluation (held-out prompts, last evaluation)", "",
+        "| metric | value |", "|---|---|", figures, "",
+        "## Loading", "", load, "",
+        "## Training config", "", "```yaml", dump_yaml(json_safe(config)).rstrip(), "```", "",
+    ])
+
+
+def export_checkpoint(source: str | Path, output: str | Path, merge_lora: bool = False) -> Path:
+    """Builds the run's policy (no reward, no optimizer), loads the checkpoint's weights only, and writes the
+    self-contained folder with its model card. Returns the output folder.
+
+    Raises:
+        `FileNotFoundError`: no checkpoint or no ``config.json`` of its run.
+        `FileExistsError`: `output` exists and is not empty (nothing is overwritten).
+    """
+    from .config import from_dict
+
+    ckpt, run = _run_folder(Path(source))
+    config_file = run / "config.json"
+    if not config_file.is_file():
+        raise FileNotFoundError(f"{config_file} not found: export a checkpoint inside the run folder `mmgrpo train` wrote")
+    output = Path(output)
+    if output.exists() and any(output.iterdir()):
+        raise FileExistsError(f"{output} exists and is not empty: choose a new folder (nothing is overwritten)")
+    raw = json.loads(config_file.read_text(encoding="utf-8"))
+    config = from_dict(raw)
+    policy = registry.get("pipeline", config.pipeline.name)(config.pipeline.options)
+    meta = checkpoint.load_weights(ckpt, policy)
+    lora = config.pipeline.options.lora_rank > 0
+    tmp = output.with_name(output.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    policy.export_pretrained(str(tmp), merge_lora=merge_lora)
+    card = model_card(raw, int(meta["step"]), _final_evaluation(run), lora, merge_lora)
+    (tmp / "README.md").write_text(card, encoding="utf-8")
+    if output.exists():
+        output.rmdir()
+    tmp.rename(output)  # all or nothing: a failed export leaves no half-written folder under the requested name
+    return output
+
+
+def push_to_hub(folder: str | Path, repo_id: str, private: bool = False) -> str:
+    """Uploads an exported folder to the Hugging Face hub (creating the repository if needed); returns its URL.
+
+    Raises:
+        `RuntimeError`: the hub cannot be reached (offline mode, no network, no token); the message says what to do.
+    """
+    from huggingface_hub import HfApi, constants
+
+    if constants.is_offline_mode():
+        raise RuntimeError(f"cannot push to {repo_id!r}: HF_HUB_OFFLINE is set. Unset it (and log in with `hf auth "
+                           f"login`), or upload {folder} yourself later with `hf upload {repo_id} {folder}`.")
+    api = HfApi()
+    api.create_repo(repo_id, private=private, exist_ok=True, repo_type="model")
+    api.upload_folder(folder_path=str(folder), repo_id=repo_id, repo_type="model",
+                      commit_message="Upload model exported by mmgrpo")
+    return f"https://huggingface.co/{repo_id}"

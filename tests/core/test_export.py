@@ -1,0 +1,143 @@
+"""``mmgrpo export``: a self-contained folder that the stock libraries load alone (diffusers / transformers
+`from_pretrained`, with a LoRA merged or in ``lora/``) and that gives mmgrpo's own outputs; a model card; nothing
+half-written; the hub push is refused clearly when the hub cannot be reached."""
+
+import json
+
+import pytest
+import torch
+
+from mmgrpo import cli, config as config_mod
+from mmgrpo.export import LORA_FOLDER, export_checkpoint
+from mmgrpo.trainer import Trainer
+from mmgrpo.types import FlowPlan, PromptBatch
+
+from builders._runs import dgpo_config
+
+PROMPTS = ["a red circle", "two blue squares"]
+
+
+def _perturb(policy):
+    generator = torch.Generator().manual_seed(4)
+    with torch.no_grad():
+        for param in policy.trainable_parameters():
+            param.add_(0.05 * torch.randn(param.shape, generator=generator).to(param.dtype))
+
+
+def _stock_sd3(folder):
+    from diffusers import StableDiffusion3Pipeline
+
+    # the tiny model, like the shipped ones, has no third (T5) text encoder: stock diffusers needs it named as None
+    pipe = StableDiffusion3Pipeline.from_pretrained(str(folder), text_encoder_3=None, tokenizer_3=None)
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+def _samples(pipe):
+    return pipe(prompt=PROMPTS, num_inference_steps=4, guidance_scale=1.0, height=32, width=32, output_type="pt",
+                generator=torch.Generator().manual_seed(2), max_sequence_length=16).images.float()
+
+
+def _sd3_policy(path, lora_rank):
+    from mmgrpo.pipelines.sd3 import SD3Config, SD3Policy
+
+    return SD3Policy(SD3Config(pretrained=path, resolution=32, num_steps=4, guidance_scale=1.0, lora_rank=lora_rank,
+                               max_sequence_length=16))
+
+
+@pytest.mark.parametrize("lora_rank, merge", [(4, True), (4, False), (0, False)], ids=["lora-merged", "lora", "full"])
+def test_sd3_export_loads_in_stock_diffusers_and_samples_like_mmgrpo(tiny_sd3_dir, tmp_path, lora_rank, merge):
+    policy = _sd3_policy(tiny_sd3_dir, lora_rank)
+    _perturb(policy)
+    policy.export_pretrained(str(tmp_path / "out"), merge_lora=merge)
+    ours = policy.sample(PromptBatch(PROMPTS), FlowPlan.deterministic(4), generator=torch.Generator().manual_seed(2))
+    pipe = _stock_sd3(tmp_path / "out")
+    assert (tmp_path / "out" / LORA_FOLDER).is_dir() == (lora_rank > 0 and not merge)
+    if lora_rank and not merge:
+        pipe.load_lora_weights(str(tmp_path / "out" / LORA_FOLDER))
+    assert not any("lora" in name for name, _ in pipe.transformer.named_parameters()) or not merge
+    torch.testing.assert_close(_samples(pipe), ours.outputs["images"], rtol=0, atol=1e-4)
+    base = _samples(_stock_sd3(tiny_sd3_dir))
+    assert not torch.allclose(base, ours.outputs["images"], atol=1e-3), "the export must carry the trained weights"
+
+
+@pytest.mark.parametrize("merge", [True, False], ids=["merged", "lora"])
+def test_qwen_vl_export_loads_in_stock_transformers(tiny_qwen2_vl_dir, tmp_path, merge):
+    from peft import PeftModel
+    from transformers import AutoProcessor, Qwen2VLForConditionalGeneration
+
+    from mmgrpo.pipelines.qwen_vl import QwenVLConfig, QwenVLPolicy
+
+    policy = QwenVLPolicy(QwenVLConfig(pretrained=tiny_qwen2_vl_dir, max_new_tokens=4, lora_rank=4, lora_alpha=8))
+    _perturb(policy)
+    policy.export_pretrained(str(tmp_path / "out"), merge_lora=merge)
+    model = Qwen2VLForConditionalGeneration.from_pretrained(str(tmp_path / "out")).eval()
+    if not merge:
+        model = PeftModel.from_pretrained(model, str(tmp_path / "out" / LORA_FOLDER)).eval()
+    processor = AutoProcessor.from_pretrained(str(tmp_path / "out"))
+    ids = processor.tokenizer("how many circles ?", return_tensors="pt").input_ids
+    with torch.no_grad():
+        torch.testing.assert_close(model(input_ids=ids).logits, policy.model.eval()(input_ids=ids).logits,
+                                   rtol=0, atol=1e-5)
+
+
+def test_mdlm_export_merged_loads_in_stock_transformers(tiny_mdlm_dir, tmp_path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from mmgrpo.pipelines.mdlm import MDLMConfig, MDLMPolicy
+
+    policy = MDLMPolicy(MDLMConfig(pretrained=tiny_mdlm_dir, gen_length=8, block_length=4, steps_per_block=2,
+                                   lora_rank=4, lora_alpha=8))
+    _perturb(policy)
+    policy.export_pretrained(str(tmp_path / "out"), merge_lora=True)
+    model = AutoModelForCausalLM.from_pretrained(str(tmp_path / "out")).eval()
+    assert not any("lora" in name for name, _ in model.named_parameters())
+    assert AutoTokenizer.from_pretrained(str(tmp_path / "out")) is not None
+    ids = torch.tensor([[3, 5, 7, 9, 11, 4]])
+    with torch.no_grad():
+        torch.testing.assert_close(model(input_ids=ids).logits, policy.model.eval()(input_ids=ids).logits,
+                                   rtol=0, atol=1e-5)
+
+
+@pytest.fixture(scope="module")
+def sd3_run(tmp_path_factory, tiny_sd3_dir):
+    """A 2-step DGPO run on the tiny SD3 (LoRA) with a checkpoint at step 2 and an evaluation at the end."""
+    raw = dgpo_config(tmp_path_factory.mktemp("run"), tiny_sd3_dir, 2)
+    raw["eval"] = {"every": 2, "num_prompts": 2, "metric": "jpeg_kb"}
+    trainer = Trainer(config_mod.from_dict(raw))
+    trainer.train()
+    return trainer.output_dir
+
+
+def test_export_command_writes_a_model_card_and_the_checkpoints_weights(sd3_run, tmp_path, capsys):
+    assert cli.main(["export", str(sd3_run), str(tmp_path / "model"), "--merge-lora"]) == 0
+    card = (tmp_path / "model" / "README.md").read_text()
+    config = json.loads((sd3_run / "config.json").read_text())
+    assert card.startswith("---\nlibrary_name: diffusers\n")
+    for text in ("trained with dgpo", "Training steps: 2 (LoRA merged into the weights)", "reward: `jpeg`",
+                 "| `eval/jpeg_kb` |", "## Training config", f"pretrained: {config['pipeline']['pretrained']}"):
+        assert text in card, text
+    exported = _samples(_stock_sd3(tmp_path / "model"))
+    policy = _sd3_policy(config["pipeline"]["pretrained"], 4)
+    policy.load_trainable(str(sorted((sd3_run / "checkpoints").glob("step_*"))[-1] / "weights"))
+    ours = policy.sample(PromptBatch(PROMPTS), FlowPlan.deterministic(4), generator=torch.Generator().manual_seed(2))
+    torch.testing.assert_close(exported, ours.outputs["images"], rtol=0, atol=1e-4)
+
+
+def test_export_never_overwrites_and_leaves_nothing_half_written(sd3_run, tmp_path):
+    (tmp_path / "taken").mkdir()
+    (tmp_path / "taken" / "keep.txt").write_text("mine")
+    assert cli.main(["export", str(sd3_run), str(tmp_path / "taken")]) == 2
+    assert [p.name for p in (tmp_path / "taken").iterdir()] == ["keep.txt"]
+    with pytest.raises(FileNotFoundError, match="no complete checkpoint|not a complete checkpoint"):
+        export_checkpoint(tmp_path / "taken", tmp_path / "new")
+    assert not (tmp_path / "new").exists() and not (tmp_path / "new.tmp").exists()
+
+
+def test_push_to_hub_offline_exports_first_then_says_how_to_upload(sd3_run, tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    code = cli.main(["export", str(sd3_run), str(tmp_path / "model"), "--push-to-hub", "someone/tiny-sd3"])
+    assert code == 1
+    assert (tmp_path / "model" / "README.md").is_file() and (tmp_path / "model" / "model_index.json").is_file()
+    err = capsys.readouterr().err
+    assert "HF_HUB_OFFLINE is set" in err and "hf upload someone/tiny-sd3" in err
