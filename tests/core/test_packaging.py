@@ -88,6 +88,7 @@ def test_wheel_ships_the_configured_toy_models_and_no_test_builder_or_training_s
         model = ROOT / "data" / "weights" / name
         files = {f"mmgrpo/data/weights/{name}/{p.relative_to(model).as_posix()}" for p in model.rglob("*")
                  if p.is_file() and p.name != "samples.png"}
-        assert files and files <= names, (name, sorted(files - names))
+        assert files, f"a config names mmgrpo:{name}, but data/weights/{name} holds no files"
+        assert files <= names, f"mmgrpo:{name} files missing from the wheel: {sorted(files - names)}"
     shipped = {n.split("/")[3] for n in names if n.startswith("mmgrpo/data/weights/")}
     assert shipped == configured, f"shipped toy models no config uses: {sorted(shipped - configured)}"
