@@ -240,6 +240,14 @@ def test_reward_contract(name, request):
     # NaN pass-through: an item without metadata does not change the others' scores
     mixed = reward(outputs, PromptBatch(batch.prompts, metadata=[{}] + batch.metadata[1:]))
     torch.testing.assert_close(mixed.scores[1:], first.scores[1:], rtol=0, atol=0)
+    if reward.group_stage is not None:  # the stage after the gather: whole groups in, one finite score per sample out
+        groups = torch.tensor([0, 0, 1, 1, 2])
+        staged = reward.group_stage(first, groups)
+        assert staged.scores.shape == (5,) and staged.scores.dtype == torch.float32
+        assert torch.isfinite(staged.scores).all()
+        torch.testing.assert_close(reward.group_stage(second, groups).scores, staged.scores, rtol=0, atol=0)
+        for values in staged.components.values():
+            assert values.shape == (5,)
 
 
 @pytest.mark.parametrize("name", sorted(registry.available("data")))
