@@ -128,7 +128,7 @@ def load_script(name: str):
     return module
 
 
-@pytest.mark.parametrize("name", ["train_t2i_shapes", "train_vlm_shapes", "train_mdlm_arith"])
+@pytest.mark.parametrize("name", sorted(p.stem for p in SCRIPTS.glob("train_*.py")))
 def test_training_scripts_parse_their_arguments_from_the_repository_root(name):
     """Each script runs as ``python scripts/<name>.py`` from the repository root and finds the tiny builders."""
     import subprocess
