@@ -96,6 +96,12 @@ class WanGeometry:
                 f"{concat}; "
                 "set image_to_video: false for text-to-video."
             )
+        if self.has_transformer_2 and self.boundary_ratio is None:
+            raise ValueError(
+                f"{where}.pretrained: the model has a transformer_2 but no boundary_ratio in model_index.json, so the "
+                "second expert would never run; set the model's boundary_ratio (Wan 2.2 A14B: 0.875 for T2V, 0.9 for "
+                "I2V) or remove transformer_2."
+            )
         if config.guidance_scale_2 is not None and not self.has_transformer_2:
             raise ValueError(
                 f"{where}.guidance_scale_2 is the low-noise expert's guidance, but this model has one transformer "

@@ -27,6 +27,7 @@ import torch
 
 from mmgrpo.hub import DTYPES, load_diffusers_pipeline
 from mmgrpo.pipelines._flow_common import TrainableTransformer, check_flow_config
+from mmgrpo.pipelines._wan_condition import encode_first_frames, final_latents, model_input
 from mmgrpo.pipelines._wan_geometry import geometry_of, read_geometry
 from mmgrpo.samplers.flow_plan import PLAN_FEATURES, SCORE_FIELDS, plan_likelihood, replay_plan, run_plan
 from mmgrpo.types import FlowPlan, PromptBatch, Rollout, Score
@@ -222,8 +223,6 @@ class WanPolicy:
         if self.do_cfg:
             out["shared_negative_prompt_embeds"] = self._encode_text([self.config.negative_prompt])
         if self.config.image_to_video:
-            from mmgrpo.pipelines._wan_condition import encode_first_frames
-
             out.update(encode_first_frames(self, batch))
         return out
 
@@ -256,8 +255,6 @@ class WanPolicy:
         """Velocity `[n, C, T, h, w]` for latents `[n, C, T, h, w]` at noise level `sigma` from the expert of that
         level, guided (CFG) unless ``guidance=False`` (the conditional velocity, which the flow-matching likelihood
         scores)."""
-        from mmgrpo.pipelines._wan_condition import model_input
-
         k = self.expert_index(sigma)
         expert = self.experts[k]
         cfg = self.do_cfg and guidance
@@ -321,8 +318,6 @@ class WanPolicy:
         and the noise level of each step, so `log_prob` can re-score exactly the transitions taken; with ``offload``
         its tensors are kept on the CPU.
         """
-        from mmgrpo.pipelines._wan_condition import final_latents
-
         n = len(batch)
         embeds = self.encode(batch)
         group_ids = batch.group_ids if batch.group_ids is not None else torch.arange(n)

@@ -56,6 +56,15 @@ def test_each_expert_takes_its_side_of_the_boundary(tiny_wan_experts_dir):
     assert [name for name, _ in log] == expected and set(expected) == {"transformer", "transformer_2"}
 
 
+def test_a_second_expert_without_a_boundary_is_refused_before_loading(tiny_wan_experts_dir, tmp_path):
+    folder = tmp_path / "no_boundary"
+    shutil.copytree(tiny_wan_experts_dir, folder)
+    index = json.loads((folder / "model_index.json").read_text())
+    (folder / "model_index.json").write_text(json.dumps({**index, "boundary_ratio": None}))
+    with pytest.raises(ValueError, match="has a transformer_2 but no boundary_ratio"):
+        WanConfig(pretrained=str(folder), num_frames=5, height=32, width=32)
+
+
 def test_lora_on_both_experts_each_trained_by_its_own_steps(tiny_wan_experts_dir):
     policy = make_policy(tiny_wan_experts_dir)
     modules = policy.trainable_modules()
