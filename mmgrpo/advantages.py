@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Literal
 
 import torch
@@ -78,3 +79,30 @@ def groups_with_signal(advantages: torch.Tensor, group_ids: torch.Tensor) -> tor
         (inverse,), advantages != 0, accumulate=True
     )  # [groups]
     return signal[inverse]  # [N]
+
+
+def tempsamp_soft(scores: torch.Tensor, threshold: float = 0.8, alpha_high: float = 0.01,
+                  alpha_low: float = 1.0) -> torch.Tensor:
+    """TempSamp-R1's asymmetric soft transform of rewards, applied before the group statistics ("soft advantage").
+
+    Paper: TempSamp-R1, https://arxiv.org/abs/2509.18056. With ``tau`` = `threshold`::
+
+        r >= tau:  tau + alpha_high * log(r - tau + 1)                       (above the threshold: nearly flat)
+        r <  tau:  tau - (exp(alpha_low * (tau - r)) - 1) / (exp(alpha_low) - 1)   (below: steeper the further)
+
+    The map is continuous and increasing; at ``r = tau - 1`` it gives ``tau - 1``. Non-finite scores stay non-finite
+    (not applicable), as does a reward so far below ``tau`` that the exponential overflows.
+
+    Args:
+        scores (`torch.FloatTensor` of shape `[N]`): rewards (NaN: not applicable).
+        threshold (`float`): ``tau``.
+        alpha_high (`float`): slope of the log branch (>= 0).
+        alpha_low (`float`): curvature of the exponential branch (> 0).
+
+    Returns:
+        `torch.FloatTensor` of shape `[N]`.
+    """
+    r = scores.float()
+    above = threshold + alpha_high * torch.log1p((r - threshold).clamp_min(0))  # [N]
+    below = threshold - torch.expm1(alpha_low * (threshold - r).clamp_min(0)) / math.expm1(alpha_low)  # [N]
+    return torch.where(r >= threshold, above, below)  # NaN compares false: `below` keeps it NaN

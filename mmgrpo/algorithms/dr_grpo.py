@@ -14,7 +14,10 @@ import torch
 from ..advantages import group_normalize
 from ..losses import clipped_objective
 from ..types import AlgorithmTraits, LossOutput, Score, TokenPlan
-from ._token import TOKEN_READS, add_kl, aggregate, check_options, ratio_metrics, token_mask, token_plan
+from ._token import (
+    SHARED_DOCS, AdvantageTransform, KLSchedule, KLWeight, attach_kl_members, check_shared, shaped_scores,
+    TOKEN_READS, add_kl, aggregate, check_options, ratio_metrics, token_mask, token_plan,
+)
 from ..validation import check_fields
 
 
@@ -30,10 +33,21 @@ class DrGRPOConfig:
     clip_low: float = 0.2
     clip_high: float = 0.2
     kl_beta: float = 0.0
+    kl_schedule: KLSchedule = "constant"
+    kl_beta_end: float | None = None
+    kl_warmup_steps: int = 0
+    advantage_transform: AdvantageTransform = "none"
+    soft_threshold: float = 0.8
+    soft_alpha_high: float = 0.01
+    soft_alpha_low: float = 1.0
 
     def __post_init__(self):
         check_fields(self)
+        check_shared(self)
         check_options(self.clip_low, self.clip_high, self.kl_beta)
+
+
+DrGRPOConfig.__doc__ += SHARED_DOCS
 
 
 class DrGRPO:
@@ -45,12 +59,16 @@ class DrGRPO:
 
     def __init__(self, config: DrGRPOConfig):
         self.config = config
-        self.traits = AlgorithmTraits(reads=TOKEN_READS, needs_reference=config.kl_beta > 0)
+        self.kl = KLWeight.of(config)  # the KL weight, moving under a schedule
+        self.traits = AlgorithmTraits(reads=TOKEN_READS, needs_reference=self.kl.ever_positive,
+                                      has_state=self.kl.dynamic, after_update=self.kl.dynamic)
+        attach_kl_members(self, self.kl)
 
     def schedule(self, num_steps: int, generator: torch.Generator | None = None) -> TokenPlan:
         return token_plan(num_steps)
 
     def advantages(self, scores: torch.Tensor, group_ids: torch.Tensor) -> torch.Tensor:
+        scores = shaped_scores(scores, self.config)  # [N]: the soft transform when advantage_transform asks
         return group_normalize(scores, group_ids, scale=False)
 
     def loss(self, new: Score, old_log_prob, advantages, ref: Score | None = None) -> LossOutput:
@@ -62,7 +80,7 @@ class DrGRPO:
         per_token, clipped = clipped_objective(log_ratio, advantages, c.clip_low, c.clip_high)
         policy_loss = aggregate(per_token, mask, "fixed_length")
         metrics = ratio_metrics(log_ratio, mask, clipped, policy_loss)
-        loss = add_kl(policy_loss, metrics, new, ref, mask, c.kl_beta, "fixed_length")
+        loss = add_kl(policy_loss, metrics, new, ref, mask, self.kl(), "fixed_length")
         return LossOutput(loss=loss, metrics=metrics)
 
 

@@ -16,7 +16,10 @@ import torch
 from ..advantages import StdEstimator, group_normalize
 from ..losses import clipped_objective
 from ..types import AlgorithmTraits, LossOutput, Score, TokenPlan
-from ._token import TOKEN_READS, add_kl, check_options, aggregate, ratio_metrics, token_mask, token_plan
+from ._token import (
+    SHARED_DOCS, AdvantageTransform, KLSchedule, KLWeight, attach_kl_members, check_shared, shaped_scores,
+    TOKEN_READS, add_kl, check_options, aggregate, ratio_metrics, token_mask, token_plan,
+)
 from ..validation import check_fields, check_range
 
 
@@ -35,16 +38,27 @@ class GRPOConfig:
     clip_low: float = 0.2
     clip_high: float = 0.2
     kl_beta: float = 0.04
+    kl_schedule: KLSchedule = "constant"
+    kl_beta_end: float | None = None
+    kl_warmup_steps: int = 0
     scale_rewards: Literal["group", "batch", "none"] = "group"
     adv_eps: float = 1e-4
     adv_std: StdEstimator = "unbiased"
+    advantage_transform: AdvantageTransform = "none"
+    soft_threshold: float = 0.8
+    soft_alpha_high: float = 0.01
+    soft_alpha_low: float = 1.0
 
     def __post_init__(self):
         check_fields(self)
+        check_shared(self)
         check_options(self.clip_low, self.clip_high, self.kl_beta)
         check_range("adv_eps", self.adv_eps, 0, low_open=True, fix="1e-4 is usual")
         if self.scale_rewards not in ("group", "batch", "none"):
             raise ValueError(f"scale_rewards must be 'group', 'batch' or 'none', got {self.scale_rewards!r}.")
+
+
+GRPOConfig.__doc__ += SHARED_DOCS
 
 
 class GRPO:
@@ -56,13 +70,17 @@ class GRPO:
 
     def __init__(self, config: GRPOConfig):
         self.config = config
-        self.traits = AlgorithmTraits(reads=TOKEN_READS, needs_reference=config.kl_beta > 0)
+        self.kl = KLWeight.of(config)  # the KL weight, moving under a schedule
+        self.traits = AlgorithmTraits(reads=TOKEN_READS, needs_reference=self.kl.ever_positive,
+                                      has_state=self.kl.dynamic, after_update=self.kl.dynamic)
+        attach_kl_members(self, self.kl)
 
     def schedule(self, num_steps: int, generator: torch.Generator | None = None) -> TokenPlan:
         return token_plan(num_steps)
 
     def advantages(self, scores: torch.Tensor, group_ids: torch.Tensor) -> torch.Tensor:
         c = self.config
+        scores = shaped_scores(scores, self.config)  # [N]: the soft transform when advantage_transform asks
         return group_normalize(scores, group_ids, scale=c.scale_rewards != "none", global_std=c.scale_rewards == "batch",
                                eps=c.adv_eps, std=c.adv_std)
 
@@ -81,7 +99,7 @@ class GRPO:
         per_token, clipped = clipped_objective(log_ratio, advantages, c.clip_low, c.clip_high)
         policy_loss = aggregate(per_token, mask, "sequence_mean")
         metrics = ratio_metrics(log_ratio, mask, clipped, policy_loss)
-        loss = add_kl(policy_loss, metrics, new, ref, mask, c.kl_beta, "sequence_mean")
+        loss = add_kl(policy_loss, metrics, new, ref, mask, self.kl(), "sequence_mean")
         return LossOutput(loss=loss, metrics=metrics)
 
 

@@ -14,7 +14,10 @@ import torch
 from ..advantages import StdEstimator, group_normalize
 from ..losses import clipped_objective
 from ..types import AlgorithmTraits, LossOutput, Score, TokenPlan
-from ._token import TOKEN_READS, add_kl, check_options, ratio_metrics, token_mask, token_plan
+from ._token import (
+    SHARED_DOCS, AdvantageTransform, KLSchedule, KLWeight, attach_kl_members, check_shared, shaped_scores,
+    TOKEN_READS, add_kl, check_options, ratio_metrics, token_mask, token_plan,
+)
 from ..validation import check_fields, check_range
 
 
@@ -32,13 +35,24 @@ class GSPOConfig:
     clip_low: float = 3e-4
     clip_high: float = 4e-4
     kl_beta: float = 0.0
+    kl_schedule: KLSchedule = "constant"
+    kl_beta_end: float | None = None
+    kl_warmup_steps: int = 0
     adv_eps: float = 1e-4
     adv_std: StdEstimator = "unbiased"
+    advantage_transform: AdvantageTransform = "none"
+    soft_threshold: float = 0.8
+    soft_alpha_high: float = 0.01
+    soft_alpha_low: float = 1.0
 
     def __post_init__(self):
         check_fields(self)
+        check_shared(self)
         check_options(self.clip_low, self.clip_high, self.kl_beta)
         check_range("adv_eps", self.adv_eps, 0, low_open=True, fix="1e-4 is usual")
+
+
+GSPOConfig.__doc__ += SHARED_DOCS
 
 
 class GSPO:
@@ -50,12 +64,16 @@ class GSPO:
 
     def __init__(self, config: GSPOConfig):
         self.config = config
-        self.traits = AlgorithmTraits(reads=TOKEN_READS, needs_reference=config.kl_beta > 0)
+        self.kl = KLWeight.of(config)  # the KL weight, moving under a schedule
+        self.traits = AlgorithmTraits(reads=TOKEN_READS, needs_reference=self.kl.ever_positive,
+                                      has_state=self.kl.dynamic, after_update=self.kl.dynamic)
+        attach_kl_members(self, self.kl)
 
     def schedule(self, num_steps: int, generator: torch.Generator | None = None) -> TokenPlan:
         return token_plan(num_steps)
 
     def advantages(self, scores: torch.Tensor, group_ids: torch.Tensor) -> torch.Tensor:
+        scores = shaped_scores(scores, self.config)  # [N]: the soft transform when advantage_transform asks
         return group_normalize(scores, group_ids, eps=self.config.adv_eps, std=self.config.adv_std)
 
     def loss(self, new: Score, old_log_prob, advantages, ref: Score | None = None) -> LossOutput:
@@ -69,7 +87,7 @@ class GSPO:
         has_tokens = (lengths > 0).to(per_sequence.dtype)[:, None]  # [n, 1]
         policy_loss = (per_sequence * has_tokens).sum() / has_tokens.sum().clamp_min(1.0)
         metrics = ratio_metrics(seq_log_ratio[:, None], has_tokens, binds, policy_loss)
-        loss = add_kl(policy_loss, metrics, new, ref, mask, c.kl_beta, "sequence_mean")
+        loss = add_kl(policy_loss, metrics, new, ref, mask, self.kl(), "sequence_mean")
         return LossOutput(loss=loss, metrics=metrics)
 
 

@@ -15,7 +15,10 @@ import torch
 
 from ..advantages import StdEstimator, group_normalize
 from ..types import AlgorithmTraits, LossOutput, Score, TokenPlan
-from ._token import TOKEN_READS, add_kl, aggregate, ratio_metrics, token_mask, token_plan
+from ._token import (
+    SHARED_DOCS, AdvantageTransform, KLSchedule, KLWeight, attach_kl_members, check_shared, shaped_scores,
+    TOKEN_READS, add_kl, aggregate, ratio_metrics, token_mask, token_plan,
+)
 from ..validation import check_fields, check_range
 
 
@@ -33,15 +36,25 @@ class SAPOConfig:
     tau_pos: float = 1.0
     tau_neg: float = 1.05
     kl_beta: float = 0.0
+    kl_schedule: KLSchedule = "constant"
+    kl_beta_end: float | None = None
+    kl_warmup_steps: int = 0
     adv_eps: float = 1e-4
     adv_std: StdEstimator = "unbiased"
+    advantage_transform: AdvantageTransform = "none"
+    soft_threshold: float = 0.8
+    soft_alpha_high: float = 0.01
+    soft_alpha_low: float = 1.0
 
     def __post_init__(self):
         check_fields(self)
+        check_shared(self)
         check_range("tau_pos", self.tau_pos, 0, low_open=True)
         check_range("tau_neg", self.tau_neg, 0, low_open=True)
-        check_range("kl_beta", self.kl_beta, 0, fix="0 turns the KL term off")
         check_range("adv_eps", self.adv_eps, 0, low_open=True, fix="1e-4 is usual")
+
+
+SAPOConfig.__doc__ += SHARED_DOCS
 
 
 class SAPO:
@@ -53,12 +66,16 @@ class SAPO:
 
     def __init__(self, config: SAPOConfig):
         self.config = config
-        self.traits = AlgorithmTraits(reads=TOKEN_READS, needs_reference=config.kl_beta > 0)
+        self.kl = KLWeight.of(config)  # the KL weight, moving under a schedule
+        self.traits = AlgorithmTraits(reads=TOKEN_READS, needs_reference=self.kl.ever_positive,
+                                      has_state=self.kl.dynamic, after_update=self.kl.dynamic)
+        attach_kl_members(self, self.kl)
 
     def schedule(self, num_steps: int, generator: torch.Generator | None = None) -> TokenPlan:
         return token_plan(num_steps)
 
     def advantages(self, scores: torch.Tensor, group_ids: torch.Tensor) -> torch.Tensor:
+        scores = shaped_scores(scores, self.config)  # [N]: the soft transform when advantage_transform asks
         return group_normalize(scores, group_ids, eps=self.config.adv_eps, std=self.config.adv_std)
 
     def loss(self, new: Score, old_log_prob, advantages, ref: Score | None = None) -> LossOutput:
@@ -75,7 +92,7 @@ class SAPO:
         policy_loss = aggregate(per_token, mask, "sequence_mean")
         damped = 4 * gate * (1 - gate) < 0.5
         metrics = ratio_metrics(log_ratio, mask, damped, policy_loss)
-        loss = add_kl(policy_loss, metrics, new, ref, mask, c.kl_beta, "sequence_mean")
+        loss = add_kl(policy_loss, metrics, new, ref, mask, self.kl(), "sequence_mean")
         return LossOutput(loss=loss, metrics=metrics)
 
 
