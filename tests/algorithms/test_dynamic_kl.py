@@ -11,7 +11,7 @@ from mmgrpo import registry
 from mmgrpo.types import Score
 from mmgrpo.validation import ConfigError
 
-TOKEN_ALGORITHMS = ["grpo", "dr_grpo", "dapo", "gspo", "sapo"]
+TOKEN_ALGORITHMS = ["grpo", "dr_grpo", "dapo", "gspo", "sapo", "reg_grpo"]
 NEW = [[-1.0, -0.5, -2.0], [-0.3, -1.2, 0.0]]
 OLD = [[-1.1, -0.5, -1.8], [-0.2, -1.0, 0.0]]
 REF = [[-1.0, -0.7, -2.0], [-0.3, -1.0, 0.0]]

@@ -13,7 +13,7 @@ from mmgrpo import registry
 from mmgrpo.advantages import tempsamp_soft
 from mmgrpo.validation import ConfigError
 
-TOKEN_ALGORITHMS = ["grpo", "dr_grpo", "dapo", "gspo", "sapo"]
+TOKEN_ALGORITHMS = ["grpo", "dr_grpo", "dapo", "gspo", "sapo", "reg_grpo"]
 
 
 def soft(r, tau=0.8, a_high=0.01, a_low=1.0):

@@ -52,6 +52,9 @@ REWARD_OPTIONS = {
 }
 # fit the tiny policies' 3 steps (dgpo); read the transitions' mean and std (flow_grpo's KL term)
 ALGORITHM_OPTIONS = {"dgpo": {"trunc_steps": 2, "num_train_timesteps": 2}, "flow_grpo": {"kl_beta": 0.04}}
+# losses that regress the log-ratio onto the advantage: with advantage 0 their gradient is 0 only on an exact replay
+# (``2 beta^2 s grad s``, `s` the replayed log-ratio), so it must be negligible next to a unit advantage's instead
+REGRESSION_LOSSES = {"reg_grpo"}
 
 
 def _shapes_batch(n):
@@ -143,6 +146,15 @@ def test_pipeline_contract(name, algorithm_name, request):
         assert out.metrics == only_read.metrics and torch.equal(out.loss.detach(), only_read.loss.detach())
         assert out.metrics["ratio_mean"] == pytest.approx(1.0, abs=1e-5)
         out.loss.backward()
+        if algorithm_name in REGRESSION_LOSSES:
+            at_zero = sum(float(p.grad.abs().sum()) for p in policy.trainable_parameters() if p.grad is not None)
+            for p in policy.trainable_parameters():
+                p.grad = None
+            new, old, ref = score_unit(policy, algorithm, rollout, unit, torch.device("cpu"))
+            algorithm.loss(new, old, torch.tensor([1.0, -1.0, 1.0, -1.0]), ref).loss.backward()
+            at_unit = sum(float(p.grad.abs().sum()) for p in policy.trainable_parameters() if p.grad is not None)
+            assert at_zero <= 1e-3 * at_unit, (at_zero, at_unit)
+            continue
         assert all(p.grad is None or torch.count_nonzero(p.grad) == 0 for p in policy.trainable_parameters())
 
 

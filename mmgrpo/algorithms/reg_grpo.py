@@ -1,0 +1,134 @@
+"""Reg-GRPO: the policy's length-normalised log-ratio regressed onto the group-normalised advantage (no clip, no min).
+
+Paper: DeepVideo-R1 (Regressive GRPO), https://arxiv.org/abs/2506.07464. The KL-regularised objective GRPO approximates
+has the optimum ``pi*(o|q) = pi_old(o|q) exp(A(q, o) / beta) / Z(q)``, so an advantage is predicted by the policy's
+own log-ratio, ``A(q, o) = beta log(pi*(o|q) / pi_old(o|q)) + beta log Z(q)``. Reg-GRPO fits that prediction to the
+group-normalised advantage by least squares instead of pushing a clipped surrogate, so no clip or min zeroes the
+gradient of a sample that drifted. Here, per sequence ``i`` with tokens ``t`` (mask ``m``)::
+
+    R_i    = reg_beta * (1 / |o_i|) * sum_t m_it * (log pi(o_it) - log pi_old(o_it))     (predicted advantage)
+    loss   = mean_i (A_i - P_i)^2  (+ kl_beta * the k3 KL to the reference, per-sequence token mean)
+
+with ``P_i = R_i`` (``center="none"``) or ``P_i = R_i - mean_{j in group(i), in the minibatch} R_j``
+(``center="group"``: the group mean removes ``beta log Z(q)``, which all members of a prompt share). The log-ratio is
+a per-token mean (as GRPO's per-sequence normalisation; GSPO's sequence ratio) so long answers do not dominate.
+
+Normalising the prediction by its group std as well, as the advantage is, would divide by 0 at the first pass of
+every batch (the policy is the old one, every ``R`` is 0), so the prediction is at most centred and its scale is set
+by `reg_beta` (the regression drives the mean token log-ratio towards ``A_i / reg_beta``; on-policy
+its gradient is ``2 reg_beta`` times GRPO's). ``center="group"`` reads the score's ``group_ids``, which a pipeline
+must provide for its ``log_prob``; without centring, the group mean of the prediction is pulled to 0 as well (the
+advantages have group mean 0), which anchors the policy's overall log-ratio like a trust region.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+from ..advantages import StdEstimator, group_normalize
+from ..types import AlgorithmTraits, LossOutput, Score, TokenPlan
+from ._token import (
+    SHARED_DOCS, TOKEN_READS, AdvantageTransform, KLSchedule, KLWeight, add_kl, attach_kl_members, check_shared,
+    ratio_metrics, shaped_scores, token_mask, token_plan,
+)
+from ..validation import check_fields, check_range
+
+
+@dataclass
+class RegGRPOConfig:
+    """Options of [`RegGRPO`].
+
+    Args:
+        reg_beta (`float`): ``beta`` of the predicted advantage ``beta * mean_t log(pi / pi_old)`` (> 0).
+        center (`str`): ``"none"``: the prediction is the scaled log-ratio itself; ``"group"``: minus its mean over
+            the group's members in the minibatch (the paper's cancelling of ``log Z(q)``; reads ``group_ids``).
+        kl_beta (`float`): weight of the k3 KL to the reference (0 skips the reference forward).
+        adv_eps (`float`): added to the group std of the rewards.
+        adv_std (`str`): the std estimator of the advantages, ``"unbiased"`` (n - 1, TRL's) or ``"population"``.
+    """
+
+    reg_beta: float = 1.0
+    center: Literal["none", "group"] = "none"
+    kl_beta: float = 0.0
+    kl_schedule: KLSchedule = "constant"
+    kl_beta_end: float | None = None
+    kl_warmup_steps: int = 0
+    adv_eps: float = 1e-4
+    adv_std: StdEstimator = "unbiased"
+    advantage_transform: AdvantageTransform = "none"
+    soft_threshold: float = 0.8
+    soft_alpha_high: float = 0.01
+    soft_alpha_low: float = 1.0
+
+    def __post_init__(self):
+        check_fields(self)
+        check_shared(self)
+        check_range("reg_beta", self.reg_beta, 0, low_open=True, fix="1.0 makes the target log-ratio the advantage")
+        check_range("adv_eps", self.adv_eps, 0, low_open=True, fix="1e-4 is usual")
+        if self.center not in ("none", "group"):
+            raise ValueError(f"center must be 'none' or 'group', got {self.center!r}.")
+
+
+RegGRPOConfig.__doc__ += SHARED_DOCS
+
+
+def group_centred(values: torch.Tensor, group_ids: torch.Tensor, present: torch.Tensor) -> torch.Tensor:
+    """`values` `[n]` minus the mean over the `present` members of their group in this minibatch.
+
+    Args:
+        values (`torch.FloatTensor` of shape `[n]`), group_ids (`torch.LongTensor` of shape `[n]`),
+        present (`torch.FloatTensor` of shape `[n]`): 1 for a sample that counts (has scored tokens), else 0.
+    """
+    _, inverse = torch.unique(group_ids.to(values.device), return_inverse=True)
+    groups = int(inverse.max()) + 1
+    sums = values.new_zeros(groups).index_add(0, inverse, values * present)  # [groups]
+    counts = values.new_zeros(groups).index_add(0, inverse, present)  # [groups]
+    return values - (sums / counts.clamp_min(1.0))[inverse]  # [n]
+
+
+class RegGRPO:
+    """Least-squares fit of ``reg_beta`` times the mean token log-ratio to the group-normalised advantage."""
+
+    Config = RegGRPOConfig
+    scoring = "trajectory"
+    plan_family = "token"  # the plan type `schedule` returns
+
+    def __init__(self, config: RegGRPOConfig):
+        self.config = config
+        self.kl = KLWeight.of(config)  # the KL weight, moving under a schedule
+        reads = TOKEN_READS | ({"group_ids"} if config.center == "group" else set())
+        self.traits = AlgorithmTraits(reads=reads, needs_reference=self.kl.ever_positive,
+                                      has_state=self.kl.dynamic, after_update=self.kl.dynamic)
+        attach_kl_members(self, self.kl)
+
+    def schedule(self, num_steps: int, generator: torch.Generator | None = None) -> TokenPlan:
+        return token_plan(num_steps)
+
+    def advantages(self, scores: torch.Tensor, group_ids: torch.Tensor) -> torch.Tensor:
+        scores = shaped_scores(scores, self.config)  # [N]: the soft transform when advantage_transform asks
+        return group_normalize(scores, group_ids, eps=self.config.adv_eps, std=self.config.adv_std)
+
+    def loss(self, new: Score, old_log_prob, advantages, ref: Score | None = None) -> LossOutput:
+        """Squared error between the advantage and the predicted one, mean over the sequences with scored tokens;
+        arguments as [`~mmgrpo.algorithms.grpo.GRPO.loss`] (``new.group_ids`` `[n]` with ``center="group"``).
+        ``clip_frac`` is 0 (nothing is clipped); ``pred_adv`` is the mean absolute predicted advantage."""
+        c = self.config
+        mask = token_mask(new, new.log_prob)  # [n, T]
+        log_ratio = new.log_prob - old_log_prob  # [n, T]
+        lengths = mask.sum(dim=1)  # [n]
+        present = (lengths > 0).to(log_ratio.dtype)  # [n]
+        predicted = c.reg_beta * (log_ratio * mask).sum(dim=1) / lengths.clamp_min(1.0)  # [n]
+        if c.center == "group":
+            predicted = group_centred(predicted, new.group_ids, present)
+        errors = (advantages.to(predicted.dtype) - predicted) ** 2  # [n]
+        policy_loss = (errors * present).sum() / present.sum().clamp_min(1.0)
+        metrics = ratio_metrics(log_ratio, mask, torch.zeros_like(mask, dtype=torch.bool), policy_loss)
+        metrics["pred_adv"] = float((predicted.detach().abs() * present).sum() / present.sum().clamp_min(1.0))
+        loss = add_kl(policy_loss, metrics, new, ref, mask, self.kl(), "sequence_mean")
+        return LossOutput(loss=loss, metrics=metrics)
+
+
+PLUGIN = RegGRPO
