@@ -79,8 +79,16 @@ def _seg_batch(n):
     return PromptBatch(["segment the cat"] * n, metadata=[dict(truth) for _ in range(n)])
 
 
+def _key_steps_batch(n):
+    """`_task_batch` with the key steps a reasoning path must contain (StepRAR's metadata)."""
+    batch = _task_batch(n)
+    for metadata in batch.metadata:
+        metadata["key_steps"] = ["look", ["42", "forty-two"]]
+    return batch
+
+
 # rewards that need other per-prompt metadata than `_task_batch`
-REWARD_BATCHES = {"mini_geneval": _shapes_batch, "sam_mask": _seg_batch}
+REWARD_BATCHES = {"mini_geneval": _shapes_batch, "sam_mask": _seg_batch, "step_rar": _key_steps_batch}
 
 
 BUILDERS = Path(__file__).resolve().parents[1] / "builders"

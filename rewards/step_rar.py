@@ -1,0 +1,139 @@
+"""StepRAR: the share of a problem's key reasoning steps that the model's reasoning contains (soft key-step matching).
+
+StepGRPO / R1-VL's step-wise reasoning accuracy reward, https://arxiv.org/abs/2503.12937. Each problem lists its key
+steps in ``metadata[key_steps_key]`` (the paper extracts them from a reference solution: the essential intermediate
+values, equations and facts). A key step is a string, or a list of equivalent strings (any one of them counts: the
+soft matching, e.g. ``["4 red", "four red"]``). With ``K`` key steps of which ``k`` occur in the reasoning::
+
+    score = k / K        in [0, 1]
+
+The paper's reasoning-accuracy reward adds this, weighted by ``alpha`` (R1-VL: 0.1), to the answer's correctness,
+``r = 1[answer correct] + alpha * k / K``; here that is ``composite: {accuracy: {weight: 1}, step_rar: {weight:
+0.1}}``, so the answer check stays the `accuracy` reward's.
+
+Matching: a key step occurs when, after case folding and removing all white space from both (so ``x = 5`` matches
+``X=5``), it is a substring of the reasoning. The reasoning is the last ``<think>...</think>`` block (``scope:
+"think"``; a text without one scores 0 with ``no_reasoning`` = 1) or the whole text (``scope: "all"``).
+
+What it does not check: whether a step is used correctly or in order (``"x = 5"`` counts inside ``"x = 5 is wrong"``),
+nor the answer. A sample without ``metadata[key_steps_key]``, or with an empty list, is not applicable: NaN.
+
+Linear time: each text is cut to `max_completion_chars` first (component ``truncated``); at most `max_key_steps` key
+steps of at most `max_key_step_chars` characters each are searched (longer metadata is an error naming the limit), so
+the work is bounded by a constant times the text's length.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+
+from mmgrpo.rewards._common import (
+    MAX_COMPLETION_CHARS, check_max_completion_chars, cut_texts, last_tag_block, nans, texts,
+)
+from mmgrpo.types import PromptBatch, RewardResult
+from mmgrpo.validation import check_fields, check_range, check_text
+
+
+@dataclass
+class StepRARConfig:
+    """Configuration of [`StepRARReward`].
+
+    Args:
+        key_steps_key (`str`, defaults to `"key_steps"`): metadata key of the problem's key steps (a list; each entry
+            a string or a list of equivalent strings).
+        scope (`str`, defaults to `"think"`): where the steps are looked for: ``"think"`` (the last ``<think>`` block)
+            or ``"all"`` (the whole text).
+        max_key_steps (`int`, defaults to 64): most key steps a problem may list.
+        max_key_step_chars (`int`, defaults to 200): longest key step (or alternative) in characters.
+        max_completion_chars (`int`, *optional*, defaults to 16384): each text is cut to this many characters
+            first (component ``truncated``); 0 or None: no cut.
+    """
+
+    key_steps_key: str = "key_steps"
+    scope: Literal["think", "all"] = "think"
+    max_key_steps: int = 64
+    max_key_step_chars: int = 200
+    max_completion_chars: int | None = MAX_COMPLETION_CHARS
+
+    def __post_init__(self):
+        check_fields(self)
+        check_text("key_steps_key", self.key_steps_key)
+        if self.scope not in ("think", "all"):
+            raise ValueError(f"scope must be 'think' or 'all', got {self.scope!r}.")
+        check_range("max_key_steps", self.max_key_steps, 1)
+        check_range("max_key_step_chars", self.max_key_step_chars, 1)
+        check_max_completion_chars(self.max_completion_chars)
+
+
+def squeeze(text: str) -> str:
+    """Case-folded, without any white space (linear)."""
+    return "".join(text.casefold().split())
+
+
+class StepRARReward:
+    """Scores ``outputs["texts"]`` by the share of ``metadata[key_steps_key]`` their reasoning contains."""
+
+    Config = StepRARConfig
+    modalities = frozenset({"text"})
+    group_stage = None  # each score depends on its sample only (see mmgrpo.protocols.RewardFn)
+
+    def __init__(self, config: StepRARConfig | None = None):
+        self.config = config or StepRARConfig()
+
+    def key_steps(self, value: Any) -> list[list[str]]:
+        """The key steps of one problem as lists of squeezed alternatives; a clear error for malformed metadata."""
+        c, key = self.config, self.config.key_steps_key
+        if not isinstance(value, (list, tuple)):
+            raise ValueError(f"step_rar: metadata[{key!r}] must be a list of key steps, got {type(value).__name__}.")
+        if len(value) > c.max_key_steps:
+            raise ValueError(f"step_rar: metadata[{key!r}] lists {len(value)} key steps, more than max_key_steps="
+                             f"{c.max_key_steps}; raise the option or shorten the list.")
+        steps = []
+        for i, step in enumerate(value):
+            options = [step] if isinstance(step, str) else step
+            if not isinstance(options, (list, tuple)) or not options or not all(isinstance(o, str) for o in options):
+                raise ValueError(f"step_rar: metadata[{key!r}][{i}] must be a string or a non-empty list of strings, "
+                                 f"got {step!r}.")
+            if any(len(o) > c.max_key_step_chars for o in options):
+                raise ValueError(f"step_rar: metadata[{key!r}][{i}] has an entry longer than max_key_step_chars="
+                                 f"{c.max_key_step_chars}; raise the option or shorten the key step.")
+            squeezed = [s for s in map(squeeze, options) if s]
+            if not squeezed:
+                raise ValueError(f"step_rar: metadata[{key!r}][{i}] is only white space.")
+            steps.append(squeezed)
+        return steps
+
+    def score_one(self, text: str | None, steps: list[list[str]]) -> dict[str, float]:
+        if text is None:
+            return {"score": 0.0, "matched": 0.0, "no_reasoning": 1.0, "malformed": 1.0}
+        reasoning = text if self.config.scope == "all" else last_tag_block(text, "think")
+        if reasoning is None:
+            return {"score": 0.0, "matched": 0.0, "no_reasoning": 1.0, "malformed": 0.0}
+        body = squeeze(reasoning)
+        matched = sum(any(option in body for option in options) for options in steps)
+        return {"score": matched / len(steps), "matched": float(matched), "no_reasoning": 0.0, "malformed": 0.0}
+
+    def __call__(self, outputs: dict[str, Any], batch: PromptBatch) -> RewardResult:
+        """Returns `scores` `[N]` in [0, 1] (NaN where not applicable) and `components` ``matched`` (key steps found),
+        ``key_steps`` (listed), ``no_reasoning``, ``malformed`` and ``truncated``, each `[N]`."""
+        n = len(batch)
+        entries, truncated = cut_texts(texts(outputs, n, "step_rar"), self.config.max_completion_chars)
+        columns = {name: nans(n) for name in ("score", "matched", "key_steps", "no_reasoning", "malformed")}
+        for i, (text, metadata) in enumerate(zip(entries, batch.metadata)):
+            value = metadata.get(self.config.key_steps_key)
+            if value is None:
+                continue
+            steps = self.key_steps(value)
+            if not steps:
+                continue
+            columns["key_steps"][i] = float(len(steps))
+            for name, result in self.score_one(text, steps).items():
+                columns[name][i] = result
+        scores = columns.pop("score")
+        return RewardResult(scores=scores, components={**columns, "truncated": truncated})
+
+
+PLUGIN = StepRARReward
