@@ -50,10 +50,12 @@ def export_diffusers(policy, pipeline_cls, location: str, path: str | Path, merg
         pipe = load_diffusers_pipeline(pipeline_cls, location)
         if merge_lora:
             pipe.load_lora_weights(trained)
+            fused = ["transformer"]
             second = Path(trained) / "transformer_2"  # a two-expert model's second LoRA (Wan 2.2)
             if (second / "pytorch_lora_weights.safetensors").is_file():
                 pipe.load_lora_weights(str(second), load_into_transformer_2=True)
-            pipe.fuse_lora()
+                fused.append("transformer_2")
+            pipe.fuse_lora(components=fused)  # by default only `transformer`: the second expert's LoRA would be lost
             pipe.unload_lora_weights()
         pipe.save_pretrained(path)
         if not merge_lora:

@@ -64,6 +64,10 @@ class StochasticPolicy(Protocol):
     def load_trainable(self, path: str) -> None:
         """Loads trainable weights (full or LoRA adapter) written by `save_pretrained`."""
 
+    def export_pretrained(self, path: str, merge_lora: bool = False) -> None:
+        """Writes a self-contained model folder that the stock library loads with ``from_pretrained`` alone: the
+        whole pipeline or model with its processor, the LoRA merged or in ``lora/`` (``mmgrpo export``)."""
+
 
 @runtime_checkable
 class RewardFn(Protocol):

@@ -370,5 +370,12 @@ class WanPolicy:
         for name, expert in zip(EXPERTS, self.experts):
             expert.load(path, name=name)
 
+    def export_pretrained(self, path: str, merge_lora: bool = False) -> None:
+        """Writes the whole diffusers pipeline with the trained weights (LoRA fused into each expert, or in
+        ``lora/``), loadable with the pipeline class's ``from_pretrained`` (see [`mmgrpo.export.export_diffusers`])."""
+        from mmgrpo.export import export_diffusers
+
+        export_diffusers(self, self.pipeline_cls, self.config.pretrained, path, merge_lora, self.config.lora_rank > 0)
+
 
 PLUGIN = WanPolicy

@@ -141,3 +141,29 @@ def test_push_to_hub_offline_exports_first_then_says_how_to_upload(sd3_run, tmp_
     assert (tmp_path / "model" / "README.md").is_file() and (tmp_path / "model" / "model_index.json").is_file()
     err = capsys.readouterr().err
     assert "HF_HUB_OFFLINE is set" in err and "hf upload someone/tiny-sd3" in err
+
+
+@pytest.mark.parametrize("merge", [True, False], ids=["merged", "lora"])
+def test_wan_two_expert_export_loads_in_stock_diffusers(tiny_wan_experts_dir, tmp_path, merge):
+    """Both experts' LoRAs reach the exported pipeline: each exported transformer computes what the policy's does."""
+    from diffusers import WanPipeline
+
+    from mmgrpo.pipelines.wan import WanConfig, WanPolicy
+
+    policy = WanPolicy(WanConfig(pretrained=tiny_wan_experts_dir, num_frames=5, height=32, width=32, num_steps=3,
+                                 lora_rank=4, lora_alpha=8, max_sequence_length=16))
+    _perturb(policy)
+    policy.export_pretrained(str(tmp_path / "out"), merge_lora=merge)
+    pipe = WanPipeline.from_pretrained(str(tmp_path / "out"))
+    if not merge:
+        pipe.load_lora_weights(str(tmp_path / "out" / LORA_FOLDER))
+        pipe.load_lora_weights(str(tmp_path / "out" / LORA_FOLDER / "transformer_2"), load_into_transformer_2=True)
+    generator = torch.Generator().manual_seed(0)
+    latents = torch.randn(1, 16, 2, 4, 4, generator=generator)  # [1, 16, (5 - 1) / 4 + 1, 32 / 8, 32 / 8]
+    text = torch.randn(1, 16, pipe.transformer.config.text_dim, generator=generator)
+    step = torch.tensor([700.0])
+    for name, expert in zip(("transformer", "transformer_2"), policy.experts):
+        with torch.no_grad():
+            ours = expert.module.eval()(latents, step, text, return_dict=False)[0]
+            theirs = getattr(pipe, name).eval()(latents, step, text, return_dict=False)[0]
+        torch.testing.assert_close(theirs, ours, rtol=0, atol=1e-5)
