@@ -14,6 +14,7 @@ import sys
 from . import plugin_help, registry
 from .config import ConfigError, load
 from .config_yaml import dump_yaml
+from .hub import resolve_config
 from .preflight import preflight
 
 
@@ -162,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "eval" and args.checkpoint:
         overrides.append(f"checkpoint.resume_from={args.checkpoint}")  # checked with the config; eval reads weights
     try:
-        config = load(args.config, overrides)  # every key, type, range and local path checked
+        config = load(resolve_config(args.config), overrides)  # every key, type, range and local path checked
         preflight(config, getattr(args, "split", None))  # what else can be checked before any model loads
     except (ConfigError, ValueError, OSError) as err:
         print(f"mmgrpo: config error: {' '.join(str(err).split())}", file=sys.stderr)

@@ -22,6 +22,33 @@ def shipped_weights_dir() -> Path:
     return Path(mmgrpo.data.__file__).resolve().parent / "weights"
 
 
+def shipped_configs_dir() -> Path:
+    """The folder of the experiment configs shipped inside the package (``mmgrpo/configs``; in an editable install
+    ``mmgrpo.configs`` maps to the repository's ``configs/``)."""
+    import mmgrpo.configs
+
+    return Path(mmgrpo.configs.__file__).resolve().parent
+
+
+def resolve_config(location: str) -> str:
+    """An experiment config's path: `location` itself when it is a file, else the shipped config of that name
+    (``t2i_shapes`` -> ``tiny/t2i_shapes.yaml``, ``sd3_5_medium_flow_grpo``, ``tiny/vlm_count.yaml``...).
+
+    Raises:
+        `FileNotFoundError`: neither; the message lists the shipped configs.
+    """
+    if Path(location).expanduser().is_file():
+        return location
+    root = shipped_configs_dir()
+    stem = location.removesuffix(".yaml")
+    for candidate in (root / f"{stem}.yaml", root / "tiny" / f"{stem}.yaml"):
+        if candidate.is_file():
+            return str(candidate)
+    names = sorted(p.relative_to(root).with_suffix("").as_posix().removeprefix("tiny/")
+                   for p in root.rglob("*.yaml") if p.parent.name != "accelerate")
+    raise FileNotFoundError(f"config {location!r} is neither a file nor a shipped config; shipped: {', '.join(names)}")
+
+
 def resolve_pretrained(location: str, key: str = "pretrained") -> str:
     """Turns a config's model location into what ``from_pretrained`` accepts, or raises a clear error.
 

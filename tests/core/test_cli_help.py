@@ -72,3 +72,16 @@ def test_argument_docs_reads_shared_and_continued_entries():
         "high": "the clip range, both ends.",
         "mode": 'one of\n- ``"a"``: first;\n- ``"b"``: second.',
     }
+
+
+def test_shipped_configs_run_by_name_from_any_folder(tmp_path, monkeypatch, capsys):
+    """``mmgrpo check t2i_shapes`` from a folder without the repository finds the config shipped with the package."""
+    monkeypatch.chdir(tmp_path)
+    assert cli.main(["check", "t2i_shapes", "train.max_steps=3"]) == 0
+    out = capsys.readouterr().out
+    assert "max_steps: 3" in out and out.rstrip().endswith("ok")
+    assert cli.main(["check", "tiny/vlm_count.yaml"]) == 0
+    capsys.readouterr()
+    assert cli.main(["check", "no_such_config"]) == 2
+    err = capsys.readouterr().err
+    assert "neither a file nor a shipped config" in err and "t2i_shapes" in err

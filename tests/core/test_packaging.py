@@ -1,6 +1,7 @@
-"""`pipelines/`, `rewards/` and `data/` install as `mmgrpo.pipelines`, `mmgrpo.rewards`, `mmgrpo.data`, never as
-top-level modules (those names belong to other PyPI distributions), in an editable install and in a wheel. The wheel
-ships the toy base models that configs name (``mmgrpo:<name>``) and no tiny test builder or training script."""
+"""`pipelines/`, `rewards/`, `data/` and `configs/` install as `mmgrpo.pipelines`, `mmgrpo.rewards`, `mmgrpo.data`,
+`mmgrpo.configs`, never as top-level modules (those names belong to other PyPI distributions), in an editable install
+and in a wheel. The wheel ships every config, the toy base models that configs name (``mmgrpo:<name>``) and no tiny
+test builder or training script."""
 
 import re
 import shutil
@@ -19,7 +20,7 @@ CHECK = (
     "    assert importlib.util.find_spec(name) is None, name\n"
     "print(mmgrpo.pipelines.__file__)\n"
 )
-SOURCES = ("pyproject.toml", "README.md", "mmgrpo", "pipelines", "rewards", "data")
+SOURCES = ("pyproject.toml", "README.md", "mmgrpo", "pipelines", "rewards", "data", "configs")
 
 
 def test_editable_install_maps_folders_into_namespace(tmp_path):
@@ -92,3 +93,10 @@ def test_wheel_ships_the_configured_toy_models_and_no_test_builder_or_training_s
         assert files <= names, f"mmgrpo:{name} files missing from the wheel: {sorted(files - names)}"
     shipped = {n.split("/")[3] for n in names if n.startswith("mmgrpo/data/weights/")}
     assert shipped == configured, f"shipped toy models no config uses: {sorted(shipped - configured)}"
+
+
+def test_wheel_ships_every_config_so_an_installed_mmgrpo_runs_them_by_name(wheel):
+    names = set(zipfile.ZipFile(wheel).namelist())
+    configs = {f"mmgrpo/configs/{p.relative_to(ROOT / 'configs').as_posix()}" for p in (ROOT / "configs").rglob("*.yaml")}
+    assert "mmgrpo/configs/tiny/t2i_shapes.yaml" in configs
+    assert configs <= names, f"configs missing from the wheel: {sorted(configs - names)}"
