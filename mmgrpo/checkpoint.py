@@ -9,6 +9,11 @@ code. The folder is written under a temporary name and renamed when complete, so
 previous checkpoint intact and loadable; a folder whose ``trainer_state.json`` is missing or not valid JSON is
 incomplete and never loaded.
 
+Under FSDP2 (``train.sharding: fsdp``, see [`mmgrpo.sharding`]) the same files are written: every process takes
+part in gathering the sharded weights, optimizer state and algorithm state, and the first one writes them whole.
+So a checkpoint resumes at any number of processes, sharded or not, and its ``weights/`` load in the stock
+libraries. (``torch.distributed.checkpoint`` was not used: its ``.metadata`` file is a pickle.)
+
 Checkpoints of older versions stored the same state as pickles (``optimizer.pt``, ``lr_scheduler.pt``,
 ``algorithm.pt``, ``rng_rank{r}.pt``), which can run arbitrary code when loaded: they are refused, with the command
 that converts them ([`convert_legacy`], ``mmgrpo convert-checkpoint DIR --trust-pickles``). Their weights are
@@ -27,7 +32,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from . import state_io
+from . import sharding, state_io
 from .state_io import load_state, save_state
 
 STATE_FILE = "trainer_state.json"
@@ -76,10 +81,12 @@ def complete_checkpoints(root: str | Path) -> list[Path]:
 
 
 def save(
-    accelerator, root: str | Path, step: int, policy, optimizer, lr_scheduler, state: dict, keep_last: int, algorithm=None
+    accelerator, root: str | Path, step: int, policy, optimizer, lr_scheduler, state: dict, keep_last: int,
+    algorithm=None, modules: list | None = None,
 ) -> Path:
     """Writes checkpoint `step` atomically from every process (rank 0 writes the shared parts), then deletes all but
-    the newest `keep_last` complete checkpoints (at least one is always kept: the one just written)."""
+    the newest `keep_last` complete checkpoints (at least one is always kept: the one just written). Sharded state
+    (of the prepared `modules`, the optimizer, the algorithm) is gathered whole for rank 0 first."""
     root = Path(root)
     final = root / f"{PREFIX}{step:07d}"
     tmp = root / f"{PREFIX}{step:07d}.tmp"
@@ -88,12 +95,18 @@ def save(
         tmp.mkdir(parents=True)
     accelerator.wait_for_everyone()
     save_state(rng_state(), tmp / rng_file(accelerator.process_index))
-    if accelerator.is_main_process:
-        policy.save_pretrained(str(tmp / WEIGHTS))
-        save_state(optimizer.state_dict(), tmp / OPTIMIZER_FILE)
+    main = accelerator.is_main_process
+    optimizer_state = sharding.full_tensors(optimizer.state_dict(), keep=main)  # every process: a shard each
+    has_state = algorithm is not None and algorithm.traits.has_state
+    algorithm_state = algorithm.state_dict() if has_state else None
+    with sharding.full_parameters(modules or [], here=main):
+        if main:
+            policy.save_pretrained(str(tmp / WEIGHTS))
+    if main:
+        save_state(optimizer_state, tmp / OPTIMIZER_FILE)
         save_state(lr_scheduler.state_dict(), tmp / SCHEDULER_FILE)
-        if algorithm is not None and algorithm.traits.has_state:
-            save_state(algorithm.state_dict(), tmp / ALGORITHM_FILE)
+        if has_state:
+            save_state(sharding.full_tensors(algorithm_state), tmp / ALGORITHM_FILE)
         _write_json(tmp / STATE_FILE, {"step": step, "format": FORMAT, **state})
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
@@ -168,17 +181,20 @@ def check_format(path: Path) -> dict:
     )
 
 
-def load(accelerator, path: Path, policy, optimizer, lr_scheduler, algorithm=None) -> dict:
-    """Restores weights, optimizer, LR schedule, the algorithm's own state and RNG states; returns the trainer state
-    (step, data position). Reads safetensors and JSON only."""
+def load(accelerator, path: Path, policy, optimizer, lr_scheduler, algorithm=None, weights: bool = True) -> dict:
+    """Restores weights (unless `weights` is false: they were loaded before sharding, see [`load_weights`]),
+    optimizer, LR schedule, the algorithm's own state and RNG states; returns the trainer state (step, data
+    position). Reads safetensors and JSON only. Every process reads the whole state and keeps its shard when the
+    parameters are sharded, whatever the number of processes that wrote it."""
     meta = check_format(path)
     has_state = algorithm is not None and algorithm.traits.has_state
     if has_state and not (path / ALGORITHM_FILE).is_file():
         raise FileNotFoundError(f"{path} has no {ALGORITHM_FILE}: it was written by a run of another algorithm.")
-    policy.load_trainable(str(path / WEIGHTS))
+    if weights:
+        policy.load_trainable(str(path / WEIGHTS))
     if has_state:
         algorithm.load_state_dict(load_state(path / ALGORITHM_FILE))
-    optimizer.load_state_dict(load_state(path / OPTIMIZER_FILE))
+    optimizer.load_state_dict(sharding.optimizer_to_layout(load_state(path / OPTIMIZER_FILE), optimizer))
     lr_scheduler.load_state_dict(load_state(path / SCHEDULER_FILE))
     rng = path / rng_file(accelerator.process_index)
     if rng.is_file():
@@ -186,12 +202,15 @@ def load(accelerator, path: Path, policy, optimizer, lr_scheduler, algorithm=Non
     return meta
 
 
-def load_weights(path: Path, policy) -> dict:
+def load_weights(path: Path, policy, modules: list | None = None, check: bool = False) -> dict:
     """Loads only the trainable weights of checkpoint `path` (current or older layout: both store weights as
-    safetensors) into `policy`; returns its metadata (``step``...). What evaluation needs, nothing more."""
-    meta = read_metadata(path)
+    safetensors) into `policy`; returns its metadata (``step``...). What evaluation needs, nothing more. The policy's
+    prepared `modules` must not be sharded yet (load before ``prepare``). `check`: refuse a checkpoint whose training
+    state is not in the current format first (see [`check_format`]), before a resume loads anything."""
+    meta = check_format(path) if check else read_metadata(path)
     if meta is None:
         raise ValueError(f"checkpoint {path} is incomplete: {STATE_FILE} is missing or torn.")
+    sharding.check_unsharded(modules or [], "load_weights")
     policy.load_trainable(str(path / WEIGHTS))
     return meta
 

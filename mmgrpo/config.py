@@ -49,8 +49,18 @@ class TrainConfig:
             learning rate at the last update; group-relative RL on small models tends to gain fast and then
             oscillate, and a decay keeps what was gained).
         min_lr_ratio (`float`): final learning rate of the cosine schedule, as a fraction of `learning_rate`.
+        prompt_sampling (`str`): ``"uniform"`` (a seeded shuffle per epoch) or ``"variance"`` (MMR1's variance-aware
+            sampling: prompts whose latest group had a high reward variance are drawn more often, see
+            [`~mmgrpo.prompt_stream.PromptStream`]; its state is checkpointed).
+        prompt_sampling_mix (`float`): under ``"variance"``, the share of draws by variance, in [0, 1); the rest are
+            uniform (the floor).
         max_grad_norm (`float`): gradient clipping.
-        mixed_precision (`str`): ``"no"``, ``"bf16"`` or ``"fp16"`` (accelerate).
+        mixed_precision (`str`): ``"no"``, ``"bf16"`` or ``"fp16"`` (accelerate's autocast; under ``sharding:
+            fsdp`` with several processes, ``bf16`` is FSDP2's mixed precision: bf16 compute, fp32 gradient reduction
+            and fp32 sharded weights, and ``fp16`` is refused).
+        sharding (`str`): how a multi-process run distributes the trained module: ``"ddp"`` (every process holds
+            all of it), ``"fsdp"`` (FSDP2: parameters, gradients and optimizer state sharded per transformer block)
+            or ``"none"`` (a single process; a multi-process launch is refused). One process is never sharded.
     """
 
     max_steps: int = 100
@@ -67,11 +77,17 @@ class TrainConfig:
     warmup_steps: int = 0
     lr_schedule: Literal["constant", "cosine"] = "constant"
     min_lr_ratio: float = 0.1
+    prompt_sampling: Literal["uniform", "variance"] = "uniform"
+    prompt_sampling_mix: float = 0.5
     max_grad_norm: float = 1.0
     mixed_precision: Literal["no", "bf16", "fp16"] = "no"
+    sharding: Literal["none", "ddp", "fsdp"] = "ddp"
 
     def __post_init__(self):
         check_fields(self)
+        if self.sharding == "fsdp" and self.mixed_precision == "fp16":
+            raise ConfigError("train.mixed_precision: fp16 does not combine with train.sharding: fsdp (sharded fp16 "
+                              "needs a sharded loss scaler): use bf16 (bf16 compute, fp32 reductions) or no.")
         for name in ("max_steps", "prompts_per_step", "group_size", "minibatch_size", "updates_per_step", "inner_epochs"):
             check_range(f"train.{name}", getattr(self, name), 1)
         check_range("train.max_seconds", self.max_seconds, 0, fix="0: no time limit")
@@ -86,6 +102,8 @@ class TrainConfig:
         check_range("train.adam_eps", self.adam_eps, 0, low_open=True)
         check_range("train.warmup_steps", self.warmup_steps, 0, fix="0: no warm-up")
         check_range("train.min_lr_ratio", self.min_lr_ratio, 0, 1)
+        check_range("train.prompt_sampling_mix", self.prompt_sampling_mix, 0, 1, high_open=True,
+                    fix="1 - mix is the share of uniform draws")
         check_range("train.max_grad_norm", self.max_grad_norm, 0, low_open=True, fix="1.0 is usual")
 
 

@@ -1,5 +1,9 @@
 """An exponential moving average of a policy's trainable parameters that can stand in for them (DGPO's fast-EMA
-"old" model), with a state dict for exact resume."""
+"old" model), with a state dict for exact resume.
+
+Under FSDP2 (``train.sharding: fsdp``) the parameters are sharded DTensors and so is the shadow: each process
+averages its own shard. The state dict holds the full tensors (every process calls it: each shadow tensor is
+gathered), so a run resumes at any number of processes."""
 
 from __future__ import annotations
 
@@ -7,12 +11,15 @@ import contextlib
 
 import torch
 
+from . import sharding
+
 
 class ParameterEMA:
     """Shadow copies ``s <- decay * s + (1 - decay) * p`` of a list of parameters.
 
-    The shadow is created from the parameters on first use (so on their device, after ``prepare``), or restored by
-    [`~ParameterEMA.load_state_dict`].
+    The shadow is created from the parameters on first use (so on their device and in their layout, after
+    ``prepare``), or restored by [`~ParameterEMA.load_state_dict`] (full tensors, put in the parameters' layout, a
+    shard of each when they are sharded, on first use).
     """
 
     def __init__(self):
@@ -23,7 +30,7 @@ class ParameterEMA:
             self.shadow = [p.detach().clone() for p in parameters]
         if len(self.shadow) != len(parameters):
             raise ValueError(f"The EMA holds {len(self.shadow)} tensors but the policy has {len(parameters)}.")
-        self.shadow = [s.to(p.device) for s, p in zip(self.shadow, parameters)]
+        self.shadow = [s if sharding.is_sharded(s) else sharding.like(s, p) for s, p in zip(self.shadow, parameters)]
         return self.shadow
 
     @torch.no_grad()
@@ -50,7 +57,10 @@ class ParameterEMA:
                     param.copy_(value)
 
     def state_dict(self) -> dict:
-        return {"shadow": None if self.shadow is None else [s.detach().cpu() for s in self.shadow]}
+        """``{"shadow": [full tensors on the CPU] or None}``; with sharded parameters every process must call it."""
+        if self.shadow is None:
+            return {"shadow": None}
+        return {"shadow": [sharding.full_tensors(s.detach()).cpu() for s in self.shadow]}
 
     def load_state_dict(self, state: dict) -> None:
         self.shadow = None if state["shadow"] is None else [s.clone() for s in state["shadow"]]

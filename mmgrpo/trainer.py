@@ -5,7 +5,8 @@ Per step: next prompt batch repeated `G` times with global group ids -> this pro
 process -> the reward's ``group_stage`` on the whole batch, if it has one ([`gather_rewards`]) ->
 ``algorithm.advantages`` -> for each inner epoch and minibatch, each trained unit is scored (``policy.log_prob`` or
 ``policy.likelihood``, as ``algorithm.scoring`` says; see [`score_unit`]), passed to ``algorithm.loss`` and
-back-propagated, then clipped and stepped. Distribution is accelerate's.
+back-propagated, then clipped and stepped. Distribution: accelerate's DDP, or FSDP2 applied by mmgrpo
+(``train.sharding``, see [`mmgrpo.sharding`]).
 
 Skip rules (decided on the batch gathered from every process, so all processes agree):
 
@@ -30,6 +31,7 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import os
 import time
 from pathlib import Path
 
@@ -37,7 +39,7 @@ import torch
 from accelerate.utils import gather_object
 from tqdm.auto import tqdm
 
-from . import checkpoint, registry
+from . import checkpoint, registry, sharding
 from .advantages import groups_with_signal
 from .config import ExperimentConfig
 from .evaluation import process_share, sample_and_score
@@ -101,11 +103,13 @@ def make_accelerator(config: ExperimentConfig):
     """An `Accelerator` that also works on CPU-only machines under torchrun (accelerate needs ``cpu=True`` there)."""
     from accelerate import Accelerator
 
+    # under FSDP2, bf16 is the sharded modules' MixedPrecisionPolicy (mmgrpo.sharding), not accelerate's autocast
+    fsdp = config.train.sharding == "fsdp" and int(os.environ.get("WORLD_SIZE", "1")) > 1
     # step_scheduler_with_optimizer=False: the schedule counts optimizer updates, which are global (one per update on
     # every rank); accelerate's default would step it once per process, i.e. world-size times too fast.
     return Accelerator(
         cpu=not torch.cuda.is_available(),
-        mixed_precision=config.train.mixed_precision,
+        mixed_precision="no" if fsdp else config.train.mixed_precision,
         step_scheduler_with_optimizer=False,
     )
 
@@ -132,6 +136,7 @@ class Trainer:
                 "processes: make it a multiple of the number of processes."
             )
         self.local_n = global_n // self.world
+        self.sharding = sharding.check_world(config.train.sharding, self.world)
         self.output_dir = Path(config.output_dir)
         if acc.is_main_process:
             self.output_dir.mkdir(parents=True, exist_ok=True)
@@ -143,17 +148,23 @@ class Trainer:
         self.policy, self.algorithm, self.reward, self.data = build_components(config)
         self.group_stage = self.reward.group_stage  # the reward's stage after the gather, or None (see RewardFn)
         self.eval_items = self.data.eval_items()
+        resume = config.checkpoint.resume_from and checkpoint.resolve(config.checkpoint.resume_from, self.output_dir
+                                                                      / "checkpoints")
+        if resume:  # the whole weights, on every process, before sharding splits them (format checked first)
+            checkpoint.load_weights(resume, self.policy, check=True)
+        self.wrapped = sharding.prepare(self.policy, acc, self.sharding, config.train.mixed_precision)
+        # after prepare: sharding replaces the parameters by their shards
         self.optimizer, self.lr_scheduler = build_optimizer(self.policy.trainable_parameters(), config.train)
-        self.wrapped = self.policy.prepare(acc)
         self.optimizer, self.lr_scheduler = acc.prepare(self.optimizer, self.lr_scheduler)
-        self.stream = PromptStream(self.data.train_items(), seed=config.seed)
+        self.stream = PromptStream(self.data.train_items(), seed=config.seed, sampling=config.train.prompt_sampling,
+                                   mix=config.train.prompt_sampling_mix)
         self.log = MetricsLog(self.output_dir, enabled=acc.is_main_process)
         self.step = 0
         self.skipped_updates = 0
         self.train_seconds = 0.0  # wall-clock time of training steps only (what train.max_seconds limits)
         self._eval_mark = 0.0  # train_seconds at the last evaluation
-        if config.checkpoint.resume_from:
-            self._resume(config.checkpoint.resume_from)
+        if resume:
+            self._resume(resume)
 
     # ------------------------------------------------------------------------------------------------- the loop
     def train(self) -> dict:
@@ -214,6 +225,8 @@ class Trainer:
         rollout = self.policy.sample(local, plan, generator=generator)
         whole, all_groups, advantages = self.global_advantages(self.reward(rollout.outputs, local), rollout.group_ids)
         all_scores = whole.scores.float()  # [N] after the reward's group stage
+        if self.stream.adaptive:  # variance-aware sampling reads back each prompt's group rewards (batch order)
+            self.stream.observe(all_scores, batch.group_ids - (self.step - 1) * cfg.train.prompts_per_step)
         local_adv = self._this_process(advantages, len(local))
         metrics = self._reward_metrics(all_scores, all_groups, whole.components)
         with_signal, rewarded = groups_with_signal(advantages, all_groups), torch.isfinite(all_scores)  # [N], [N]
@@ -286,7 +299,7 @@ class Trainer:
                     self.skipped_updates += 1  # no sample of this update is scored on any process
                     continue
                 passes += self._accumulate(rollout, plan.train_units, group, mine, advantages)
-                grad_norm = self.accelerator.clip_grad_norm_(self.policy.trainable_parameters(), cfg.max_grad_norm)
+                grad_norm = sharding.clip(self.accelerator, self.sharding, self.policy.trainable_parameters(), cfg)
                 if not torch.isfinite(torch.as_tensor(grad_norm)):
                     self.skipped_updates += 1  # a NaN/inf loss or gradient never reaches the weights
                     self.optimizer.zero_grad(set_to_none=True)
@@ -411,17 +424,18 @@ class Trainer:
     # ------------------------------------------------------------------------------------------- checkpoints
     def save(self) -> Path:
         state = {"data_position": self.stream.position, "skipped_updates": self.skipped_updates,
-                 "train_seconds": self.train_seconds}
+                 "train_seconds": self.train_seconds, "prompt_stream": self.stream.state_dict()}
         return checkpoint.save(
             self.accelerator, self.output_dir / "checkpoints", self.step, self.policy, self.optimizer,
-            self.lr_scheduler, state, self.config.checkpoint.keep_last, algorithm=self.algorithm,
+            self.lr_scheduler, state, self.config.checkpoint.keep_last, algorithm=self.algorithm, modules=self.wrapped,
         )
 
-    def _resume(self, resume_from: str) -> None:
-        path = checkpoint.resolve(resume_from, self.output_dir / "checkpoints")
-        state = checkpoint.load(self.accelerator, path, self.policy, self.optimizer, self.lr_scheduler, self.algorithm)
+    def _resume(self, path: Path) -> None:
+        """Restores the training state of checkpoint `path` (its weights were loaded before ``prepare``)."""
+        state = checkpoint.load(self.accelerator, path, self.policy, self.optimizer, self.lr_scheduler, self.algorithm,
+                                weights=False)
         self.step = state["step"]
-        self.stream.position = state["data_position"]
+        self.stream.load_state_dict(state.get("prompt_stream", {"position": state["data_position"]}))
         self.skipped_updates = state["skipped_updates"]
         self.train_seconds = self._eval_mark = state.get("train_seconds", 0.0)  # absent in older checkpoints
         self.log.truncate_after(self.step)
@@ -430,7 +444,7 @@ class Trainer:
         """Loads only the trainable weights of a checkpoint (a folder, or ``"latest"`` under this run's output_dir)
         and takes its step: what [`evaluate`] needs. Optimizer, schedule, RNG and algorithm states are not read."""
         path = checkpoint.resolve(checkpoint_dir, self.output_dir / "checkpoints")
-        self.step = checkpoint.load_weights(path, self.policy)["step"]
+        self.step = checkpoint.load_weights(path, self.policy, modules=self.wrapped)["step"]
 
     def _finish(self) -> dict:
         summary = {"steps": self.step, "skipped_updates": self.skipped_updates, "train_seconds": round(self.train_seconds, 3)}

@@ -1,0 +1,163 @@
+"""FSDP2 (``train.sharding: fsdp``) on two CPU processes under torchrun and gloo against one process, on the same
+rollouts and advantages (see `fsdp_worker.py`): the same losses and, within fp32 tolerance, the same weights after
+several updates, for a flow pipeline (sd3), `qwen_vl` and `mdlm`, LoRA and full fine-tuning; with the reference
+policy (adapter off / frozen copy, through a KL term), DGPO's fast-EMA old model, global gradient clipping (an
+active clip: a per-process norm would scale differently) and the NaN-skip rule; evaluation and sample writing on
+rank 0; checkpoints resumed at the other world size (2 -> 1 and 1 -> 2) whose weights load in stock diffusers.
+
+fp32 tolerance: the sharded run reduces gradients in another order (reduce-scatter of per-process sums), so
+weights agree to ``atol=2e-5`` after the updates, not bitwise; losses and metrics to ``rel=1e-4`` (``abs=1e-6``
+for the small KL terms).
+"""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+WORKER = Path(__file__).with_name("fsdp_worker.py")
+ENV = {"ACCELERATE_USE_CPU": "true", "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+WEIGHT_ATOL, LOSS_REL, LOSS_ABS = 2e-5, 1e-4, 1e-6
+
+
+def sd3_config(root: Path, pretrained: str, world: int, *, lora: bool, algorithm: dict) -> dict:
+    root.mkdir(parents=True, exist_ok=True)
+    prompts = root / "prompts.txt"
+    prompts.write_text("a red circle\na blue square\na green triangle\n")
+    return {
+        "output_dir": str(root / "run"), "seed": 0,
+        "pipeline": {"name": "sd3", "pretrained": pretrained, "resolution": 32, "num_steps": 3, "guidance_scale": 1.0,
+                     "lora_rank": 4 if lora else 0, "max_sequence_length": 16},
+        "algorithm": algorithm,
+        "reward": {"name": "jpeg"},
+        "data": {"name": "prompt_file", "train_file": str(prompts), "eval_file": str(prompts)},
+        "train": {"max_steps": 3, "prompts_per_step": 2, "group_size": 2, "minibatch_size": 4 // world,
+                  "learning_rate": 1e-2 if lora else 1e-3, "max_grad_norm": 0.05, "sharding": "fsdp"},
+        "eval": {"every": 0, "num_prompts": 2, "metric": "jpeg_kb"},
+        "checkpoint": {"every": 0},
+    }
+
+
+def qwen_vl_config(root: Path, pretrained: str, world: int, *, lora: bool) -> dict:
+    return {
+        "output_dir": str(root / "run"), "seed": 0,
+        "pipeline": {"name": "qwen_vl", "pretrained": pretrained, "max_new_tokens": 6, "lora_rank": 4 if lora else 0,
+                     "lora_alpha": 8},
+        "algorithm": {"name": "grpo", "kl_beta": 0.04},
+        "reward": {"name": "format"},
+        "data": {"name": "vlm_shapes", "tasks": ["count"], "n_train": 8, "n_eval": 2},
+        "train": {"max_steps": 3, "prompts_per_step": 2, "group_size": 2, "minibatch_size": 4 // world,
+                  "learning_rate": 1e-2 if lora else 1e-3, "max_grad_norm": 0.05, "sharding": "fsdp"},
+        "eval": {"every": 0, "num_prompts": 2, "metric": "score"},
+        "checkpoint": {"every": 0},
+    }
+
+
+def mdlm_config(root: Path, pretrained: str, world: int, *, lora: bool) -> dict:
+    return {
+        "output_dir": str(root / "run"), "seed": 0,
+        "pipeline": {"name": "mdlm", "pretrained": pretrained, "gen_length": 8, "block_length": 4,
+                     "steps_per_block": 2, "lora_rank": 4 if lora else 0, "lora_alpha": 8},
+        "algorithm": {"name": "cj_grpo", "kl_beta": 0.04},
+        "reward": {"name": "accuracy", "mode": "numeric"},
+        "data": {"name": "arith", "digits": 1, "n_train": 8, "n_eval": 2},
+        "train": {"max_steps": 3, "prompts_per_step": 2, "group_size": 2, "minibatch_size": 4 // world,
+                  "learning_rate": 1e-2 if lora else 1e-3, "max_grad_norm": 0.05, "sharding": "fsdp"},
+        "eval": {"every": 0, "num_prompts": 2, "metric": "score"},
+        "checkpoint": {"every": 0},
+    }
+
+
+def run_worker(tmp_path: Path, tag: str, world: int, cases: dict) -> dict:
+    """Runs `cases` in `world` processes (torchrun for 2) and returns the rank-0 result per case."""
+    spec = tmp_path / f"spec_{tag}.json"
+    spec.write_text(json.dumps({"tag": tag, "cases": cases}))
+    launch = [sys.executable]
+    if world > 1:
+        launch += ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(world)]
+    proc = subprocess.run(launch + [str(WORKER), str(spec), str(tmp_path)], capture_output=True, text=True,
+                          timeout=900, env=dict(os.environ, **ENV))
+    first = proc.stderr.find("Traceback")  # the worker's own error, before torchrun's summary
+    assert proc.returncode == 0, proc.stderr[first : first + 5000] if first >= 0 else proc.stderr[-5000:]
+    return json.loads((tmp_path / f"result_{tag}.json").read_text())
+
+
+def weights(tmp_path: Path, name: str, tag: str) -> torch.Tensor:
+    return load_file(str(tmp_path / f"{name}_{tag}.safetensors"))["weights"]
+
+
+def flow_grpo(kl_beta: float = 0.01) -> dict:
+    return {"name": "flow_grpo", "kl_beta": kl_beta}
+
+
+def assert_same_run(one: dict, two: dict, w_one: torch.Tensor, w_two: torch.Tensor) -> None:
+    """Same update metrics step by step (losses, KL, global gradient norm) and weights within fp32 tolerance."""
+    assert one["steps"].keys() == two["steps"].keys() and one["steps"]
+    for step, metrics in one["steps"].items():
+        assert metrics.keys() == two["steps"][step].keys()
+        for key, value in metrics.items():
+            assert two["steps"][step][key] == pytest.approx(value, rel=LOSS_REL, abs=LOSS_ABS, nan_ok=True), (step, key)
+    torch.testing.assert_close(w_two, w_one, rtol=0, atol=WEIGHT_ATOL)
+    # not vacuous: training moved the weights far beyond the tolerance
+    assert one["max_move"] > 100 * WEIGHT_ATOL and two["max_move"] > 100 * WEIGHT_ATOL
+
+
+def test_fsdp_sd3_lora_matches_one_process_and_resumes_across_world_sizes(tmp_path, tiny_sd3_dir):
+    """sd3 LoRA, Flow-GRPO with a KL term (reference = adapter off): 2 FSDP processes vs 1 over 3 updates, the second
+    with a NaN advantage on the last process's last sample (skipped everywhere: the norm is global); the checkpoint
+    written after it resumes at the other world size (1 -> 2 and 2 -> 1) to the same third update; the consolidated
+    LoRA file loads in diffusers; evaluation runs sharded and rank 0 writes the per-prompt scores and samples."""
+    def case(tag, world, **extra):
+        config = sd3_config(tmp_path / tag, tiny_sd3_dir, world, lora=True, algorithm=flow_grpo())
+        config["train"]["inner_epochs"] = 2  # the second epoch's losses depend on the updated weights
+        return {"config": config, "steps": 3, "save_at": 2, "nan_step": 2, **extra}
+
+    def resumed(tag, world, checkpoint):
+        run = case(tag, world)
+        run["config"]["checkpoint"]["resume_from"] = checkpoint
+        return run
+
+    one = run_worker(tmp_path, "w1", 1, {"sd3": case("w1", 1)})["sd3"]
+    two = run_worker(tmp_path, "w2", 2, {"sd3": case("w2", 2, evaluate=True),
+                                         "from1": resumed("w2r", 2, one["checkpoint"])})
+    back = run_worker(tmp_path, "w1r", 1, {"from2": resumed("w1r", 1, two["sd3"]["checkpoint"])})["from2"]
+    assert one["world"] == 1 and not one["sharded"]
+    assert two["sd3"]["world"] == 2 and two["sd3"]["sharding"] == "fsdp" and two["sd3"]["sharded"]
+    # the NaN step was skipped on both processes and left the weights as they were; the one process skipped it too
+    assert two["sd3"]["nan_step_unchanged"] and one["nan_step_unchanged"]
+    assert two["sd3"]["skipped_updates"] == one["skipped_updates"] == 2  # 2 inner epochs, 1 update each
+    assert "train/grad_norm" not in two["sd3"]["steps"]["2"]
+    assert max(two["sd3"]["steps"][s]["train/grad_norm"] for s in ("1", "3")) > 0.05  # clipping was active
+    assert_same_run(one, two["sd3"], weights(tmp_path, "sd3", "w1"), weights(tmp_path, "sd3", "w2"))
+    # resumed at the other world size: only step 3 is run, from the other run's checkpoint, to the same weights
+    assert two["from1"]["start"] == back["start"] == 2 and list(back["steps"]) == ["3"]
+    third = {**one, "steps": {"3": one["steps"]["3"]}}
+    assert_same_run(third, two["from1"], weights(tmp_path, "sd3", "w1"), weights(tmp_path, "from1", "w2"))
+    assert_same_run(third, back, weights(tmp_path, "sd3", "w1"), weights(tmp_path, "from2", "w1r"))
+    # the checkpoint holds no pickle, and the LoRA file rank 0 consolidated loads in stock diffusers
+    ckpt = Path(two["sd3"]["checkpoint"])
+    assert not [p for p in ckpt.rglob("*") if p.suffix in (".pt", ".bin", ".pkl", ".metadata")]
+    from diffusers import SD3Transformer2DModel
+
+    mine = load_file(str(ckpt / "weights" / "pytorch_lora_weights.safetensors"))
+    other = load_file(str(Path(one["checkpoint"]) / "weights" / "pytorch_lora_weights.safetensors"))
+    assert mine.keys() == other.keys() and len(mine) > 0
+    for key in mine:
+        torch.testing.assert_close(mine[key], other[key], rtol=0, atol=WEIGHT_ATOL)
+    model = SD3Transformer2DModel.from_pretrained(tiny_sd3_dir, subfolder="transformer")
+    model.load_lora_adapter(str(ckpt / "weights"), prefix="transformer", weight_name="pytorch_lora_weights.safetensors")
+    loaded = {k: v for k, v in model.state_dict().items() if "lora_" in k}
+    assert len(loaded) == len(mine)
+    for key, value in mine.items():
+        name = key.removeprefix("transformer.").replace(".weight", ".default_0.weight")
+        torch.testing.assert_close(loaded[name], value, rtol=0, atol=0)
+    # sharded evaluation: both processes sampled their held-out prompt, rank 0 wrote the scores and samples
+    rows = json.loads((tmp_path / "w2" / "run" / "eval" / "step_00099.json").read_text())
+    assert sorted(r["prompt"] for r in rows) == ["a blue square", "a red circle"]
+    assert list((tmp_path / "w2" / "run" / "samples").glob("*.png"))
+    assert two["sd3"]["eval"]["eval/jpeg_kb"] == pytest.approx(sum(r["jpeg_kb"] for r in rows) / 2, rel=1e-6)
