@@ -14,7 +14,10 @@ text (component ``tagged`` says which; ``require_tag=True`` scores untagged answ
 - ``"choice"``: the option letter (``B``, ``(B)``, ``B. text``, ``the answer is B``, or the text of an option listed in
   ``metadata["choices"]``, options in order A, B, C...).
 - ``"math"``: equal as simple math (``\\frac{1}{2}`` = ``0.5``, ``2x + x`` = ``3x``, ``x = 5`` = ``5``): a whitelisted
-  parse into sympy (see `_math.py`; nothing is eval-ed), exact match first.
+  parse into sympy (see `_math.py`; nothing is eval-ed), exact match first. With ``math_backend: math_verify`` the
+  comparison is Hugging Face's `math_verify` instead (an optional extra, ``pip install "mmgrpo[math]"``), which also
+  compares intervals (``[1, 2)``), sets (``\\{1, 2\\}`` = ``\\{2, 1\\}``), unordered tuples and inequalities; both
+  sides are then capped at 200 characters (its own timeouts rely on signals, which reward-server threads lack).
 - ``"auto"``: choice when the sample lists ``choices`` or the truth is one letter, numeric when it is a plain number,
   math when it has digits or LaTeX and parses, else exact.
 
@@ -40,6 +43,7 @@ from mmgrpo.types import PromptBatch, RewardResult
 from mmgrpo.validation import check_fields, check_range, check_text
 
 MODES = ("auto", "exact", "numeric", "choice", "math")
+MATH_VERIFY_MAX_CHARS = 200  # longer math answers are not given to math_verify (bounded work without its timeouts)
 # white space, a number, white space, a % and white space, each optional, with no two `\s*` able to share a run
 _PLAIN_NUMBER = re.compile(r"\s*(?:(?=[-+\d.eE])[-+]?(\d{1,3}(,\d{3})+|\d+)?(\.\d+)?([eE][-+]?\d+)?\s*)?(?:%\s*)?")
 _LETTER_ONLY = re.compile(r"\s*\(?([A-Za-z])\)?[.:)]?\s*")
@@ -67,6 +71,23 @@ def choice_letter(text: str, choices: list[str] | None = None) -> str | None:
     return parens[-1] if parens else None
 
 
+def verified_equal(answer: str, truth: str) -> float | None:
+    """1.0 / 0.0 by `math_verify` (both sides read as LaTeX math), None when the answer has no math in it or is longer
+    than ``MATH_VERIFY_MAX_CHARS``."""
+    import logging
+
+    from math_verify import parse, verify
+
+    logging.getLogger("math_verify").setLevel(logging.ERROR)  # it warns on every call that its timeouts are off
+    if len(answer) > MATH_VERIFY_MAX_CHARS or len(truth) > MATH_VERIFY_MAX_CHARS:
+        return None
+    got = parse(f"${answer}$", parsing_timeout=None)
+    if not got:
+        return None
+    expected = parse(f"${truth}$", parsing_timeout=None)
+    return float(bool(expected) and verify(expected, got, timeout_seconds=None))
+
+
 @dataclass
 class AccuracyConfig:
     """Configuration of [`AccuracyReward`] (see the module docstring for the modes).
@@ -85,6 +106,8 @@ class AccuracyConfig:
         max_completion_chars (`int`, *optional*, defaults to 16384): each text is cut to this many characters
             before parsing (component ``truncated``); 0 or None: no cut (the parsers are linear; sympy only ever
             sees short answers).
+        math_backend (`str`, defaults to `"builtin"`): ``"builtin"`` (the whitelisted sympy parse, no dependency) or
+            ``"math_verify"`` (Hugging Face's `math_verify`, ``pip install "mmgrpo[math]"``) for the math mode.
     """
 
     mode: Literal["auto", "exact", "numeric", "choice", "math"] = "auto"
@@ -97,9 +120,16 @@ class AccuracyConfig:
     atol: float = 1e-8
     fuzzy_width: float = 0.0
     max_completion_chars: int | None = MAX_COMPLETION_CHARS
+    math_backend: Literal["builtin", "math_verify"] = "builtin"
 
     def __post_init__(self):
         check_fields(self)  # types; floats finite
+        if self.math_backend == "math_verify":
+            try:
+                import math_verify  # noqa: F401
+            except ImportError as err:
+                raise ValueError('reward.math_backend: math_verify is not installed: pip install "mmgrpo[math]", '
+                                 'or use the builtin backend') from err
         for key in ("rtol", "atol", "fuzzy_width"):
             check_range(key, getattr(self, key), 0, fix="give a finite tolerance >= 0 (0 for exact)")
         check_text("answer_key", self.answer_key)
@@ -125,7 +155,7 @@ class AccuracyReward:
         return (found.strip(), True) if found is not None else (text.strip(), False)
 
     @staticmethod
-    def resolve_mode(truth: str, metadata: dict, mode: str) -> str:
+    def resolve_mode(truth: str, metadata: dict, mode: str, math_backend: str = "builtin") -> str:
         mode = metadata.get("answer_type", mode)
         if mode not in MODES:
             raise ValueError(f"accuracy: metadata['answer_type']={mode!r} is not one of {MODES}.")
@@ -135,7 +165,7 @@ class AccuracyReward:
             return "choice"
         if _PLAIN_NUMBER.fullmatch(truth) and _math.parse_number(truth) is not None:
             return "numeric"
-        if re.search(r"[\d\\]", truth) and _math.parse_math(truth) is not None:
+        if re.search(r"[\d\\]", truth) and (math_backend == "math_verify" or _math.parse_math(truth) is not None):
             return "math"
         return "exact"
 
@@ -160,6 +190,8 @@ class AccuracyReward:
             return max(0.0, 1.0 - error / cfg.fuzzy_width) if cfg.fuzzy_width > 0 else 0.0
         if _math.normalize_text(answer) == _math.normalize_text(truth):
             return 1.0
+        if cfg.math_backend == "math_verify":
+            return verified_equal(answer, truth)
         got = _math.parse_math(answer)  # parsed once: a long answer costs one linear pass
         if got is None:
             return None
@@ -177,7 +209,8 @@ class AccuracyReward:
         best, malformed = 0.0, True
         for truth in truths if isinstance(truths, (list, tuple)) else [truths]:
             truth = str(truth)
-            value = self.compare(answer, truth, self.resolve_mode(truth, metadata, self.config.mode), metadata)
+            mode = self.resolve_mode(truth, metadata, self.config.mode, self.config.math_backend)
+            value = self.compare(answer, truth, mode, metadata)
             if value is not None:
                 best, malformed = max(best, value), False
         return {"score": best, "malformed": float(malformed), "tagged": float(tagged)}
