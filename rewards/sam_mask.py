@@ -16,8 +16,8 @@ policy stays a `qwen_vl` text policy with its tested replay and prefix sharing; 
 pipeline would put a second model in every policy process and a new output modality through every algorithm.
 
 **One image embedding per group.** The `G` completions of a prompt share its image: SAM's image encoder runs once per
-distinct image of a batch (samples are keyed by their global group id, else by the image's path or object), in one
-batched call; prompt encoding and mask decoding run batched over every (sample, box) pair, each pair indexing its
+distinct image of a batch (samples are keyed by the image's path, else by their global group id, else by the image
+object), in one batched call; prompt encoding and mask decoding run batched over every (sample, box) pair, each pair indexing its
 image's embedding; low-resolution masks are up-sampled to the original image with the processor's
 ``post_process_masks``.
 
@@ -154,11 +154,12 @@ class SamMask:
         return values[0] if values else None
 
     def _key(self, batch: PromptBatch, i: int):
-        """Samples with the same key share one image (and one SAM embedding): the global group, else the image."""
-        if batch.group_ids is not None:
-            return "group", int(batch.group_ids[i])
+        """Samples with the same key share one image (and one SAM embedding): the image's path, else the global
+        group (images decoded by a server are distinct objects), else the image object."""
         first = self._source(batch, i)
-        return ("path", first) if isinstance(first, str) else ("object", id(first))
+        if isinstance(first, str):
+            return "path", first
+        return ("group", int(batch.group_ids[i])) if batch.group_ids is not None else ("object", id(first))
 
     @torch.no_grad()
     def embed(self, images: list) -> Any:

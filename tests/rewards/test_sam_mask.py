@@ -53,6 +53,16 @@ def test_one_image_embedding_per_group(reward):
         assert torch.isfinite(result.scores).all()
 
 
+def test_prompts_on_one_image_path_share_its_embedding(reward, tmp_path):
+    _image(3).save(tmp_path / "scene.png")
+    truth = torch.zeros(60, 80, dtype=torch.bool)
+    batch = PromptBatch(["a", "b", "c"], metadata=[{"mask": truth}] * 3,
+                        conditions={"images": [[str(tmp_path / "scene.png")]] * 3}).repeat(2)
+    reward.encoded.clear()
+    reward({"texts": [TEXTS[0]] * 6}, batch)
+    assert reward.encoded == [1]  # three groups asking about one image file: one embedding
+
+
 def test_batched_decoding_equals_decoding_each_sample_alone(reward):
     batch = _batch(4, images=2)
     outputs = {"texts": [TEXTS[i % 4] for i in range(len(batch))]}
