@@ -129,7 +129,11 @@ def main() -> None:
     rng = random.Random(args.seed)
     output = Path(args.output)
     output.mkdir(parents=True, exist_ok=True)
-    model = Sam2Model(tiny_sam2_config(args.side)).train()
+    config = tiny_sam2_config(args.side)
+    # answer with the single-mask token it is trained on: with the default dynamic selection, an evaluation falls back
+    # to SAM's untrained multimask tokens whenever the single mask is judged unstable
+    config.mask_decoder_config.dynamic_multimask_via_stability = False
+    model = Sam2Model(config).train()
     processor = Sam2Processor(image_processor=Sam2ImageProcessor(size={"height": args.side, "width": args.side}))
     train = targets(0, args.scenes, args.size)
     held_out = targets(500_000, args.eval_scenes, args.size)  # the seg_shapes held-out scene indices
