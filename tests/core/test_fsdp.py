@@ -6,8 +6,8 @@ active clip: a per-process norm would scale differently) and the NaN-skip rule; 
 rank 0; checkpoints resumed at the other world size (2 -> 1 and 1 -> 2) whose weights load in stock diffusers.
 
 fp32 tolerance: the sharded run reduces gradients in another order (reduce-scatter of per-process sums), so
-weights agree to ``atol=2e-5`` after the updates, not bitwise; losses and metrics to ``rel=1e-4`` (``abs=1e-6``
-for the small KL terms).
+weights agree to ``atol=5e-5`` after the updates (measured: at most 1.9e-5, while Adam moved them by 4e-3 to
+4e-2), not bitwise; losses and metrics to ``rel=1e-4`` (``abs=1e-6`` for the small KL terms).
 """
 
 import json
@@ -22,7 +22,7 @@ from safetensors.torch import load_file
 
 WORKER = Path(__file__).with_name("fsdp_worker.py")
 ENV = {"ACCELERATE_USE_CPU": "true", "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
-WEIGHT_ATOL, LOSS_REL, LOSS_ABS = 2e-5, 1e-4, 1e-6
+WEIGHT_ATOL, LOSS_REL, LOSS_ABS = 5e-5, 1e-4, 1e-6
 
 
 def sd3_config(root: Path, pretrained: str, world: int, *, lora: bool, algorithm: dict) -> dict:
@@ -104,14 +104,38 @@ def assert_same_run(one: dict, two: dict, w_one: torch.Tensor, w_two: torch.Tens
             assert two["steps"][step][key] == pytest.approx(value, rel=LOSS_REL, abs=LOSS_ABS, nan_ok=True), (step, key)
     torch.testing.assert_close(w_two, w_one, rtol=0, atol=WEIGHT_ATOL)
     # not vacuous: training moved the weights far beyond the tolerance
-    assert one["max_move"] > 100 * WEIGHT_ATOL and two["max_move"] > 100 * WEIGHT_ATOL
+    assert one["max_move"] > 50 * WEIGHT_ATOL and two["max_move"] > 50 * WEIGHT_ATOL
 
 
-def test_fsdp_sd3_lora_matches_one_process_and_resumes_across_world_sizes(tmp_path, tiny_sd3_dir):
-    """sd3 LoRA, Flow-GRPO with a KL term (reference = adapter off): 2 FSDP processes vs 1 over 3 updates, the second
-    with a NaN advantage on the last process's last sample (skipped everywhere: the norm is global); the checkpoint
-    written after it resumes at the other world size (1 -> 2 and 2 -> 1) to the same third update; the consolidated
-    LoRA file loads in diffusers; evaluation runs sharded and rank 0 writes the per-prompt scores and samples."""
+DGPO = {"name": "dgpo", "trunc_steps": 1, "num_train_timesteps": 2, "ema_decay_rate": 0.1}
+CASES = {  # name -> (builder, its fixture, options): each trains 2 steps of 2 inner epochs
+    "sd3_full": (sd3_config, "tiny_sd3_dir", {"lora": False, "algorithm": flow_grpo()}),  # reference: frozen copy
+    "sd3_dgpo": (sd3_config, "tiny_sd3_dir", {"lora": True, "algorithm": DGPO}),  # the fast-EMA old model
+    "qwen_vl_lora": (qwen_vl_config, "tiny_qwen2_vl_dir", {"lora": True}),  # prefix-shared group forward, KL
+    "qwen_vl_full": (qwen_vl_config, "tiny_qwen2_vl_dir", {"lora": False}),
+    "mdlm_lora": (mdlm_config, "tiny_mdlm_dir", {"lora": True}),  # step-by-step masked-diffusion backward, KL
+    "mdlm_full": (mdlm_config, "tiny_mdlm_dir", {"lora": False}),
+}
+IN_CI = ("qwen_vl_lora", "mdlm_full")  # trained beside the sd3 LoRA test's runs; the others are marked slow
+
+
+def pipeline_cases(request, root: Path, world: int, names) -> dict:
+    """The worker cases `names` of `CASES` for `world` processes, under `root`."""
+    cases = {}
+    for name in names:
+        builder, fixture, options = CASES[name]
+        config = builder(root / f"{name}_w{world}", request.getfixturevalue(fixture), world, **options)
+        config["train"]["inner_epochs"] = 2  # the second epoch's losses depend on the updated weights
+        cases[name] = {"config": config, "steps": 2}
+    return cases
+
+
+def test_fsdp_sd3_lora_matches_one_process_and_resumes_across_world_sizes(request, tmp_path, tiny_sd3_dir):
+    """`qwen_vl` LoRA and `mdlm` full fine-tuning as in [`test_fsdp_matches_one_process`]; sd3 LoRA, Flow-GRPO
+    with a KL term (reference = adapter off): 2 FSDP processes vs 1 over 3 steps, the second with a NaN advantage on
+    the last process's last sample (skipped everywhere: the norm is global); the checkpoint written after it resumes
+    at the other world size (1 -> 2 and 2 -> 1) to the same third step; the consolidated LoRA file loads in
+    diffusers; evaluation runs sharded and rank 0 writes the per-prompt scores and samples."""
     def case(tag, world, **extra):
         config = sd3_config(tmp_path / tag, tiny_sd3_dir, world, lora=True, algorithm=flow_grpo())
         config["train"]["inner_epochs"] = 2  # the second epoch's losses depend on the updated weights
@@ -122,9 +146,14 @@ def test_fsdp_sd3_lora_matches_one_process_and_resumes_across_world_sizes(tmp_pa
         run["config"]["checkpoint"]["resume_from"] = checkpoint
         return run
 
-    one = run_worker(tmp_path, "w1", 1, {"sd3": case("w1", 1)})["sd3"]
+    ones = run_worker(tmp_path, "w1", 1, {"sd3": case("w1", 1), **pipeline_cases(request, tmp_path, 1, IN_CI)})
+    one = ones["sd3"]
     two = run_worker(tmp_path, "w2", 2, {"sd3": case("w2", 2, evaluate=True),
-                                         "from1": resumed("w2r", 2, one["checkpoint"])})
+                                         "from1": resumed("w2r", 2, one["checkpoint"]),
+                                         **pipeline_cases(request, tmp_path, 2, IN_CI)})
+    for name in IN_CI:
+        assert two[name]["sharded"] and not ones[name]["sharded"]
+        assert_same_run(ones[name], two[name], weights(tmp_path, name, "w1"), weights(tmp_path, name, "w2"))
     back = run_worker(tmp_path, "w1r", 1, {"from2": resumed("w1r", 1, two["sd3"]["checkpoint"])})["from2"]
     assert one["world"] == 1 and not one["sharded"]
     assert two["sd3"]["world"] == 2 and two["sd3"]["sharding"] == "fsdp" and two["sd3"]["sharded"]
@@ -161,3 +190,25 @@ def test_fsdp_sd3_lora_matches_one_process_and_resumes_across_world_sizes(tmp_pa
     assert sorted(r["prompt"] for r in rows) == ["a blue square", "a red circle"]
     assert list((tmp_path / "w2" / "run" / "samples").glob("*.png"))
     assert two["sd3"]["eval"]["eval/jpeg_kb"] == pytest.approx(sum(r["jpeg_kb"] for r in rows) / 2, rel=1e-6)
+
+
+@pytest.fixture(scope="module")
+def pipeline_runs(request, tmp_path_factory):
+    """The cases of `CASES` not in `IN_CI`, trained in one process and in two FSDP processes (one launch each)."""
+    tmp_path = tmp_path_factory.mktemp("fsdp_pipelines")
+    names = [name for name in CASES if name not in IN_CI]
+    results = {world: run_worker(tmp_path, f"w{world}", world, pipeline_cases(request, tmp_path, world, names))
+               for world in (1, 2)}
+    return tmp_path, results
+
+
+@pytest.mark.slow  # two more launches, about 1.5 minutes on two cores; the cases of IN_CI run in CI
+@pytest.mark.parametrize("name", [name for name in CASES if name not in IN_CI])
+def test_fsdp_matches_one_process(pipeline_runs, name):
+    """Two FSDP processes give the same update metrics (losses, KL to the reference, global gradient norm) and,
+    within fp32 tolerance, the same weights as one process, for each pipeline, LoRA and full fine-tuning."""
+    tmp_path, results = pipeline_runs
+    one, two = results[1][name], results[2][name]
+    assert two["sharded"] and two["world"] == 2 and not one["sharded"]
+    assert_same_run(one, two, weights(tmp_path, name, "w1"), weights(tmp_path, name, "w2"))
+    assert one["steps"]["2"]["train/kl"] > 0  # the reference was read, and the trained policy has left it
