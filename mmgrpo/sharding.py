@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
 import warnings
 
 import torch
@@ -50,8 +51,13 @@ def check_world(sharding: str, world: int) -> str:
     """The sharding a run of `world` processes uses: `sharding`, or ``"none"`` for one process (``fsdp`` warns).
 
     Raises:
-        `ValueError`: ``sharding: none`` under a multi-process launch.
+        `ValueError`: ``sharding: none`` under a multi-process launch, or a launch through accelerate's FSDP plugin
+            (``distributed_type: FSDP``), which would wrap the model a second time, in its own way.
     """
+    if os.environ.get("ACCELERATE_USE_FSDP", "false").lower() in ("1", "true"):
+        raise ValueError("accelerate was launched with its FSDP plugin (distributed_type: FSDP), but mmgrpo shards the "
+                         "model itself: launch with a multi-GPU config (configs/accelerate/fsdp_8gpu.yaml) or torchrun "
+                         "and set train.sharding: fsdp.")
     if world > 1 and sharding == "none":
         raise ValueError(f"train.sharding is none but the run was launched with {world} processes: set ddp (each "
                          "process holds all weights) or fsdp (weights, gradients and optimizer state sharded).")

@@ -1,0 +1,95 @@
+"""`train.sharding` and the parts of `mmgrpo.sharding` that need no process group: the option's validation, the
+world-size rules, the blocks found in each pipeline's trained module (real tiny diffusers / transformers / peft
+models), the module FSDP's root forward is attached to, and the global-norm clipping against a hand computation."""
+
+import math
+
+import pytest
+import torch
+
+from mmgrpo import sharding
+from mmgrpo.config import TrainConfig
+from mmgrpo.validation import ConfigError
+
+
+def test_sharding_option_is_validated_before_any_model_loads():
+    assert TrainConfig().sharding == "ddp"  # what a multi-process launch did before the option existed
+    assert TrainConfig(sharding="fsdp", mixed_precision="bf16").mixed_precision == "bf16"  # FSDP2 bf16 / fp32 reduce
+    with pytest.raises(ConfigError, match="sharding must be 'none', 'ddp' or 'fsdp', got 'zero3'"):
+        TrainConfig(sharding="zero3")
+    with pytest.raises(ConfigError, match="fp16 does not combine with train.sharding: fsdp.*use bf16"):
+        TrainConfig(sharding="fsdp", mixed_precision="fp16")
+
+
+def test_world_size_rules(monkeypatch):
+    monkeypatch.delenv("ACCELERATE_USE_FSDP", raising=False)
+    assert sharding.check_world("fsdp", 2) == "fsdp" and sharding.check_world("ddp", 8) == "ddp"
+    assert sharding.check_world("ddp", 1) == "none" and sharding.check_world("none", 1) == "none"
+    with pytest.warns(UserWarning, match="fsdp with a single process: the model is not sharded"):
+        assert sharding.check_world("fsdp", 1) == "none"
+    with pytest.raises(ValueError, match="sharding is none but the run was launched with 2 processes: set ddp"):
+        sharding.check_world("none", 2)
+    monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
+    with pytest.raises(ValueError, match="accelerate was launched with its FSDP plugin.*train.sharding: fsdp"):
+        sharding.check_world("fsdp", 2)
+
+
+def test_blocks_and_root_of_sd3_transformer(tiny_sd3_dir):
+    from diffusers import SD3Transformer2DModel
+    from peft import LoraConfig
+
+    model = SD3Transformer2DModel.from_pretrained(tiny_sd3_dir, subfolder="transformer")
+    model.add_adapter(LoraConfig(r=4, lora_alpha=4, target_modules=["attn.to_q"]))
+    blocks = sharding.find_blocks(model)
+    assert blocks == list(model.transformer_blocks) and len(blocks) == model.config.num_layers
+    assert sharding.shard_root(model) is model  # it holds parameters of its own (embedders, final norm)
+
+
+def test_blocks_and_root_of_qwen_vl_policy(tiny_qwen2_vl_dir):
+    from mmgrpo.pipelines.qwen_vl import QwenVLConfig, QwenVLPolicy
+
+    policy = QwenVLPolicy(QwenVLConfig(pretrained=tiny_qwen2_vl_dir, max_new_tokens=2, lora_rank=4, lora_alpha=8))
+    group_forward = policy.switch.module
+    # through the parameterless group forward to the model its prefix / step / forward methods call
+    assert sharding.shard_root(group_forward) is policy.model
+    blocks = sharding.find_blocks(policy.model)
+    layers, vision = list(policy.model.model.language_model.layers), list(policy.model.model.visual.blocks)
+    assert blocks == vision + layers or blocks == layers + vision
+    assert all(type(b).__name__ in ("Qwen2VLDecoderLayer", "Qwen2VLVisionBlock") for b in blocks)
+
+
+def test_blocks_and_root_of_mdlm_peft_model(tiny_mdlm_dir):
+    from mmgrpo.pipelines.mdlm import MDLMConfig, MDLMPolicy
+
+    policy = MDLMPolicy(MDLMConfig(pretrained=tiny_mdlm_dir, gen_length=4, block_length=4, steps_per_block=2,
+                                   lora_rank=4, lora_alpha=8))
+    root = sharding.shard_root(policy.model)
+    assert type(root).__name__ == "LlamaForCausalLM"  # under the peft wrappers, which hold no parameters of their own
+    blocks = sharding.find_blocks(root)
+    assert [type(b).__name__ for b in blocks] == ["LlamaDecoderLayer"] * root.config.num_hidden_layers
+
+
+def test_block_lists_are_found_by_name_without_no_split_modules():
+    class Toy(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed = torch.nn.Linear(2, 4)
+            self.blocks = torch.nn.ModuleList([torch.nn.Linear(4, 4) for _ in range(3)])
+            self.other = torch.nn.ModuleList([torch.nn.Linear(4, 4)])
+
+    toy = Toy()
+    assert sharding.find_blocks(toy) == list(toy.blocks)
+
+
+def test_unsharded_clipping_is_the_global_l2_norm():
+    a, b = torch.nn.Parameter(torch.zeros(2)), torch.nn.Parameter(torch.zeros(3))
+    a.grad, b.grad = torch.tensor([3.0, 0.0]), torch.tensor([0.0, 4.0, 12.0])  # norm sqrt(9 + 16 + 144) = 13
+    norm = sharding.clip_grad_norm_([a, b], max_norm=6.5)
+    assert norm.item() == pytest.approx(13.0)
+    scale = 6.5 / (13.0 + 1e-6)
+    torch.testing.assert_close(a.grad, torch.tensor([3.0 * scale, 0.0]))
+    torch.testing.assert_close(b.grad, torch.tensor([0.0, 4.0 * scale, 12.0 * scale]))
+    b.grad[0] = float("nan")
+    before = a.grad.clone()
+    assert math.isnan(sharding.clip_grad_norm_([a, b], max_norm=1.0).item())
+    assert torch.equal(a.grad, before)  # not scaled: the trainer discards the update
