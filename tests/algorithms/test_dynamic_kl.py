@@ -119,7 +119,8 @@ def test_bad_schedules_are_refused_naming_the_key(name, options, message):
 def _run_config(tmp_path, tiny_mdlm_dir, max_steps):
     return {
         "output_dir": str(tmp_path / "out"), "seed": 3,
-        "pipeline": {"name": "mdlm", "pretrained": tiny_mdlm_dir, "gen_length": 4, "steps_per_block": 4, "lora_rank": 0},
+        "pipeline": {"name": "mdlm", "pretrained": tiny_mdlm_dir, "gen_length": 4, "steps_per_block": 4,
+                     "lora_rank": 0},
         "algorithm": {"name": "grpo", "kl_schedule": "linear", "kl_beta": 0.0, "kl_beta_end": 0.2,
                       "kl_warmup_steps": 6},
         "reward": {"name": "accuracy", "mode": "numeric", "fuzzy_width": 1000.0},

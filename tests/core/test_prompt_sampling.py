@@ -91,7 +91,8 @@ def test_variance_stream_is_reproducible_and_resumes_exactly():
 def _run_config(tmp_path, tiny_mdlm_dir, max_steps):
     return {
         "output_dir": str(tmp_path / "out"), "seed": 4,
-        "pipeline": {"name": "mdlm", "pretrained": tiny_mdlm_dir, "gen_length": 4, "steps_per_block": 4, "lora_rank": 0},
+        "pipeline": {"name": "mdlm", "pretrained": tiny_mdlm_dir, "gen_length": 4, "steps_per_block": 4,
+                     "lora_rank": 0},
         "algorithm": {"name": "grpo", "kl_beta": 0.0},
         "reward": {"name": "accuracy", "mode": "numeric", "fuzzy_width": 1000.0},
         "data": {"name": "arith", "digits": 2, "n_train": 12, "n_eval": 4},
