@@ -37,9 +37,12 @@ class ReferenceSwitch:
         self.forward = module
 
     def prepare(self, accelerator) -> list[torch.nn.Module]:
-        """Moves the frozen reference to the accelerator's device and wraps the trained module for distribution."""
+        """Moves the frozen reference to the accelerator's device (sharded like the trained module under FSDP2, see
+        [`mmgrpo.sharding.ShardingAccelerator`]: each process keeps its share of it) and wraps the trained module for
+        distribution."""
         if self.frozen is not None:
-            self.frozen.to(accelerator.device)
+            prepare_frozen = getattr(accelerator, "prepare_frozen", None)
+            self.frozen = prepare_frozen(self.frozen) if prepare_frozen else self.frozen.to(accelerator.device)
         self.forward = accelerator.prepare_model(self.module)
         return [self.forward]
 

@@ -124,7 +124,8 @@ def shard(module: torch.nn.Module, device: torch.device, mixed_precision: str = 
 
 class ShardingAccelerator:
     """The accelerator as a policy's ``prepare`` sees it when ``train.sharding`` is ``fsdp``: everything is the
-    accelerator's, except ``prepare_model``, which applies [`shard`] instead of accelerate's DDP wrapper."""
+    accelerator's, except ``prepare_model``, which applies [`shard`] instead of accelerate's DDP wrapper, and
+    ``prepare_frozen`` (read by [`~mmgrpo.reference.ReferenceSwitch`]), which shards a frozen reference copy."""
 
     def __init__(self, accelerator, mixed_precision: str = "no"):
         self._accelerator = accelerator
@@ -134,6 +135,11 @@ class ShardingAccelerator:
         return getattr(self._accelerator, name)
 
     def prepare_model(self, module: torch.nn.Module, *args, **kwargs) -> torch.nn.Module:
+        return shard(module, self._accelerator.device, self._mixed_precision)
+
+    def prepare_frozen(self, module: torch.nn.Module) -> torch.nn.Module:
+        """A frozen module (full fine-tuning's reference copy) sharded like the trained one: each process holds its
+        share, and its forwards, run on every process alike, compute in the same precision as the policy's."""
         return shard(module, self._accelerator.device, self._mixed_precision)
 
 

@@ -55,6 +55,9 @@ def run_case(name: str, case: dict, out: Path, tag: str) -> dict:
     trainer = Trainer(config_mod.from_dict(case["config"]))
     record = {"world": trainer.world, "sharding": trainer.sharding, "start": trainer.step, "steps": {}}
     record["sharded"] = any(sharding.is_sharded(p) for p in trainer.policy.trainable_parameters())
+    switch = getattr(trainer.policy, "switch", None) or trainer.policy.trainable.switch  # its ReferenceSwitch
+    if switch.frozen is not None:  # full fine-tuning: is the frozen reference copy sharded too?
+        record["reference_sharded"] = all(sharding.is_sharded(p) for p in switch.frozen.parameters())
     before, initial = None, gathered_weights(trainer)
     for step in range(trainer.step + 1, case["steps"] + 1):
         if step == case.get("nan_step"):

@@ -153,6 +153,7 @@ def test_fsdp_sd3_lora_matches_one_process_and_resumes_across_world_sizes(reques
                                          **pipeline_cases(request, tmp_path, 2, IN_CI)})
     for name in IN_CI:
         assert two[name]["sharded"] and not ones[name]["sharded"]
+        assert two[name].get("reference_sharded", True) and not ones[name].get("reference_sharded", False)
         assert_same_run(ones[name], two[name], weights(tmp_path, name, "w1"), weights(tmp_path, name, "w2"))
     back = run_worker(tmp_path, "w1r", 1, {"from2": resumed("w1r", 1, two["sd3"]["checkpoint"])})["from2"]
     assert one["world"] == 1 and not one["sharded"]
@@ -210,5 +211,7 @@ def test_fsdp_matches_one_process(pipeline_runs, name):
     tmp_path, results = pipeline_runs
     one, two = results[1][name], results[2][name]
     assert two["sharded"] and two["world"] == 2 and not one["sharded"]
+    if name.endswith("_full"):  # the frozen reference copy is sharded too: each process holds its share
+        assert two["reference_sharded"] and not one["reference_sharded"]
     assert_same_run(one, two, weights(tmp_path, name, "w1"), weights(tmp_path, name, "w2"))
     assert one["steps"]["2"]["train/kl"] > 0  # the reference was read, and the trained policy has left it
