@@ -110,9 +110,30 @@ def _final_evaluation(run: Path) -> dict:
     return {k: v for k, v in evals[-1].items() if k == "step" or k.startswith("eval/")} if evals else {}
 
 
-def model_card(config: dict, step: int, evaluation: dict, lora: bool, merged: bool) -> str:
+def _loading_call(folder: Path) -> tuple[str, str]:
+    """``(class, extra arguments)`` that load an exported folder: the diffusers pipeline's ``_class_name`` with its
+    absent components named as None (an SD3 pipeline saved without T5 needs them), or the transformers model's first
+    architecture."""
+    index = folder / "model_index.json"
+    if index.is_file():
+        import diffusers
+
+        entries = json.loads(index.read_text(encoding="utf-8"))
+        cls = entries.get("_class_name", "DiffusionPipeline")
+        optional = set(getattr(getattr(diffusers, cls, None), "_optional_components", []))
+        absent = [key for key, value in entries.items()
+                  if isinstance(value, list) and value[0] is None and key not in optional]
+        return cls, "".join(f", {key}=None" for key in absent)
+    if (folder / "config.json").is_file():
+        architectures = json.loads((folder / "config.json").read_text(encoding="utf-8")).get("architectures") or []
+        return (architectures[0] if architectures else "AutoModel"), ""
+    return "AutoModel", ""
+
+
+def model_card(config: dict, step: int, evaluation: dict, lora: bool, merged: bool,
+               loading: tuple[str, str] = ("", "")) -> str:
     """A Hugging Face model card: front matter (library, base model, tags), then what was trained, how and how well,
-    how to load it, and the full config."""
+    how to load it (`loading`: the class and extra arguments, see [`_loading_call`]), and the full config."""
     pipeline, algorithm = config["pipeline"], config["algorithm"]
     library = "diffusers" if pipeline["name"] in ("sd3", "flux", "wan") else "transformers"
     base = pipeline.get("pretrained", "")
@@ -121,10 +142,12 @@ def model_card(config: dict, step: int, evaluation: dict, lora: bool, merged: bo
         front["base_model"] = base
     how = "LoRA merged into the weights" if lora and merged else "LoRA adapter in `lora/`" if lora else "full fine-tuning"
     figures = "\n".join(f"| `{k}` | {v} |" for k, v in evaluation.items() if k != "step") or "| (no evaluation) | |"
-    load = (f"```python\nfrom diffusers import DiffusionPipeline\npipe = DiffusionPipeline.from_pretrained(\"<this folder>\")\n"
+    cls, extra = loading
+    cls = cls or ("DiffusionPipeline" if library == "diffusers" else "AutoModel")
+    load = (f"```python\nfrom diffusers import {cls}\npipe = {cls}.from_pretrained(\"<this folder>\"{extra})\n"
             + ("pipe.load_lora_weights(\"<this folder>/lora\")\n" if lora and not merged else "") + "```") \
         if library == "diffusers" else (
-            "```python\nfrom transformers import AutoModel\nmodel = AutoModel.from_pretrained(\"<this folder>\")\n"
+            f"```python\nfrom transformers import {cls}\nmodel = {cls}.from_pretrained(\"<this folder>\")\n"
             + ("from peft import PeftModel\nmodel = PeftModel.from_pretrained(model, \"<this folder>/lora\")\n"
                if lora and not merged else "") + "```")
     return "\n".join([
@@ -165,7 +188,12 @@ def export_checkpoint(source: str | Path, output: str | Path, merge_lora: bool =
     tmp = output.with_name(output.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     policy.export_pretrained(str(tmp), merge_lora=merge_lora)
-    card = model_card(raw, int(meta["step"]), _final_evaluation(run), lora, merge_lora)
+    index = tmp / "model_index.json"
+    if index.is_file():  # diffusers records the folder it loaded from: name the configured base model instead
+        entries = json.loads(index.read_text(encoding="utf-8"))
+        entries["_name_or_path"] = raw["pipeline"].get("pretrained", "")
+        index.write_text(json.dumps(entries, indent=2) + "\n", encoding="utf-8")
+    card = model_card(raw, int(meta["step"]), _final_evaluation(run), lora, merge_lora, _loading_call(tmp))
     (tmp / "README.md").write_text(card, encoding="utf-8")
     if output.exists():
         output.rmdir()

@@ -82,6 +82,7 @@ def load_diffusers_pipeline(pipeline_cls, location: str, **kwargs):
     diffusers refuses to load them unless they are passed explicitly as None."""
     import json
 
+    location = resolve_pretrained(location, "pipeline.pretrained")  # a configured mmgrpo:<name> is a shipped folder
     index_file = Path(location) / "model_index.json"
     if index_file.is_file():
         index = json.loads(index_file.read_text(encoding="utf-8"))

@@ -24,7 +24,7 @@ def check_flow_config(config) -> None:
     """The checks every flow adapter's `Config` shares (types from the annotations, step counts, LoRA options); resolves
     ``pretrained``. The adapter's own `__post_init__` adds its resolution and guidance rules."""
     check_fields(config)
-    config.pretrained = resolve_pretrained(config.pretrained, "pipeline.pretrained")
+    resolve_pretrained(config.pretrained, "pipeline.pretrained")  # checked now; kept as configured (runs record it)
     check_range("num_steps", config.num_steps, 1, 1000, fix="flow models are trained on 1000 noise levels")
     check_range("max_sequence_length", config.max_sequence_length, 1)
     check_range("lora_alpha", config.lora_alpha, 1, fix="LoRA scales by lora_alpha / lora_rank")

@@ -25,7 +25,7 @@ from typing import Literal
 
 import torch
 
-from mmgrpo.hub import DTYPES, load_diffusers_pipeline
+from mmgrpo.hub import DTYPES, load_diffusers_pipeline, resolve_pretrained
 from mmgrpo.pipelines._flow_common import TrainableTransformer, check_flow_config
 from mmgrpo.pipelines._wan_condition import encode_first_frames, final_latents, model_input
 from mmgrpo.pipelines._wan_geometry import geometry_of, read_geometry
@@ -101,7 +101,7 @@ class WanConfig:
             check_range("guidance_scale_2", self.guidance_scale_2, 1, fix="leave it out to use guidance_scale")
         if self.flow_shift is not None:
             check_range("flow_shift", self.flow_shift, 0, low_open=True, fix="leave it out to use the scheduler's")
-        geometry = read_geometry(self.pretrained)
+        geometry = read_geometry(resolve_pretrained(self.pretrained, "pipeline.pretrained"))
         geometry.check_size(self.num_frames, self.height, self.width)
         geometry.check_model(self, where="pipeline")
 
