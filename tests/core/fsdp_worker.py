@@ -8,10 +8,12 @@ fixed advantages. Per step it records the update's metrics averaged over process
 slice, so this is the mean over the batch) and, at the end, the trainable weights gathered whole.
 
 Usage: ``fsdp_worker.py SPEC_JSON OUT_DIR``; the spec maps case names to ``{"config": raw config, "steps": int,
-"save_at": int | null, "nan_step": int | null, "evaluate": bool}`` plus ``"tag"``.
+"save_at": int | null, "nan_step": int | null, "evaluate": bool, "die": {"rank": int, "step": int} | null}`` plus
+``"tag"``.
 """
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -24,14 +26,17 @@ from mmgrpo.prompt_stream import items_to_batch
 from mmgrpo.trainer import Trainer
 
 
-def fixed_step(trainer: Trainer, step: int, nan: bool) -> dict[str, float]:
-    """One update on rollouts and advantages that depend on `step` only (not on the process or world size)."""
+def fixed_step(trainer: Trainer, step: int, nan: bool, die: dict | None = None) -> dict[str, float]:
+    """One update on rollouts and advantages that depend on `step` only (not on the process or world size).
+    `die` (``{"rank": r, "step": s}``): process `r` exits abruptly at step `s`, after sampling, as if it crashed."""
     cfg = trainer.config.train
     items = trainer.data.train_items()[: cfg.prompts_per_step]
     batch = items_to_batch(items).repeat(cfg.group_size)
     plan = trainer.algorithm.schedule(trainer.policy.num_steps, torch.Generator().manual_seed(step))
     rollout = trainer.policy.sample(batch, plan, generator=torch.Generator().manual_seed(100 + step))
     n = len(batch)
+    if die and die["rank"] == trainer.rank and die["step"] == step:
+        os._exit(3)  # no clean-up, no message: the others are about to gather parameters from this process
     advantages = torch.randn(n, generator=torch.Generator().manual_seed(200 + step))  # [N]
     if nan:
         advantages[-1] = float("nan")  # the last sample: on the last process only
@@ -62,7 +67,7 @@ def run_case(name: str, case: dict, out: Path, tag: str) -> dict:
     for step in range(trainer.step + 1, case["steps"] + 1):
         if step == case.get("nan_step"):
             before = gathered_weights(trainer)
-        record["steps"][step] = fixed_step(trainer, step, nan=step == case.get("nan_step"))
+        record["steps"][step] = fixed_step(trainer, step, nan=step == case.get("nan_step"), die=case.get("die"))
         if step == case.get("nan_step"):
             record["nan_step_unchanged"] = bool(torch.equal(before, gathered_weights(trainer)))
         if step == case.get("save_at"):

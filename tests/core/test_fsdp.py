@@ -3,7 +3,8 @@ rollouts and advantages (see `fsdp_worker.py`): the same losses and, within fp32
 several updates, for a flow pipeline (sd3), `qwen_vl` and `mdlm`, LoRA and full fine-tuning; with the reference
 policy (adapter off / frozen copy, through a KL term), DGPO's fast-EMA old model, global gradient clipping (an
 active clip: a per-process norm would scale differently) and the NaN-skip rule; evaluation and sample writing on
-rank 0; checkpoints resumed at the other world size (2 -> 1 and 1 -> 2) whose weights load in stock diffusers.
+rank 0; checkpoints resumed at the other world size (2 -> 1 and 1 -> 2) whose weights load in stock diffusers; a
+launch as two nodes of one process (two torchrun invocations, localhost rendezvous), and a process of it dying.
 
 fp32 tolerance: the sharded run reduces gradients in another order (reduce-scatter of per-process sums), so
 weights agree to ``atol=5e-5`` after the updates (measured: at most 1.9e-5, while Adam moved them by 4e-3 to
@@ -215,3 +216,56 @@ def test_fsdp_matches_one_process(pipeline_runs, name):
         assert two["reference_sharded"] and not one["reference_sharded"]
     assert_same_run(one, two, weights(tmp_path, name, "w1"), weights(tmp_path, name, "w2"))
     assert one["steps"]["2"]["train/kl"] > 0  # the reference was read, and the trained policy has left it
+
+
+def launch_two_nodes(tmp_path: Path, tag: str, cases: dict, timeout: float = 600) -> list[subprocess.CompletedProcess]:
+    """Runs `cases` as two nodes of one process each: two torchrun invocations meeting at a localhost rendezvous."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    spec = tmp_path / f"spec_{tag}.json"
+    spec.write_text(json.dumps({"tag": tag, "cases": cases}))
+    nodes = [
+        subprocess.Popen(
+            [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc_per_node", "1", "--node_rank",
+             str(rank), "--master_addr", "127.0.0.1", "--master_port", str(port), str(WORKER), str(spec),
+             str(tmp_path)],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=dict(os.environ, **ENV),
+        )
+        for rank in (0, 1)
+    ]
+    done = []
+    for node in nodes:
+        out, err = node.communicate(timeout=timeout)
+        done.append(subprocess.CompletedProcess(node.args, node.returncode, out, err))
+    return done
+
+
+@pytest.mark.slow  # about a minute; the two-node launch itself runs in CI in the next test
+def test_fsdp_two_nodes_of_one_process_match_one_process(request, tmp_path):
+    """Two torchrun invocations (`--nnodes 2 --node_rank 0/1`, localhost rendezvous) shard `mdlm` LoRA over both
+    "nodes" and give one process's update."""
+    nodes = launch_two_nodes(tmp_path, "nodes", pipeline_cases(request, tmp_path / "nodes", 2, ["mdlm_lora"]))
+    for node in nodes:
+        first = node.stderr.find("Traceback")
+        assert node.returncode == 0, node.stderr[first : first + 5000] if first >= 0 else node.stderr[-5000:]
+    two = json.loads((tmp_path / "result_nodes.json").read_text())["mdlm_lora"]
+    one = run_worker(tmp_path, "w1", 1, pipeline_cases(request, tmp_path / "one", 1, ["mdlm_lora"]))["mdlm_lora"]
+    assert two["world"] == 2 and two["sharded"]
+    assert_same_run(one, two, weights(tmp_path, "mdlm_lora", "w1"), weights(tmp_path, "mdlm_lora", "nodes"))
+
+
+def test_a_process_dying_mid_step_ends_the_run_with_an_error(request, tmp_path):
+    """The second node's process exits abruptly during step 2 while the first gathers parameters from it: both
+    launches end (no wait for a collective timeout) with a non-zero status, and the first node's error names the
+    lost peer."""
+    cases = pipeline_cases(request, tmp_path / "nodes", 2, ["mdlm_lora"])
+    cases["mdlm_lora"]["die"] = {"rank": 1, "step": 2}
+    first, second = launch_two_nodes(tmp_path, "die", cases, timeout=300)  # a hang would raise TimeoutExpired
+    assert second.returncode != 0 and "exitcode  : 3" in second.stderr
+    assert first.returncode != 0
+    lost = ("Connection closed by peer", "Connection reset by peer")  # gloo's words, as the peer's socket closes
+    assert any(words in first.stderr for words in lost), first.stderr[-3000:]
+    assert not (tmp_path / "result_die.json").exists()
