@@ -181,8 +181,15 @@ def main(argv: list[str] | None = None) -> int:
     except LegacyCheckpointError as err:  # resuming from a checkpoint of an older version: say how to convert it
         print(f"mmgrpo: {' '.join(str(err).split())}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # a second Ctrl-C during training, or one during set-up or evaluation
+        print("mmgrpo: stopped at once (no checkpoint written for the current step)", file=sys.stderr)
+        return 130
     if summary:
         print(json.dumps(summary, indent=2))
+    if summary and summary.get("stopped_by"):  # stopped by SIGINT / SIGTERM after saving: the shell's convention
+        import signal
+
+        return 128 + signal.Signals[summary["stopped_by"]].value
     return 0
 
 

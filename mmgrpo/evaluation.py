@@ -20,12 +20,16 @@ def process_share(items: list, world: int, rank: int) -> tuple[list, int]:
 
 @torch.no_grad()
 def sample_and_score(policy, reward, items: list, plan: SamplingPlan, generator: torch.Generator, writers: list,
-                     first_group: int = 0, batch_size: int = 64) -> tuple[RewardResult, list[str]]:
+                     first_group: int = 0, batch_size: int = 64, progress: bool = False) -> tuple[RewardResult, list[str]]:
     """Samples `items` with `plan` in batches of `batch_size`, scores each sample with `reward` (per sample: its group
     stage runs after the gather) and hands each batch to `writers`. Each item is its own group, numbered from
     `first_group`. Returns the reward result (``scores`` `[n]`, ``components`` each `[n]`, ``features`` `[n, ...]` or
-    `None`, on the CPU, in the reward's dtypes) and the prompts (`n`)."""
+    `None`, on the CPU, in the reward's dtypes) and the prompts (`n`). `progress` shows a progress bar over the
+    samples."""
+    from tqdm.auto import tqdm
+
     scores, components, features, prompts = [], {}, [], []
+    bar = tqdm(total=len(items), desc="eval", unit="sample", disable=not progress, leave=False)
     for start in range(0, len(items), batch_size):
         batch = items_to_batch(items[start : start + batch_size])
         batch.group_ids = torch.arange(len(batch)) + first_group + start
@@ -39,5 +43,7 @@ def sample_and_score(policy, reward, items: list, plan: SamplingPlan, generator:
         prompts += batch.prompts
         for writer in writers:
             writer.add(rollout.outputs, batch)
+        bar.update(len(batch))
+    bar.close()
     return RewardResult(scores=torch.cat(scores), components={k: torch.cat(v) for k, v in components.items()},
                         features=torch.cat(features) if features else None), prompts

@@ -50,6 +50,7 @@ from .prompt_stream import PromptStream
 from .sample_writers import writers_for
 from .types import RewardResult, SamplingPlan, Score, deterministic_plan
 from .seeding import mix_seed
+from .stop_signals import StopSignals
 from .visualize import plot_reward_curve, write_per_prompt_scores
 
 
@@ -173,23 +174,28 @@ class Trainer:
         if self.step == 0 and evaluating:
             self.log.write(0, self.evaluate(0))
         bar = tqdm(range(self.step, cfg.train.max_steps), disable=not self.accelerator.is_main_process, desc="train")
-        for _ in bar:
-            self.step += 1
-            metrics = self.timed_train_step()
-            out_of_time = 0 < cfg.train.max_seconds <= self.train_seconds
-            last = out_of_time or self.step == cfg.train.max_steps
-            if evaluating and (last or self._eval_due()):
-                metrics.update(self.evaluate(self.step))
-                self._eval_mark = self.train_seconds
-            if self.step % cfg.log_every == 0 or last or any(k.startswith("eval/") for k in metrics):
-                self.log.write(self.step, metrics)
-            bar.set_postfix(reward=f"{metrics['reward/mean']:.3f}")
-            if cfg.checkpoint.every and self.step % cfg.checkpoint.every == 0:
-                self.save()
-            if out_of_time:
-                break  # train.max_seconds spent: the last step was evaluated above, and is saved below
+        stopped_by = None
+        with StopSignals(announce=self.accelerator.is_main_process) as stop:  # SIGINT / SIGTERM: finish, save, exit
+            for _ in bar:
+                self.step += 1
+                metrics = self.timed_train_step()
+                out_of_time = 0 < cfg.train.max_seconds <= self.train_seconds
+                last = out_of_time or self.step == cfg.train.max_steps
+                if evaluating and (last or self._eval_due()):
+                    metrics.update(self.evaluate(self.step))
+                    self._eval_mark = self.train_seconds
+                if self.step % cfg.log_every == 0 or last or any(k.startswith("eval/") for k in metrics):
+                    self.log.write(self.step, metrics)
+                bar.set_postfix(reward=f"{metrics['reward/mean']:.3f}")
+                if cfg.checkpoint.every and self.step % cfg.checkpoint.every == 0:
+                    self.save()
+                if out_of_time:
+                    break  # train.max_seconds spent: the last step was evaluated above, and is saved below
+                if self._sum_over_processes(float(stop.received is not None)) > 0:  # every process stops together
+                    stopped_by = stop.name or "SIGTERM"  # the signal reached another process
+                    break
         self.save()
-        summary = self._finish()
+        summary = self._finish(stopped_by)  # with a signal, `mmgrpo train` then exits with 128 + its number
         self.log.close()
         return summary
 
@@ -406,7 +412,8 @@ class Trainer:
         plan = deterministic_plan(self.policy.plan_families[0], self.policy.eval_num_steps)  # the pipeline's own family
         generator = torch.Generator()
         generator.manual_seed(mix_seed(cfg.seed, self.rank))
-        local, prompts = sample_and_score(self.policy, self.reward, mine, plan, generator, writers, first, batch_size)
+        local, prompts = sample_and_score(self.policy, self.reward, mine, plan, generator, writers, first, batch_size,
+                                          progress=acc.is_main_process)
         whole, _ = self.gather_rewards(local, torch.arange(len(prompts)) + first)  # [N] every process's final scores
         out = {"eval/score": _finite_mean(whole.scores.float())}
         for name, values in whole.components.items():
@@ -446,8 +453,10 @@ class Trainer:
         path = checkpoint.resolve(checkpoint_dir, self.output_dir / "checkpoints")
         self.step = checkpoint.load_weights(path, self.policy, modules=self.wrapped)["step"]
 
-    def _finish(self) -> dict:
+    def _finish(self, stopped_by: str | None = None) -> dict:
         summary = {"steps": self.step, "skipped_updates": self.skipped_updates, "train_seconds": round(self.train_seconds, 3)}
+        if stopped_by:
+            summary["stopped_by"] = stopped_by
         metrics_file = self.output_dir / "metrics.jsonl"
         if self.accelerator.is_main_process and metrics_file.is_file():
             metric = self.config.eval.metric
