@@ -21,6 +21,7 @@ from typing import Any, Literal
 
 from . import registry
 from .config_yaml import parse_yaml, read_yaml
+from .tracking import TrackingConfig
 from .validation import (  # noqa: F401 (ConfigError and build_dataclass are imported from here by callers)
     NULL_WORDS, ConfigError, build_dataclass, check_fields, check_range, check_seed, check_text, coerce, takes_none,
     takes_text,
@@ -191,6 +192,7 @@ class ExperimentConfig:
     eval: EvalConfig
     checkpoint: CheckpointConfig
     log_every: int = 1
+    tracking: TrackingConfig = field(default_factory=TrackingConfig)
 
     def __post_init__(self):
         check_fields(self)
@@ -205,7 +207,7 @@ class ExperimentConfig:
         for kind in ("pipeline", "algorithm", "reward", "data"):
             spec = getattr(self, kind)
             out[kind] = {"name": spec.name, **dataclasses.asdict(spec.options)}
-        for name in ("train", "eval", "checkpoint"):
+        for name in ("train", "eval", "checkpoint", "tracking"):
             out[name] = dataclasses.asdict(getattr(self, name))
         return out
 
@@ -223,7 +225,7 @@ def check_resume(resume_from: str, output_dir: str) -> None:
 
 
 PLUGIN_KINDS = ("pipeline", "algorithm", "reward", "data")
-SECTIONS = {"train": TrainConfig, "eval": EvalConfig, "checkpoint": CheckpointConfig}
+SECTIONS = {"train": TrainConfig, "eval": EvalConfig, "checkpoint": CheckpointConfig, "tracking": TrackingConfig}
 TOP_TYPES = {"output_dir": str, "seed": int, "log_every": int}
 TOP_LEVEL = set(TOP_TYPES) | set(PLUGIN_KINDS) | set(SECTIONS)
 
@@ -329,6 +331,7 @@ def from_dict(raw: dict) -> ExperimentConfig:
         train=build_dataclass(TrainConfig, raw.get("train"), "train"),
         eval=build_dataclass(EvalConfig, raw.get("eval"), "eval"),
         checkpoint=build_dataclass(CheckpointConfig, raw.get("checkpoint"), "checkpoint"),
+        tracking=build_dataclass(TrackingConfig, raw.get("tracking"), "tracking"),
     )
 
 

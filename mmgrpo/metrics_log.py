@@ -1,6 +1,8 @@
-"""Metrics to ``<output_dir>/metrics.jsonl`` and TensorBoard (main process only), and the one reader of that file.
+"""Metrics to ``<output_dir>/metrics.jsonl`` and the run's trackers (main process only), and the one reader of that
+file.
 
-The JSON lines are standard JSON: a non-finite value (a NaN reward, an infinite loss) is written as ``null``.
+The JSON lines are standard JSON: a non-finite value (a NaN reward, an infinite loss) is written as ``null``. Trackers
+(TensorBoard by default; see [`mmgrpo.tracking`]) get the same records.
 """
 
 from __future__ import annotations
@@ -49,38 +51,31 @@ def read_records(path: str | Path) -> list[dict]:
 
 
 class MetricsLog:
-    """Appends one JSON line per record and mirrors scalars to TensorBoard under ``<output_dir>/tensorboard``."""
+    """Appends one JSON line per record and hands the record to the run's trackers.
 
-    def __init__(self, output_dir: str | Path, enabled: bool = True):
+    Args:
+        output_dir (`str` or `Path`): the run's folder (``metrics.jsonl`` goes there).
+        enabled (`bool`): False on every process but the main one.
+        trackers ([`mmgrpo.tracking.Trackers`], *optional*): where records also go; the trainer attaches them once
+            the resumed step is known.
+    """
+
+    def __init__(self, output_dir: str | Path, enabled: bool = True, trackers=None):
         self.enabled = enabled
         self.path = Path(output_dir) / "metrics.jsonl"
-        self._tensorboard_dir = str(Path(output_dir) / "tensorboard")
-        self._writer = None
-        if enabled:
-            from torch.utils.tensorboard import SummaryWriter
-
-            self._writer = SummaryWriter(self._tensorboard_dir)
+        self.trackers = trackers
 
     def write(self, step: int, metrics: dict[str, float]) -> None:
         if not self.enabled:
             return
         with self.path.open("a", encoding="utf-8") as f:
             f.write(json.dumps(json_safe({"step": step, **metrics}), allow_nan=False) + "\n")
-        for key, value in metrics.items():
-            if isinstance(value, (int, float)) and not isinstance(value, bool):
-                self._writer.add_scalar(key, value, step)
-        self._writer.flush()
+        if self.trackers is not None:
+            self.trackers.log(step, metrics)
 
     def truncate_after(self, step: int) -> None:
-        """On resume, drops records of steps after the checkpoint (they will be recomputed) and a torn last line, and
-        has TensorBoard hide the earlier run's events after `step`, so no step shows twice."""
-        if not self.enabled:
-            return
-        from torch.utils.tensorboard import SummaryWriter
-
-        self._writer.close()
-        self._writer = SummaryWriter(self._tensorboard_dir, purge_step=step + 1)
-        if not self.path.is_file():
+        """On resume, drops records of steps after the checkpoint (they will be recomputed) and a torn last line."""
+        if not self.enabled or not self.path.is_file():
             return
         kept = [record for record in read_records(self.path) if record["step"] <= step]
         tmp = self.path.with_name(self.path.name + ".tmp")
@@ -91,5 +86,5 @@ class MetricsLog:
         os.replace(tmp, self.path)
 
     def close(self) -> None:
-        if self._writer is not None:
-            self._writer.close()
+        if self.trackers is not None:
+            self.trackers.close()

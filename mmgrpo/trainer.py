@@ -50,6 +50,7 @@ from .prompt_stream import PromptStream
 from .sample_writers import writers_for
 from .types import RewardResult, SamplingPlan, Score, deterministic_plan
 from .seeding import mix_seed
+from .tracking import Trackers, accelerator_options
 from .stop_signals import StopSignals
 from .visualize import plot_reward_curve, write_per_prompt_scores
 
@@ -112,6 +113,7 @@ def make_accelerator(config: ExperimentConfig):
         cpu=not torch.cuda.is_available(),
         mixed_precision="no" if fsdp else config.train.mixed_precision,
         step_scheduler_with_optimizer=False,
+        **accelerator_options(config, Path(config.output_dir)),  # trackers (tracking.log_with) and their folder
     )
 
 
@@ -166,6 +168,9 @@ class Trainer:
         self._eval_mark = 0.0  # train_seconds at the last evaluation
         if resume:
             self._resume(resume)
+        # trackers start once the resumed step is known (TensorBoard then hides what a stopped run wrote after it); an
+        # evaluation of an existing run (record_config=False) starts none
+        self.log.trackers = Trackers(acc, config, self.step) if record_config and acc.is_main_process else None
 
     # ------------------------------------------------------------------------------------------------- the loop
     def train(self) -> dict:
@@ -425,7 +430,9 @@ class Trainer:
         if acc.is_main_process:
             write_per_prompt_scores(per_item, self.output_dir / "eval" / f"step_{step:05d}.json", cfg.metric)
             for writer in writers:  # this process's first samples
-                writer.write(self.output_dir / "samples", step, scores[: cfg.grid_size].tolist())
+                paths = writer.write(self.output_dir / "samples", step, scores[: cfg.grid_size].tolist())
+                if self.log.trackers:
+                    self.log.trackers.log_samples(paths, step)
         return out
 
     # ------------------------------------------------------------------------------------------- checkpoints

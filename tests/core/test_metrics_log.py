@@ -74,25 +74,3 @@ def test_non_finite_values_are_written_as_json_null(tmp_path):
     assert json.loads(line) == {"step": 1, "reward/mean": None, "loss": None, "grad_norm": None, "lr": 1e-3}
     plot_reward_curve(tmp_path / "metrics.jsonl", tmp_path / "curve.png", "jpeg_kb")  # a null is a gap, not an error
     assert (tmp_path / "curve.png").is_file()
-
-
-def _tensorboard_steps(folder, tag):
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    accumulator = EventAccumulator(str(folder))
-    accumulator.Reload()
-    return [event.step for event in accumulator.Scalars(tag)]
-
-
-def test_tensorboard_shows_no_step_twice_after_a_resume(tmp_path):
-    log = MetricsLog(tmp_path)
-    for step in (1, 2, 3, 4):  # the run is killed after step 4; its last checkpoint is step 2
-        log.write(step, {"reward/mean": 0.1 * step})
-    log.close()
-    resumed = MetricsLog(tmp_path)
-    resumed.truncate_after(2)
-    for step in (3, 4, 5):
-        resumed.write(step, {"reward/mean": 1.0 + step})
-    resumed.close()
-    assert _tensorboard_steps(tmp_path / "tensorboard", "reward/mean") == [1, 2, 3, 4, 5]
-    assert [r["step"] for r in read_records(tmp_path / "metrics.jsonl")] == [1, 2, 3, 4, 5]

@@ -1,0 +1,147 @@
+"""Experiment trackers through accelerate's tracking API: TensorBoard by default; Weights & Biases, MLflow, trackio,
+Comet, Aim, ClearML, DVCLive or SwanLab when installed (none is needed to train). The config is logged as
+hyper-parameters, metrics at every logged step, and evaluation samples as images (and tables where the tracker has
+them). ``metrics.jsonl`` is written whatever the trackers ([`mmgrpo.metrics_log.MetricsLog`]).
+
+TensorBoard's events go to ``<output_dir>/tensorboard/<project>``; after a resume, events an interrupted run wrote past
+the checkpoint are hidden (TensorBoard's ``purge_step``), so no step shows twice.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .validation import ConfigError, check_fields, check_text
+
+# tracker name -> the package it needs (the name accelerate's `log_with` takes)
+TRACKERS = {
+    "tensorboard": "tensorboard", "wandb": "wandb", "mlflow": "mlflow", "trackio": "trackio",
+    "comet_ml": "comet_ml", "aim": "aim", "clearml": "clearml", "dvclive": "dvclive", "swanlab": "swanlab",
+}
+
+
+@dataclass
+class TrackingConfig:
+    """Where metrics and samples go besides ``metrics.jsonl``.
+
+    Args:
+        log_with (`list[str]`): trackers, by accelerate's names: ``tensorboard`` (the default), ``wandb``, ``mlflow``,
+            ``trackio``, ``comet_ml``, ``aim``, ``clearml``, ``dvclive``, ``swanlab``; each needs its package installed
+            (checked before any model loads). An empty list writes ``metrics.jsonl`` only.
+        project (`str`): the project (experiment) the trackers file the run under.
+        run_name (`str`, *optional*): the run's name in trackers that name runs (default: the output folder's name).
+        log_samples (`bool`): log each evaluation's sample pictures (image grids, frame strips, overlays) as images,
+            and its text table where the tracker has tables.
+    """
+
+    log_with: list[str] = field(default_factory=lambda: ["tensorboard"])
+    project: str = "mmgrpo"
+    run_name: str | None = None
+    log_samples: bool = True
+
+    def __post_init__(self):
+        check_fields(self)
+        check_text("tracking.project", self.project)
+        check_text("tracking.run_name", self.run_name)
+        for name in self.log_with:
+            if name not in TRACKERS:
+                raise ConfigError(f"tracking.log_with: unknown tracker {name!r}; choose from {sorted(TRACKERS)}.")
+            if importlib.util.find_spec(TRACKERS[name]) is None:
+                raise ConfigError(f"tracking.log_with: {name} is not installed: pip install {TRACKERS[name]} (or "
+                                  f"remove it from tracking.log_with).")
+
+
+def hyperparameters(config) -> dict:
+    """The experiment config flattened to ``section/key`` -> a number, string or bool (lists and None as text), the
+    form every tracker's hyper-parameter table takes."""
+    flat = {}
+
+    def walk(prefix: str, value) -> None:
+        if dataclasses.is_dataclass(value):
+            value = dataclasses.asdict(value)
+        if isinstance(value, dict):
+            for key, item in value.items():
+                walk(f"{prefix}/{key}" if prefix else str(key), item)
+        elif isinstance(value, (bool, int, float, str)):
+            flat[prefix] = value
+        else:
+            flat[prefix] = str(value)
+
+    walk("", config.to_dict())
+    return flat
+
+
+class Trackers:
+    """The run's trackers (on the main process; accelerate logs nothing elsewhere).
+
+    Args:
+        accelerator: the run's `Accelerator`, built with ``log_with`` (see [`accelerator_options`]).
+        config: the [`ExperimentConfig`].
+        resumed_step (`int`): the checkpoint's step when resuming (0 otherwise).
+    """
+
+    def __init__(self, accelerator, config, resumed_step: int = 0):
+        self.accelerator = accelerator
+        self.settings = config.tracking
+        self.enabled = bool(self.settings.log_with)
+        if not self.enabled:
+            return
+        run_name = self.settings.run_name or Path(config.output_dir).name
+        init_kwargs = {"wandb": {"name": run_name}, "mlflow": {"run_name": run_name}, "trackio": {"name": run_name},
+                       "swanlab": {"experiment_name": run_name}}
+        if resumed_step:
+            init_kwargs["tensorboard"] = {"purge_step": resumed_step + 1}
+        accelerator.init_trackers(self.settings.project, config=hyperparameters(config), init_kwargs=init_kwargs)
+
+    def log(self, step: int, metrics: dict) -> None:
+        """Scalars of one step (non-numbers are left out)."""
+        if self.enabled:
+            values = {k: v for k, v in metrics.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+            self.accelerator.log(values, step=step)
+
+    def log_samples(self, paths: list[Path], step: int) -> None:
+        """An evaluation's sample files: PNG pictures as images to trackers that take images, JSONL tables as tables to
+        trackers that take tables."""
+        if not (self.enabled and self.settings.log_samples and self.accelerator.is_main_process):
+            return
+        import json
+
+        import numpy as np
+        from PIL import Image
+
+        for tracker in self.accelerator.trackers:
+            for path in paths:
+                path = Path(path)
+                if path.suffix == ".png" and hasattr(tracker, "log_images"):
+                    with Image.open(path) as image:
+                        pixels = np.asarray(image.convert("RGB"))[None]  # [1, H, W, 3]
+                    options = {"dataformats": "NHWC"} if tracker.name == "tensorboard" else {}
+                    tracker.log_images({f"samples/{_tag(path, step)}": pixels}, step=step, **options)
+                elif path.suffix == ".jsonl" and hasattr(tracker, "log_table"):
+                    rows = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line]
+                    columns = sorted({key for row in rows for key in row})
+                    tracker.log_table(f"samples/{_tag(path, step)}", columns=columns,
+                                      data=[[str(row.get(c, "")) for c in columns] for row in rows], step=step)
+
+    def close(self) -> None:
+        if self.enabled:
+            self.accelerator.end_training()
+
+
+def _tag(path: Path, step: int) -> str:
+    """A sample file's tag without its step (``step_00020_grid.png`` -> ``grid``), so a tracker shows one series."""
+    stem = path.stem.removeprefix(f"step_{step:05d}").removeprefix(f"step_{step:07d}").strip("_")
+    return stem or {".png": "grid", ".jsonl": "table"}.get(path.suffix, "samples")
+
+
+def accelerator_options(config, output_dir: Path) -> dict:
+    """The `Accelerator` arguments that route its trackers: ``log_with`` and the logging folder."""
+    if not config.tracking.log_with:
+        return {}
+    from accelerate.utils import ProjectConfiguration
+
+    return {"log_with": list(config.tracking.log_with),
+            "project_config": ProjectConfiguration(project_dir=str(output_dir), logging_dir=str(output_dir / "tensorboard"))}
