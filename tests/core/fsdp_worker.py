@@ -77,6 +77,11 @@ def run_case(name: str, case: dict, out: Path, tag: str) -> dict:
     record["max_move"] = float((weights - initial).abs().max())
     if case.get("evaluate"):
         record["eval"] = trainer.evaluate(99)
+    if record.get("checkpoint") and record["sharded"]:  # weights load before sharding; after it, a clear refusal
+        try:
+            trainer.load_weights(record["checkpoint"])
+        except RuntimeError as err:
+            record["load_weights_error"] = str(err)
     if trainer.accelerator.is_main_process:
         save_file({"weights": weights.contiguous()}, str(out / f"{name}_{tag}.safetensors"))
     return record
@@ -85,11 +90,13 @@ def run_case(name: str, case: dict, out: Path, tag: str) -> dict:
 def main(spec_file: str, out_dir: str) -> None:
     spec = json.loads(Path(spec_file).read_text())
     out = Path(out_dir)
-    results = {name: run_case(name, case, out, spec["tag"]) for name, case in spec["cases"].items()}
     import torch.distributed as dist
 
-    if not dist.is_initialized() or dist.get_rank() == 0:
-        (out / f"result_{spec['tag']}.json").write_text(json.dumps(results, indent=1))
+    results = {}
+    for name, case in spec["cases"].items():
+        results[name] = run_case(name, case, out, spec["tag"])
+        if not dist.is_initialized() or dist.get_rank() == 0:  # after each case: a later case may fail on purpose
+            (out / f"result_{spec['tag']}.json").write_text(json.dumps(results, indent=1))
 
 
 if __name__ == "__main__":

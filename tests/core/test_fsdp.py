@@ -5,6 +5,7 @@ policy (adapter off / frozen copy, through a KL term), DGPO's fast-EMA old model
 active clip: a per-process norm would scale differently) and the NaN-skip rule; evaluation and sample writing on
 rank 0; checkpoints resumed at the other world size (2 -> 1 and 1 -> 2) whose weights load in stock diffusers; a
 launch as two nodes of one process (two torchrun invocations, localhost rendezvous), and a process of it dying.
+Four launches in all (one process, two, one, two nodes), shared by the tests: about 2.5 minutes on two cores.
 
 fp32 tolerance: the sharded run reduces gradients in another order (reduce-scatter of per-process sums), so
 weights agree to ``atol=5e-5`` after the updates (measured: at most 1.9e-5, while Adam moved them by 4e-3 to
@@ -117,7 +118,6 @@ CASES = {  # name -> (builder, its fixture, options): each trains 2 steps of 2 i
     "mdlm_lora": (mdlm_config, "tiny_mdlm_dir", {"lora": True}),  # step-by-step masked-diffusion backward, KL
     "mdlm_full": (mdlm_config, "tiny_mdlm_dir", {"lora": False}),
 }
-IN_CI = ("qwen_vl_lora", "mdlm_full")  # trained beside the sd3 LoRA test's runs; the others are marked slow
 
 
 def pipeline_cases(request, root: Path, world: int, names) -> dict:
@@ -131,47 +131,67 @@ def pipeline_cases(request, root: Path, world: int, names) -> dict:
     return cases
 
 
-def test_fsdp_sd3_lora_matches_one_process_and_resumes_across_world_sizes(request, tmp_path, tiny_sd3_dir):
-    """`qwen_vl` LoRA and `mdlm` full fine-tuning as in [`test_fsdp_matches_one_process`]; sd3 LoRA, Flow-GRPO
-    with a KL term (reference = adapter off): 2 FSDP processes vs 1 over 3 steps, the second with a NaN advantage on
-    the last process's last sample (skipped everywhere: the norm is global); the checkpoint written after it resumes
-    at the other world size (1 -> 2 and 2 -> 1) to the same third step; the consolidated LoRA file loads in
-    diffusers; evaluation runs sharded and rank 0 writes the per-prompt scores and samples."""
-    def case(tag, world, **extra):
-        config = sd3_config(tmp_path / tag, tiny_sd3_dir, world, lora=True, algorithm=flow_grpo())
-        config["train"]["inner_epochs"] = 2  # the second epoch's losses depend on the updated weights
-        return {"config": config, "steps": 3, "save_at": 2, "nan_step": 2, **extra}
+def sd3_case(root: Path, tiny_sd3_dir: str, world: int, resume_from: str | None = None, **extra) -> dict:
+    """sd3 LoRA, Flow-GRPO with a KL term (reference = adapter off), 3 steps of 2 inner epochs; a NaN advantage on
+    the last sample (the last process's) at step 2, then a checkpoint."""
+    config = sd3_config(root, tiny_sd3_dir, world, lora=True, algorithm=flow_grpo())
+    config["train"]["inner_epochs"] = 2
+    config["checkpoint"]["resume_from"] = resume_from
+    return {"config": config, "steps": 3, "save_at": 2, "nan_step": 2, **extra}
 
-    def resumed(tag, world, checkpoint):
-        run = case(tag, world)
-        run["config"]["checkpoint"]["resume_from"] = checkpoint
-        return run
 
-    ones = run_worker(tmp_path, "w1", 1, {"sd3": case("w1", 1), **pipeline_cases(request, tmp_path, 1, IN_CI)})
-    one = ones["sd3"]
-    two = run_worker(tmp_path, "w2", 2, {"sd3": case("w2", 2, evaluate=True),
-                                         "from1": resumed("w2r", 2, one["checkpoint"]),
-                                         **pipeline_cases(request, tmp_path, 2, IN_CI)})
-    for name in IN_CI:
-        assert two[name]["sharded"] and not ones[name]["sharded"]
-        assert two[name].get("reference_sharded", True) and not ones[name].get("reference_sharded", False)
-        assert_same_run(ones[name], two[name], weights(tmp_path, name, "w1"), weights(tmp_path, name, "w2"))
-    back = run_worker(tmp_path, "w1r", 1, {"from2": resumed("w1r", 1, two["sd3"]["checkpoint"])})["from2"]
-    assert one["world"] == 1 and not one["sharded"]
-    assert two["sd3"]["world"] == 2 and two["sd3"]["sharding"] == "fsdp" and two["sd3"]["sharded"]
-    # the NaN step was skipped on both processes and left the weights as they were; the one process skipped it too
-    assert two["sd3"]["nan_step_unchanged"] and one["nan_step_unchanged"]
-    assert two["sd3"]["skipped_updates"] == one["skipped_updates"] == 2  # 2 inner epochs, 1 update each
-    assert "train/grad_norm" not in two["sd3"]["steps"]["2"]
-    assert max(two["sd3"]["steps"][s]["train/grad_norm"] for s in ("1", "3")) > 0.05  # clipping was active
-    assert_same_run(one, two["sd3"], weights(tmp_path, "sd3", "w1"), weights(tmp_path, "sd3", "w2"))
-    # resumed at the other world size: only step 3 is run, from the other run's checkpoint, to the same weights
-    assert two["from1"]["start"] == back["start"] == 2 and list(back["steps"]) == ["3"]
+@pytest.fixture(scope="module")
+def runs(request, tmp_path_factory, tiny_sd3_dir):
+    """One launch of one process and one of two FSDP processes train every case (sd3 LoRA and `CASES`); the two
+    processes also resume the one process's sd3 checkpoint, and a third launch (one process) resumes theirs."""
+    root = tmp_path_factory.mktemp("fsdp_runs")
+    one = run_worker(root, "w1", 1, {"sd3": sd3_case(root / "w1", tiny_sd3_dir, 1),
+                                     **pipeline_cases(request, root, 1, CASES)})
+    two = run_worker(root, "w2", 2, {"sd3": sd3_case(root / "w2", tiny_sd3_dir, 2, evaluate=True),
+                                     "from1": sd3_case(root / "w2r", tiny_sd3_dir, 2, one["sd3"]["checkpoint"]),
+                                     **pipeline_cases(request, root, 2, CASES)})
+    back = run_worker(root, "w1r", 1, {"from2": sd3_case(root / "w1r", tiny_sd3_dir, 1, two["sd3"]["checkpoint"])})
+    return root, one, {**two, **back}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_fsdp_matches_one_process(runs, name):
+    """Two FSDP processes give the same update metrics (losses, KL to the reference, global gradient norm) and,
+    within fp32 tolerance, the same weights as one process, for each pipeline, LoRA and full fine-tuning."""
+    root, ones, twos = runs
+    one, two = ones[name], twos[name]
+    assert two["sharded"] and two["world"] == 2 and two["sharding"] == "fsdp" and not one["sharded"]
+    if name.endswith("_full"):  # the frozen reference copy is sharded too: each process holds its share
+        assert two["reference_sharded"] and not one["reference_sharded"]
+    assert_same_run(one, two, weights(root, name, "w1"), weights(root, name, "w2"))
+    assert one["steps"]["2"]["train/kl"] > 0  # the reference was read, and the trained policy has left it
+
+
+def test_fsdp_sd3_lora_clips_globally_and_skips_nan_updates_everywhere(runs):
+    """sd3 LoRA over 3 steps: the same metrics and weights as one process, with clipping active (a per-process norm
+    would scale each shard differently) and step 2's NaN advantage, on the last process only, skipped by both."""
+    root, ones, twos = runs
+    one, two = ones["sd3"], twos["sd3"]
+    assert two["sharded"] and not one["sharded"]
+    assert two["nan_step_unchanged"] and one["nan_step_unchanged"]  # the skipped step left the weights as they were
+    assert two["skipped_updates"] == one["skipped_updates"] == 2  # 2 inner epochs, 1 update each
+    assert "train/grad_norm" not in two["steps"]["2"]
+    assert max(two["steps"][s]["train/grad_norm"] for s in ("1", "3")) > 0.05  # above max_grad_norm: clipped
+    assert_same_run(one, two, weights(root, "sd3", "w1"), weights(root, "sd3", "w2"))
+
+
+def test_fsdp_checkpoints_resume_at_another_world_size(runs, tiny_sd3_dir):
+    """The checkpoint written after step 2 by one process resumes in two and the other way round, to the same third
+    step; it holds no pickle, its consolidated LoRA file loads in stock diffusers, and loading weights into the
+    sharded model afterwards is refused with a clear message."""
+    root, ones, twos = runs
+    one, two = ones["sd3"], twos["sd3"]
+    assert twos["from1"]["start"] == twos["from2"]["start"] == 2 and list(twos["from2"]["steps"]) == ["3"]
     third = {**one, "steps": {"3": one["steps"]["3"]}}
-    assert_same_run(third, two["from1"], weights(tmp_path, "sd3", "w1"), weights(tmp_path, "from1", "w2"))
-    assert_same_run(third, back, weights(tmp_path, "sd3", "w1"), weights(tmp_path, "from2", "w1r"))
+    assert_same_run(third, twos["from1"], weights(root, "sd3", "w1"), weights(root, "from1", "w2"))
+    assert_same_run(third, twos["from2"], weights(root, "sd3", "w1"), weights(root, "from2", "w1r"))
     # the checkpoint holds no pickle, and the LoRA file rank 0 consolidated loads in stock diffusers
-    ckpt = Path(two["sd3"]["checkpoint"])
+    ckpt = Path(two["checkpoint"])
     assert not [p for p in ckpt.rglob("*") if p.suffix in (".pt", ".bin", ".pkl", ".metadata")]
     from diffusers import SD3Transformer2DModel
 
@@ -187,35 +207,19 @@ def test_fsdp_sd3_lora_matches_one_process_and_resumes_across_world_sizes(reques
     for key, value in mine.items():
         name = key.removeprefix("transformer.").replace(".weight", ".default_0.weight")
         torch.testing.assert_close(loaded[name], value, rtol=0, atol=0)
-    # sharded evaluation: both processes sampled their held-out prompt, rank 0 wrote the scores and samples
-    rows = json.loads((tmp_path / "w2" / "run" / "eval" / "step_00099.json").read_text())
+    # loading weights into the sharded model (what `mmgrpo eval --checkpoint` does after building it) is refused
+    assert "cannot load weights into a sharded model" in two["load_weights_error"]
+    assert "load_weights_error" not in one
+
+
+def test_fsdp_evaluates_on_every_process_and_writes_on_rank_0(runs):
+    """Evaluation runs sharded (each process samples its held-out prompt) and rank 0 writes the per-prompt scores
+    and the samples."""
+    root, _, twos = runs
+    rows = json.loads((root / "w2" / "run" / "eval" / "step_00099.json").read_text())
     assert sorted(r["prompt"] for r in rows) == ["a blue square", "a red circle"]
-    assert list((tmp_path / "w2" / "run" / "samples").glob("*.png"))
-    assert two["sd3"]["eval"]["eval/jpeg_kb"] == pytest.approx(sum(r["jpeg_kb"] for r in rows) / 2, rel=1e-6)
-
-
-@pytest.fixture(scope="module")
-def pipeline_runs(request, tmp_path_factory):
-    """The cases of `CASES` not in `IN_CI`, trained in one process and in two FSDP processes (one launch each)."""
-    tmp_path = tmp_path_factory.mktemp("fsdp_pipelines")
-    names = [name for name in CASES if name not in IN_CI]
-    results = {world: run_worker(tmp_path, f"w{world}", world, pipeline_cases(request, tmp_path, world, names))
-               for world in (1, 2)}
-    return tmp_path, results
-
-
-@pytest.mark.slow  # two more launches, about 1.5 minutes on two cores; the cases of IN_CI run in CI
-@pytest.mark.parametrize("name", [name for name in CASES if name not in IN_CI])
-def test_fsdp_matches_one_process(pipeline_runs, name):
-    """Two FSDP processes give the same update metrics (losses, KL to the reference, global gradient norm) and,
-    within fp32 tolerance, the same weights as one process, for each pipeline, LoRA and full fine-tuning."""
-    tmp_path, results = pipeline_runs
-    one, two = results[1][name], results[2][name]
-    assert two["sharded"] and two["world"] == 2 and not one["sharded"]
-    if name.endswith("_full"):  # the frozen reference copy is sharded too: each process holds its share
-        assert two["reference_sharded"] and not one["reference_sharded"]
-    assert_same_run(one, two, weights(tmp_path, name, "w1"), weights(tmp_path, name, "w2"))
-    assert one["steps"]["2"]["train/kl"] > 0  # the reference was read, and the trained policy has left it
+    assert list((root / "w2" / "run" / "samples").glob("*.png"))
+    assert twos["sd3"]["eval"]["eval/jpeg_kb"] == pytest.approx(sum(r["jpeg_kb"] for r in rows) / 2, rel=1e-6)
 
 
 def launch_two_nodes(tmp_path: Path, tag: str, cases: dict, timeout: float = 600) -> list[subprocess.CompletedProcess]:
@@ -243,29 +247,21 @@ def launch_two_nodes(tmp_path: Path, tag: str, cases: dict, timeout: float = 600
     return done
 
 
-@pytest.mark.slow  # about a minute; the two-node launch itself runs in CI in the next test
-def test_fsdp_two_nodes_of_one_process_match_one_process(request, tmp_path):
+def test_fsdp_two_nodes_of_one_process(request, runs, tmp_path):
     """Two torchrun invocations (`--nnodes 2 --node_rank 0/1`, localhost rendezvous) shard `mdlm` LoRA over both
-    "nodes" and give one process's update."""
-    nodes = launch_two_nodes(tmp_path, "nodes", pipeline_cases(request, tmp_path / "nodes", 2, ["mdlm_lora"]))
-    for node in nodes:
-        first = node.stderr.find("Traceback")
-        assert node.returncode == 0, node.stderr[first : first + 5000] if first >= 0 else node.stderr[-5000:]
-    two = json.loads((tmp_path / "result_nodes.json").read_text())["mdlm_lora"]
-    one = run_worker(tmp_path, "w1", 1, pipeline_cases(request, tmp_path / "one", 1, ["mdlm_lora"]))["mdlm_lora"]
-    assert two["world"] == 2 and two["sharded"]
-    assert_same_run(one, two, weights(tmp_path, "mdlm_lora", "w1"), weights(tmp_path, "mdlm_lora", "nodes"))
-
-
-def test_a_process_dying_mid_step_ends_the_run_with_an_error(request, tmp_path):
-    """The second node's process exits abruptly during step 2 while the first gathers parameters from it: both
-    launches end (no wait for a collective timeout) with a non-zero status, and the first node's error names the
-    lost peer."""
+    "nodes" and give one process's update. Then, in a second case, the second node's process exits abruptly during
+    step 2 while the first gathers parameters from it: both launches end (no wait for a collective timeout) with a
+    non-zero status, and the first node's error names the lost peer."""
+    root, ones, _ = runs
     cases = pipeline_cases(request, tmp_path / "nodes", 2, ["mdlm_lora"])
-    cases["mdlm_lora"]["die"] = {"rank": 1, "step": 2}
-    first, second = launch_two_nodes(tmp_path, "die", cases, timeout=300)  # a hang would raise TimeoutExpired
+    cases["dies"] = {**pipeline_cases(request, tmp_path / "dies", 2, ["mdlm_lora"])["mdlm_lora"],
+                     "die": {"rank": 1, "step": 2}}
+    first, second = launch_two_nodes(tmp_path, "nodes", cases, timeout=600)  # a hang would raise TimeoutExpired
+    two = json.loads((tmp_path / "result_nodes.json").read_text())  # written after each case
+    assert list(two) == ["mdlm_lora"] and two["mdlm_lora"]["world"] == 2 and two["mdlm_lora"]["sharded"]
+    assert_same_run(ones["mdlm_lora"], two["mdlm_lora"], weights(root, "mdlm_lora", "w1"),
+                    weights(tmp_path, "mdlm_lora", "nodes"))
     assert second.returncode != 0 and "exitcode  : 3" in second.stderr
     assert first.returncode != 0
     lost = ("Connection closed by peer", "Connection reset by peer")  # gloo's words, as the peer's socket closes
     assert any(words in first.stderr for words in lost), first.stderr[-3000:]
-    assert not (tmp_path / "result_die.json").exists()
