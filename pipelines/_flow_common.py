@@ -57,6 +57,7 @@ class TrainableTransformer:
         lora_rank (`int`): LoRA rank; 0 trains the whole transformer.
         lora_alpha (`int`): LoRA scaling numerator.
         lora_targets (`list[str]`): module names (suffixes) that get LoRA.
+        base_model (`str`, *optional*): the base model as configured, recorded in the LoRA's adapter metadata.
 
     Attributes:
         module (`torch.nn.Module`): the unwrapped transformer (checkpoints, adapters).
@@ -64,16 +65,18 @@ class TrainableTransformer:
             [`~TrainableTransformer.prepare`], or the frozen copy inside [`~TrainableTransformer.reference`].
     """
 
-    def __init__(self, transformer: torch.nn.Module, *, lora_rank: int, lora_alpha: int, lora_targets: list[str]):
+    def __init__(self, transformer: torch.nn.Module, *, lora_rank: int, lora_alpha: int, lora_targets: list[str],
+                 base_model: str | None = None):
         self.lora = lora_rank > 0
         if self.lora:
             from peft import LoraConfig
 
             transformer.add_adapter(
                 LoraConfig(
-                    r=lora_rank, lora_alpha=lora_alpha, init_lora_weights="gaussian", target_modules=lora_targets
+                    r=lora_rank, lora_alpha=lora_alpha, init_lora_weights="gaussian", target_modules=lora_targets,
                 )
             )
+            transformer.peft_config["default"].base_model_name_or_path = base_model  # saved in the LoRA's metadata
             for param in transformer.parameters():
                 if param.requires_grad:
                     param.data = param.data.float()  # trainable parameters are always float32

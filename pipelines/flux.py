@@ -99,7 +99,7 @@ class FluxPolicy:
             getattr(self.pipe, name).requires_grad_(False).eval()
         self.trainable = TrainableTransformer(
             self.pipe.transformer, lora_rank=config.lora_rank, lora_alpha=config.lora_alpha,
-            lora_targets=config.lora_targets,
+            lora_targets=config.lora_targets, base_model=config.pretrained,
         )
         self.transformer = self.trainable.module  # the unwrapped module (checkpoints, adapters)
         self.device = torch.device("cpu")

@@ -141,7 +141,8 @@ class WanPolicy:
             if config.gradient_checkpointing:
                 module.enable_gradient_checkpointing()
             self.experts.append(TrainableTransformer(
-                module, lora_rank=config.lora_rank, lora_alpha=config.lora_alpha, lora_targets=config.lora_targets
+                module, lora_rank=config.lora_rank, lora_alpha=config.lora_alpha, lora_targets=config.lora_targets,
+                base_model=config.pretrained,
             ))
         self.transformer = self.experts[0].module  # the unwrapped (high-noise) transformer
         self.boundary = self.pipe.config.boundary_ratio if len(self.experts) > 1 else None

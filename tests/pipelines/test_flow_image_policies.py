@@ -183,6 +183,7 @@ def test_lora_checkpoint_loads_in_plain_diffusers(tiny, tmp_path):
     with safe_open(str(tmp_path / "lora" / "pytorch_lora_weights.safetensors"), "pt") as f:
         metadata = json.loads(f.metadata()["lora_adapter_metadata"])
     assert metadata["transformer.r"] == 4 and metadata["transformer.lora_alpha"] == policy.config.lora_alpha
+    assert metadata["transformer.base_model_name_or_path"] == path  # the base model as configured
     plan = FlowPlan.deterministic(4)
     ours = policy.sample(PromptBatch(PROMPTS[:2]), plan, generator=torch.Generator().manual_seed(2))
     pipe = load_diffusers_pipeline(getattr(diffusers, DIFFUSERS[name][0]), path)
