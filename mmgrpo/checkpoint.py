@@ -215,6 +215,17 @@ def load_weights(path: Path, policy, modules: list | None = None, check: bool = 
     return meta
 
 
+def preload(resume_from: str | None, root: str | Path, policy) -> Path | None:
+    """The checkpoint that `resume_from` names (see [`resolve`]; `None` when it is unset), after checking its format
+    and loading its weights into `policy`, which is not prepared yet: every process loads them whole, before
+    sharding splits them, so a checkpoint resumes at any number of processes. [`load`] then restores the rest."""
+    if not resume_from:
+        return None
+    path = resolve(resume_from, root)
+    load_weights(path, policy, check=True)
+    return path
+
+
 def _numpy_globals() -> list:
     """What a pickled numpy RNG state needs beyond tensors and builtins (under numpy 1 and 2 names)."""
     core = getattr(np, "_core", None) or np.core

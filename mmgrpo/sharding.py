@@ -67,6 +67,14 @@ def check_world(sharding: str, world: int) -> str:
     return sharding if world > 1 else "none"
 
 
+def autocast_precision(train_config) -> str:
+    """The mixed precision accelerate's autocast should use: ``train.mixed_precision``, or ``"no"`` for a sharded
+    multi-process run (launched with ``WORLD_SIZE`` > 1), whose bf16 is FSDP2's ``MixedPrecisionPolicy`` instead."""
+    if train_config.sharding == "fsdp" and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        return "no"
+    return train_config.mixed_precision
+
+
 def find_blocks(module: torch.nn.Module) -> list[torch.nn.Module]:
     """The transformer blocks of `module`, outermost first and never nested: every submodule whose class a model of
     the tree names in ``_no_split_modules`` and every member of a module list named as in ``BLOCK_LISTS``."""

@@ -31,7 +31,6 @@ from __future__ import annotations
 import contextlib
 import json
 import math
-import os
 import time
 from pathlib import Path
 
@@ -105,13 +104,11 @@ def make_accelerator(config: ExperimentConfig):
     """An `Accelerator` that also works on CPU-only machines under torchrun (accelerate needs ``cpu=True`` there)."""
     from accelerate import Accelerator
 
-    # under FSDP2, bf16 is the sharded modules' MixedPrecisionPolicy (mmgrpo.sharding), not accelerate's autocast
-    fsdp = config.train.sharding == "fsdp" and int(os.environ.get("WORLD_SIZE", "1")) > 1
     # step_scheduler_with_optimizer=False: the schedule counts optimizer updates, which are global (one per update on
     # every rank); accelerate's default would step it once per process, i.e. world-size times too fast.
     return Accelerator(
         cpu=not torch.cuda.is_available(),
-        mixed_precision="no" if fsdp else config.train.mixed_precision,
+        mixed_precision=sharding.autocast_precision(config.train),  # "no" under FSDP2: its own mixed precision
         step_scheduler_with_optimizer=False,
         **accelerator_options(config, Path(config.output_dir)),  # trackers (tracking.log_with) and their folder
     )
@@ -151,10 +148,8 @@ class Trainer:
         self.policy, self.algorithm, self.reward, self.data = build_components(config)
         self.group_stage = self.reward.group_stage  # the reward's stage after the gather, or None (see RewardFn)
         self.eval_items = self.data.eval_items()
-        resume = config.checkpoint.resume_from and checkpoint.resolve(config.checkpoint.resume_from, self.output_dir
-                                                                      / "checkpoints")
-        if resume:  # the whole weights, on every process, before sharding splits them (format checked first)
-            checkpoint.load_weights(resume, self.policy, check=True)
+        # the whole weights of a checkpoint to resume, on every process, before sharding splits them
+        resume = checkpoint.preload(config.checkpoint.resume_from, self.output_dir / "checkpoints", self.policy)
         self.wrapped = sharding.prepare(self.policy, acc, self.sharding, config.train.mixed_precision)
         # after prepare: sharding replaces the parameters by their shards
         self.optimizer, self.lr_scheduler = build_optimizer(self.policy.trainable_parameters(), config.train)

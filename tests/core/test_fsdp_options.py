@@ -93,3 +93,12 @@ def test_unsharded_clipping_is_the_global_l2_norm():
     before = a.grad.clone()
     assert math.isnan(sharding.clip_grad_norm_([a, b], max_norm=1.0).item())
     assert torch.equal(a.grad, before)  # not scaled: the trainer discards the update
+
+
+def test_accelerate_autocast_is_off_only_for_a_sharded_multi_process_run(monkeypatch):
+    bf16 = TrainConfig(sharding="fsdp", mixed_precision="bf16")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert sharding.autocast_precision(bf16) == "no"  # FSDP2's MixedPrecisionPolicy computes in bf16 instead
+    assert sharding.autocast_precision(TrainConfig(sharding="ddp", mixed_precision="bf16")) == "bf16"
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    assert sharding.autocast_precision(bf16) == "bf16"  # one process is not sharded: accelerate's autocast
