@@ -140,6 +140,8 @@ class ShardingAccelerator:
         self._mixed_precision = mixed_precision
 
     def __getattr__(self, name: str):
+        if name.startswith("_"):  # its own attributes, before __init__ set them (copies): never the accelerator's
+            raise AttributeError(name)
         return getattr(self._accelerator, name)
 
     def prepare_model(self, module: torch.nn.Module, *args, **kwargs) -> torch.nn.Module:
