@@ -23,14 +23,13 @@ another size than its image is refused, naming the file and line.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
 import torch
 
-from mmgrpo.data.vlm_jsonl import _resolve
+from mmgrpo.data._jsonl import read_items, resolve_media
 from mmgrpo.rewards._seg_masks import load_mask
 from mmgrpo.validation import check_fields, check_template, check_text
 
@@ -116,18 +115,7 @@ class ReferringJsonl:
 
     def read(self, file: str) -> list[dict]:
         """The prompt items of one JSONL file; errors name the file and line."""
-        path = Path(file).expanduser()
-        root = Path(self.config.image_root).expanduser() if self.config.image_root else path.parent
-        items = []
-        for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
-            if line.strip():
-                try:
-                    items.append(self.item(json.loads(line), root))
-                except (ValueError, KeyError, TypeError, OSError) as err:
-                    raise ValueError(f"{path}:{number}: {err}") from err
-        if not items:
-            raise ValueError(f"{path} holds no rows.")
-        return items
+        return read_items(file, self.config.image_root, self.item)
 
     def item(self, row: dict, root: Path) -> dict:
         """One prompt item of a row (see the module docstring)."""
@@ -137,7 +125,7 @@ class ReferringJsonl:
         question = next((row[k] for k in (c.question_key, *QUESTION_KEYS) if k in row), None)
         if not isinstance(question, str):
             raise KeyError(f"the row has no {c.question_key!r} (or {', '.join(QUESTION_KEYS)}) text")
-        image = _resolve(row["image"], root)
+        image = resolve_media(row["image"], root)
         with Image.open(image) as opened:
             width, height = opened.size
         encoded = row.get(c.mask_key, row.get("segmentation"))

@@ -10,10 +10,10 @@ boxes, so `box_iou` can map boxes between the original image and the model's res
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from mmgrpo.data._jsonl import read_items, resolve_media
 from mmgrpo.types import as_list
 from mmgrpo.validation import check_fields, check_template, check_text
 
@@ -74,25 +74,14 @@ class VLMJsonl:
 
     def read(self, file: str) -> list[dict]:
         """The prompt items of one JSONL file; errors name the file and line."""
-        path = Path(file).expanduser()
-        root = Path(self.config.image_root).expanduser() if self.config.image_root else path.parent
-        items = []
-        for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
-            if line.strip():
-                try:
-                    items.append(self.item(json.loads(line), root))
-                except (ValueError, KeyError, OSError) as err:
-                    raise ValueError(f"{path}:{number}: {err}") from err
-        if not items:
-            raise ValueError(f"{path} holds no rows.")
-        return items
+        return read_items(file, self.config.image_root, self.item)
 
     def item(self, row: dict, root: Path) -> dict:
         c = self.config
         question = row.get(c.question_key, row.get("question"))
         if question is None:
             raise KeyError(f"the row has no {c.question_key!r} (or 'question') key")
-        images = [_resolve(p, root) for p in as_list(row.get("image", row.get("images")))]
+        images = [resolve_media(p, root) for p in as_list(row.get("image", row.get("images")))]
         metadata = {k: v for k, v in row.items() if k not in (c.question_key, "question", "image", "images", "video")}
         if c.box_key in row and images and "image_size" not in metadata:
             from PIL import Image
@@ -101,21 +90,11 @@ class VLMJsonl:
                 metadata["image_size"] = list(opened.size)
         video = row.get("video")
         if video is not None:
-            video = [_resolve(p, root) for p in video] if isinstance(video, list) else _resolve(video, root)
+            video = [resolve_media(p, root) for p in video] if isinstance(video, list) else resolve_media(video, root)
         # every item has both condition keys (a batch takes its condition keys from its first item)
         return {"prompt": c.prompt_template.format(question=question), "metadata": metadata, "images": images,
                 "video": video}
 
-
-def _resolve(location: str, root: Path) -> str:
-    """A path relative to `root` made absolute (URIs and absolute paths unchanged); it must exist."""
-    if "://" in location or location.startswith("data:"):
-        return location
-    path = Path(location).expanduser()
-    path = path if path.is_absolute() else root / path
-    if not path.exists():
-        raise ValueError(f"image or video {location!r} not found (looked at {path}); set data.image_root.")
-    return str(path)
 
 
 PLUGIN = VLMJsonl
