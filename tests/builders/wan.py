@@ -124,12 +124,15 @@ def tiny_wan_euler_dir(tmp_path_factory):
     return _save(tmp_path_factory, "tiny_wan_euler", scheduler="euler")
 
 
-def build_policy(request):
-    """A 3-step, 5-frame 32 x 32 LoRA policy on `tiny_wan_dir`."""
+def tiny_policy(path: str, **overrides):
+    """A 3-step, 5-frame 32 x 32 LoRA policy (rank 4) on the tiny Wan folder `path`; `overrides` change options."""
     from mmgrpo.pipelines.wan import WanConfig, WanPolicy
 
-    path = request.getfixturevalue("tiny_wan_dir")
-    return WanPolicy(WanConfig(
-        pretrained=path, height=32, width=32, num_frames=5, num_steps=3, guidance_scale=1.0, lora_rank=4, lora_alpha=8,
-        max_sequence_length=WAN_TOKENS,
-    ))
+    options = dict(pretrained=path, height=32, width=32, num_frames=5, num_steps=3, guidance_scale=1.0, lora_rank=4,
+                   lora_alpha=8, max_sequence_length=WAN_TOKENS)
+    return WanPolicy(WanConfig(**{**options, **overrides}))
+
+
+def build_policy(request):
+    """The tiny policy of [`tiny_policy`] on `tiny_wan_dir`."""
+    return tiny_policy(request.getfixturevalue("tiny_wan_dir"))

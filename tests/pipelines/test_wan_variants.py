@@ -8,19 +8,12 @@ import pytest
 import torch
 from PIL import Image
 
-from builders.wan import WAN_TOKENS
+from builders.wan import WAN_TOKENS, tiny_policy as make_policy
 from mmgrpo.algorithms.flow_grpo import FlowGRPO, FlowGRPOConfig
-from mmgrpo.pipelines.wan import WanConfig, WanPolicy
+from mmgrpo.pipelines.wan import WanConfig
 from mmgrpo.types import FlowPlan, PromptBatch
 
 PROMPTS = ["a red circle", "two blue squares"]
-
-
-def make_policy(path, **overrides):
-    options = dict(pretrained=path, height=32, width=32, num_frames=5, num_steps=3, guidance_scale=1.0, lora_rank=4,
-                   lora_alpha=8, max_sequence_length=WAN_TOKENS)
-    options.update(overrides)
-    return WanPolicy(WanConfig(**options))
 
 
 def seeded(seed):
