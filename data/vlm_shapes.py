@@ -7,7 +7,9 @@ no overlap, on a ``size`` x ``size`` image. Questions and answers:
   in each quadrant in reading order (``"red none blue red"``), then the answer counts the asked colour.
 - ``color``: "What colour is the square?" (the shape is unique in the image) -> ``"blue"`` (exact answer).
 
-Items carry ``images`` (one PIL image) and ``metadata`` ``{"task", "answer", "answer_type", "image_size"}``. Held-out
+Items carry ``images`` (one PIL image) and ``metadata`` ``{"task", "answer", "answer_type", "image_size"}``, plus
+``"completion"`` with `with_targets`: the supervised target in the R1 layout, ``<think>red none blue red</think>
+<answer>2</answer>`` (without the line break), what ``mmgrpo sft`` trains on. Held-out
 items use indices disjoint from the training ones. The R1 layout asked of the model is set by `prompt_template`.
 """
 
@@ -37,6 +39,8 @@ class VLMShapesConfig:
         max_objects (`int`): at most this many shapes per image (1..4).
         prompt_template (`str`): ``{question}`` is replaced by the question.
         seed (`int`): offsets the item indices (another seed, other images).
+        with_targets (`bool`): add the target completion (``<think>...</think><answer>...</answer>``) to each item's
+            metadata under ``"completion"``, for supervised fine-tuning (``mmgrpo sft``).
     """
 
     tasks: list[str] = field(default_factory=lambda: ["count"])
@@ -46,6 +50,7 @@ class VLMShapesConfig:
     max_objects: int = 4
     prompt_template: str = TEMPLATE
     seed: int = 0
+    with_targets: bool = False
 
     def __post_init__(self):
         check_fields(self)
@@ -138,6 +143,8 @@ class VLMShapes:
         q = question(index, shapes, c.tasks)
         metadata = {"task": q["task"], "answer": q["answer"], "answer_type": q["answer_type"],
                     "image_size": [c.size, c.size]}
+        if c.with_targets:
+            metadata["completion"] = target_text(q)
         return {"prompt": c.prompt_template.format(question=q["question"]), "metadata": metadata,
                 "images": [render(shapes, c.size)]}
 

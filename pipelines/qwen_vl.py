@@ -362,6 +362,36 @@ class QwenVLPolicy:
         mask = rollout.mask[:, index].to(self.device)
         return Score(log_prob=log_prob[:, index.to(self.device)] * mask, mask=mask)  # [n, k], [n, k]
 
+    def teacher_rollout(self, batch: PromptBatch, completions: list[str]) -> Rollout:
+        """A teacher-forced rollout: `completions` (one text per prompt of `batch`, followed by the end-of-turn token)
+        as if they had been sampled, so that [`~QwenVLPolicy.log_prob`] scores them given their prompts (supervised
+        fine-tuning, ``mmgrpo sft``). Nothing is forwarded here.
+
+        Returns:
+            [`Rollout`]: ``trajectory["completion_ids"]`` `[N, T]` (right-padded with the pad token), ``mask`` `[N, T]`
+            (the target tokens, end-of-turn included), ``old_log_probs`` `[N, T]` zeros, ``outputs["texts"]`` the
+            completions, ``trajectory["prompt_inputs"]`` the encoded prompts (shared within a group, as in `sample`).
+        """
+        if len(completions) != len(batch):
+            raise ValueError(f"teacher_rollout: {len(completions)} completions for {len(batch)} prompts.")
+        tok = self.processor.tokenizer
+        end = tok.convert_tokens_to_ids("<|im_end|>") if "<|im_end|>" in tok.get_vocab() else tok.eos_token_id
+        ids = [tok(text, add_special_tokens=False)["input_ids"] + [end] for text in completions]
+        length = max(len(row) for row in ids)
+        tokens = torch.full((len(ids), length), self.pad_id, dtype=torch.long)  # [N, T]
+        mask = torch.zeros(len(ids), length, dtype=torch.bool)  # [N, T]
+        for row, target in enumerate(ids):
+            tokens[row, : len(target)] = torch.tensor(target, dtype=torch.long)
+            mask[row, : len(target)] = True
+        group_ids = batch.group_ids if batch.group_ids is not None else torch.arange(len(batch))
+        return Rollout(
+            group_ids=group_ids,
+            outputs={"texts": list(completions), "num_tokens": mask.sum(dim=1)},
+            old_log_probs=torch.zeros(len(ids), length),  # [N, T]
+            mask=mask,
+            trajectory={"completion_ids": tokens, "prompt_inputs": self._encode_batch(batch)},
+        )
+
     # ----------------------------------------------------------------------------------------------- checkpoints
     def save_pretrained(self, path: str) -> None:
         """Writes the LoRA adapter in peft's format (``adapter_config.json`` + ``adapter_model.safetensors``, which
