@@ -1,4 +1,5 @@
 """Command line: ``mmgrpo check CONFIG [key=value ...]``, ``mmgrpo train CONFIG [key=value ...]``,
+``mmgrpo sft CONFIG [key=value ...]`` (supervised cold start, see [`mmgrpo.sft`]),
 ``mmgrpo eval CONFIG [--checkpoint DIR] [--split train]``,
 ``mmgrpo list``, ``mmgrpo show NAME [--kind KIND]``, ``mmgrpo serve-reward CONFIG [--port P]``,
 ``mmgrpo convert-checkpoint DIR... --trust-pickles``, ``mmgrpo export CHECKPOINT OUTPUT [--merge-lora]
@@ -102,6 +103,10 @@ def main(argv: list[str] | None = None) -> int:
     p_train = sub.add_parser("train", help="train from a YAML config")
     p_train.add_argument("config")
     p_train.add_argument("overrides", nargs="*", help="key.subkey=value overrides (values parsed as YAML)")
+    p_sft = sub.add_parser("sft", help="supervised fine-tuning on the prompt source's target completions (a cold "
+                           "start: writes OUTPUT_DIR/model, which pipeline.pretrained then trains with RL)")
+    p_sft.add_argument("config")
+    p_sft.add_argument("overrides", nargs="*", help="key.subkey=value overrides (sft.thought_dropout=0.5...)")
     p_eval = sub.add_parser("eval", help="evaluate a checkpoint on the held-out prompts")
     p_eval.add_argument("config")
     p_eval.add_argument("--checkpoint", help="a checkpoint folder written by `mmgrpo train` (default: the config's "
@@ -164,7 +169,12 @@ def main(argv: list[str] | None = None) -> int:
         overrides.append(f"checkpoint.resume_from={args.checkpoint}")  # checked with the config; eval reads weights
     try:
         config = load(resolve_config(args.config), overrides)  # every key, type, range and local path checked
-        preflight(config, getattr(args, "split", None))  # what else can be checked before any model loads
+        if args.command == "sft":
+            from .sft import check as check_sft
+
+            items = check_sft(config)  # the pipeline takes teacher-forced targets; every item has one
+        else:
+            preflight(config, getattr(args, "split", None))  # what else can be checked before any model loads
     except (ConfigError, ValueError, OSError) as err:
         print(f"mmgrpo: config error: {' '.join(str(err).split())}", file=sys.stderr)
         return 2
@@ -177,7 +187,12 @@ def main(argv: list[str] | None = None) -> int:
     from .trainer import train
 
     try:
-        summary = train(config) if args.command == "train" else _evaluate(config, args.split)
+        if args.command == "sft":
+            from .sft import sft
+
+            summary = sft(config, items)
+        else:
+            summary = train(config) if args.command == "train" else _evaluate(config, args.split)
     except LegacyCheckpointError as err:  # resuming from a checkpoint of an older version: say how to convert it
         print(f"mmgrpo: {' '.join(str(err).split())}", file=sys.stderr)
         return 2

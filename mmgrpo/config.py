@@ -171,6 +171,29 @@ class CheckpointConfig:
 
 
 @dataclass
+class SFTConfig:
+    """Supervised fine-tuning (``mmgrpo sft``; ``mmgrpo train`` ignores this section). The SFT run takes its sizes and
+    optimizer from ``train`` (``max_steps``, ``prompts_per_step`` items per step, ``minibatch_size``, the learning
+    rate and its schedule, clipping, precision; one optimizer update per step: ``group_size``, ``updates_per_step``
+    and ``inner_epochs`` are RL-only). See [`mmgrpo.sft`].
+
+    Args:
+        target_key (`str`): the key of each item's metadata that holds its target completion (a JSONL row's
+            ``"completion"`` field; ``vlm_shapes`` writes it with ``with_targets: true``).
+        thought_dropout (`float`): TON's thought dropout: the probability that a target's ``<think>...</think>``
+            content is replaced by an empty thought, drawn once per item from the run's seed.
+    """
+
+    target_key: str = "completion"
+    thought_dropout: float = 0.0
+
+    def __post_init__(self):
+        check_fields(self)
+        check_text("sft.target_key", self.target_key)
+        check_range("sft.thought_dropout", self.thought_dropout, 0, 1, fix="0 keeps every thought, 1 empties all")
+
+
+@dataclass
 class PluginSpec:
     """A registry entry and its raw options (checked against the plugin's own Config)."""
 
@@ -193,6 +216,7 @@ class ExperimentConfig:
     checkpoint: CheckpointConfig
     log_every: int = 1
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
+    sft: SFTConfig = field(default_factory=SFTConfig)
 
     def __post_init__(self):
         check_fields(self)
@@ -207,7 +231,7 @@ class ExperimentConfig:
         for kind in ("pipeline", "algorithm", "reward", "data"):
             spec = getattr(self, kind)
             out[kind] = {"name": spec.name, **dataclasses.asdict(spec.options)}
-        for name in ("train", "eval", "checkpoint", "tracking"):
+        for name in ("train", "eval", "checkpoint", "tracking", "sft"):
             out[name] = dataclasses.asdict(getattr(self, name))
         return out
 
@@ -225,7 +249,8 @@ def check_resume(resume_from: str, output_dir: str) -> None:
 
 
 PLUGIN_KINDS = ("pipeline", "algorithm", "reward", "data")
-SECTIONS = {"train": TrainConfig, "eval": EvalConfig, "checkpoint": CheckpointConfig, "tracking": TrackingConfig}
+SECTIONS = {"train": TrainConfig, "eval": EvalConfig, "checkpoint": CheckpointConfig, "tracking": TrackingConfig,
+            "sft": SFTConfig}
 TOP_TYPES = {"output_dir": str, "seed": int, "log_every": int}
 TOP_LEVEL = set(TOP_TYPES) | set(PLUGIN_KINDS) | set(SECTIONS)
 
@@ -332,6 +357,7 @@ def from_dict(raw: dict) -> ExperimentConfig:
         eval=build_dataclass(EvalConfig, raw.get("eval"), "eval"),
         checkpoint=build_dataclass(CheckpointConfig, raw.get("checkpoint"), "checkpoint"),
         tracking=build_dataclass(TrackingConfig, raw.get("tracking"), "tracking"),
+        sft=build_dataclass(SFTConfig, raw.get("sft"), "sft"),
     )
 
 
