@@ -127,8 +127,11 @@ class Trackers:
                                       data=[[str(row.get(c, "")) for c in columns] for row in rows], step=step)
 
     def close(self) -> None:
+        """Finishes each tracker (not ``accelerator.end_training``, which would also end the process group that an
+        evaluation after training still uses)."""
         if self.enabled:
-            self.accelerator.end_training()
+            for tracker in self.accelerator.trackers:
+                tracker.finish()
 
 
 def _tag(path: Path, step: int) -> str:
