@@ -72,5 +72,7 @@ def test_documented_commands_load_their_config(args):
         if word in ("--checkpoint", "--split"):
             next(rest)  # the option's value
         elif "=" in word and "resume_from" not in word:  # resume_from=latest needs a run to resume
+            if word.startswith("pipeline.pretrained=outputs/"):  # a model an earlier documented command writes
+                continue
             overrides.append(word.replace("=S", "=1234"))  # `eval.seed=S` stands for any seed
     assert load(ROOT / config, overrides).output_dir
