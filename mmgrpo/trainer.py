@@ -48,6 +48,7 @@ from .preflight import SCORING_METHODS, check_modalities, require_plan
 from .prompt_stream import PromptStream
 from .sample_writers import writers_for
 from .types import RewardResult, SamplingPlan, Score, deterministic_plan
+from .reference import reference_needed
 from .seeding import mix_seed
 from .tracking import Trackers, accelerator_options
 from .stop_signals import StopSignals
@@ -63,7 +64,8 @@ def build_components(config: ExperimentConfig):
     check_modalities(config)
     data = registry.get("data", config.data.name)(config.data.options)
     algorithm = registry.get("algorithm", config.algorithm.name)(config.algorithm.options)
-    policy = policy_cls(config.pipeline.options)
+    with reference_needed(algorithm.traits.needs_reference):  # no frozen copy of the weights for nothing
+        policy = policy_cls(config.pipeline.options)
     check_plan(policy, algorithm, config)
     return policy, algorithm, reward, data
 
