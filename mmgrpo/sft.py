@@ -268,7 +268,7 @@ class SFTTrainer:
 
     def _finish(self, stopped_by: str | None) -> dict:
         summary = {"steps": self.step, "skipped_updates": self.skipped_updates,
-                   "train_seconds": round(self.train_seconds, 3)}
+                   "train_seconds": round(self.train_seconds, 3), "processes": self.world}
         metrics_file = self.output_dir / "metrics.jsonl"
         if self.accelerator.is_main_process and metrics_file.is_file():
             losses = [r["train/loss"] for r in read_records(metrics_file) if r.get("train/loss") is not None]

@@ -2,7 +2,10 @@
 dropout, a falling training loss, exact resume, refusals before loading, and SFT -> RL from the written model."""
 
 import json
+import os
 import re
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -200,3 +203,31 @@ def test_sft_then_rl_from_the_written_model(tmp_path):
     assert main(["train", "vlm_count", *rl]) == 0
     assert json.loads((rl_dir / "metrics.jsonl").read_text().splitlines()[0])["step"] == 1
     assert json.loads((rl_dir / "config.json").read_text())["pipeline"]["pretrained"] == str(sft_dir / "model")
+
+
+def test_two_processes_match_one(tmp_path):
+    """Under torchrun with 2 CPU processes (each scoring half of every batch, with different numbers of target
+    tokens), the loss and gradient norm of each step and the final model equal those of one process."""
+    args = ["sft", "vlm_count_sft", "data.n_train=8", "train.max_steps=2", "train.prompts_per_step=4",
+            "train.minibatch_size=2", "tracking.log_with=[]", "sft.thought_dropout=0.5", "checkpoint.every=0"]
+    env = dict(os.environ, ACCELERATE_USE_CPU="true", OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                           "-m", "mmgrpo.cli", *args, f"output_dir={tmp_path / 'two'}"],
+                          capture_output=True, text=True, timeout=600, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert main([*args, f"output_dir={tmp_path / 'one'}"]) == 0
+    from safetensors.torch import load_file
+
+    runs = {}
+    for name in ("one", "two"):
+        records = [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+        summary = json.loads((tmp_path / name / "summary.json").read_text())
+        runs[name] = (records, summary, load_file(str(tmp_path / name / "model" / "model.safetensors")))
+    (one, one_summary, one_model), (two, two_summary, two_model) = runs["one"], runs["two"]
+    assert one_summary["processes"] == 1 and two_summary["processes"] == 2
+    assert [r["train/tokens"] for r in one] == [r["train/tokens"] for r in two]
+    for a, b in zip(one, two):
+        assert b["train/loss"] == pytest.approx(a["train/loss"], rel=1e-5)
+        assert b["train/grad_norm"] == pytest.approx(a["train/grad_norm"], rel=1e-4)  # the global token mean's
+    for key, value in one_model.items():
+        torch.testing.assert_close(two_model[key], value, rtol=1e-4, atol=1e-6)
