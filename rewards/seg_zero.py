@@ -44,8 +44,10 @@ class SegZeroConfig:
 
     Args:
         coords (`str`, defaults to `"resized"`): the frame of the model's numbers, as in `box_iou`.
-        iou_threshold (`float`, defaults to 0.5), l1_threshold (`float`, defaults to 10.0), point_threshold
-            (`float`, defaults to 100.0): the thresholds of terms 3-5 (pixels of the original image for the last two).
+        iou_threshold (`float`, defaults to 0.5): term 3's box IoU threshold.
+        l1_threshold (`float`, defaults to 10.0): term 4's mean box L1 threshold, in pixels of the original image.
+        point_threshold (`float`, defaults to 100.0): term 5's point distance threshold, in pixels of the original
+            image.
         weights (`dict[str, float]`): term name -> weight (defaults to 1 each).
         gt_key (`str`, defaults to `"boxes"`): metadata key of the true box.
         max_completion_chars (`int`, *optional*, defaults to 16384): the text length cap.
