@@ -66,7 +66,8 @@ def drop_thought(text: str) -> str:
 
 def sft_pipelines() -> list[str]:
     """The registered pipelines that can be fine-tuned with ``mmgrpo sft`` (they build a teacher-forced rollout)."""
-    return [name for name in registry.available("pipeline") if hasattr(registry.get("pipeline", name), "teacher_rollout")]
+    names = registry.available("pipeline")
+    return [name for name in names if hasattr(registry.get("pipeline", name), "teacher_rollout")]
 
 
 def check(config: ExperimentConfig) -> list[dict]:
@@ -78,8 +79,9 @@ def check(config: ExperimentConfig) -> list[dict]:
     name = config.pipeline.name
     if not hasattr(registry.get("pipeline", name), "teacher_rollout"):
         raise ConfigError(
-            f"pipeline.name: mmgrpo sft does not support pipeline {name!r} (it builds no teacher-forced rollout; "
-            f"supervised fine-tuning of masked-diffusion LMs is not implemented); supported: {sft_pipelines()}."
+            f"pipeline.name: mmgrpo sft does not support pipeline {name!r}: it has no teacher_rollout (supervised "
+            f"fine-tuning of masked-diffusion LMs and of image / video generators is not implemented); supported: "
+            f"{sft_pipelines()}."
         )
     try:
         items = registry.get("data", config.data.name)(config.data.options).train_items()
@@ -192,7 +194,8 @@ class SFTTrainer:
         global_tokens = self._sum(float(rollout.mask.sum()))
         # DDP averages gradients over processes: scaling by world / tokens gives the mean over every target token
         nll = self.backward(rollout, scale=self.world / global_tokens)
-        grad_norm = sharding.clip(self.accelerator, self.sharding, self.policy.trainable_parameters(), self.train_config)
+        parameters = self.policy.trainable_parameters()
+        grad_norm = sharding.clip(self.accelerator, self.sharding, parameters, self.train_config)
         if torch.isfinite(torch.as_tensor(grad_norm)):
             self.optimizer.step()
             self.lr_scheduler.step()

@@ -139,8 +139,8 @@ def test_sft_lowers_the_loss_and_resumes_exactly(tmp_path, tiny_qwen2_vl_dir):
     resumed = SFTTrainer(config_mod.from_dict(raw2))
     assert resumed.step == 3
     resumed.train()
-    whole = checkpoint.complete_checkpoints(run / "checkpoints")[-1] / "weights" / "model.safetensors"
-    again = checkpoint.complete_checkpoints(tmp_path / "b" / "sft" / "checkpoints")[-1] / "weights" / "model.safetensors"
+    whole, again = (checkpoint.complete_checkpoints(folder / "checkpoints")[-1] / "weights" / "model.safetensors"
+                    for folder in (run, tmp_path / "b" / "sft"))
     from safetensors.torch import load_file
 
     a, b = load_file(str(whole)), load_file(str(again))
@@ -158,6 +158,22 @@ def test_refusals_before_any_model_loads(tmp_path, capsys):
     assert "sft.thought_dropout" in capsys.readouterr().err
     assert main(["sft", "vlm_count_sft", "sft.bogus=1"]) == 2
     assert "sft.bogus" in capsys.readouterr().err
+
+
+def test_jsonl_rows_give_targets_and_a_row_without_one_is_refused(tmp_path, tiny_qwen2_vl_dir):
+    from PIL import Image
+
+    Image.new("RGB", (56, 56), (230, 25, 25)).save(tmp_path / "red.png")
+    rows = [{"image": "red.png", "problem": "How many red shapes?", "answer": "1", "completion": TARGETS["a"]},
+            {"image": "red.png", "problem": "How many blue shapes?", "answer": "0", "completion": TARGETS["b"]}]
+    (tmp_path / "rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    raw = sft_raw(tmp_path, tiny_qwen2_vl_dir)
+    raw["data"] = {"name": "vlm_jsonl", "train_file": str(tmp_path / "rows.jsonl")}
+    items = check(config_mod.from_dict(raw))
+    assert [item["metadata"]["completion"] for item in items] == [TARGETS["a"], TARGETS["b"]]
+    raw["sft"] = {"target_key": "solution"}
+    with pytest.raises(config_mod.ConfigError, match=r"item 0 has no text target under metadata\['solution'\]"):
+        check(config_mod.from_dict(raw))
 
 
 def test_shipped_sft_config_has_r1_targets(monkeypatch):
