@@ -88,7 +88,15 @@ def _key_steps_batch(n):
 
 
 # rewards that need other per-prompt metadata than `_task_batch`
-REWARD_BATCHES = {"mini_geneval": _shapes_batch, "sam_mask": _seg_batch, "step_rar": _key_steps_batch}
+def _moving_shapes_batch(n):
+    from mmgrpo.data.moving_shapes import MovingShapesPrompts
+    from mmgrpo.prompt_stream import items_to_batch
+
+    return items_to_batch(MovingShapesPrompts().train_items()[:n])
+
+
+REWARD_BATCHES = {"mini_geneval": _shapes_batch, "sam_mask": _seg_batch, "step_rar": _key_steps_batch,
+                  "moving_shapes": _moving_shapes_batch}
 
 
 BUILDERS = Path(__file__).resolve().parents[1] / "builders"
