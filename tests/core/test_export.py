@@ -144,19 +144,20 @@ def test_push_to_hub_offline_exports_first_then_says_how_to_upload(sd3_run, tmp_
     assert "HF_HUB_OFFLINE is set" in err and "hf upload someone/tiny-sd3" in err
 
 
-@pytest.mark.parametrize("merge", [True, False], ids=["merged", "lora"])
-def test_wan_two_expert_export_loads_in_stock_diffusers(tiny_wan_experts_dir, tmp_path, merge):
-    """Both experts' LoRAs reach the exported pipeline: each exported transformer computes what the policy's does."""
+@pytest.mark.parametrize("lora_rank, merge", [(4, True), (4, False), (0, False)], ids=["lora-merged", "lora", "full"])
+def test_wan_two_expert_export_loads_in_stock_diffusers(tiny_wan_experts_dir, tmp_path, lora_rank, merge):
+    """Both experts' trained weights reach the exported pipeline: each exported transformer computes what the
+    policy's does."""
     from diffusers import WanPipeline
 
     from mmgrpo.pipelines.wan import WanConfig, WanPolicy
 
     policy = WanPolicy(WanConfig(pretrained=tiny_wan_experts_dir, num_frames=5, height=32, width=32, num_steps=3,
-                                 lora_rank=4, lora_alpha=8, max_sequence_length=16))
+                                 lora_rank=lora_rank, lora_alpha=8, max_sequence_length=16))
     _perturb(policy)
     policy.export_pretrained(str(tmp_path / "out"), merge_lora=merge)
     pipe = WanPipeline.from_pretrained(str(tmp_path / "out"))
-    if not merge:
+    if lora_rank and not merge:
         pipe.load_lora_weights(str(tmp_path / "out" / LORA_FOLDER))
         pipe.load_lora_weights(str(tmp_path / "out" / LORA_FOLDER / "transformer_2"), load_into_transformer_2=True)
     generator = torch.Generator().manual_seed(0)
@@ -168,3 +169,20 @@ def test_wan_two_expert_export_loads_in_stock_diffusers(tiny_wan_experts_dir, tm
             ours = expert.module.eval()(latents, step, text, return_dict=False)[0]
             theirs = getattr(pipe, name).eval()(latents, step, text, return_dict=False)[0]
         torch.testing.assert_close(theirs, ours, rtol=0, atol=1e-5)
+
+
+def test_flux_full_fine_tuning_export_samples_like_mmgrpo_in_stock_diffusers(tiny_flux_dir, tmp_path):
+    from diffusers import FluxPipeline
+
+    from mmgrpo.pipelines.flux import FluxConfig, FluxPolicy
+
+    policy = FluxPolicy(FluxConfig(pretrained=tiny_flux_dir, resolution=32, num_steps=4, lora_rank=0,
+                                   max_sequence_length=16))
+    _perturb(policy)
+    policy.export_pretrained(str(tmp_path / "out"))
+    ours = policy.sample(PromptBatch(PROMPTS), FlowPlan.deterministic(4), generator=torch.Generator().manual_seed(2))
+    pipe = FluxPipeline.from_pretrained(str(tmp_path / "out"))
+    pipe.set_progress_bar_config(disable=True)
+    theirs = pipe(prompt=PROMPTS, num_inference_steps=4, guidance_scale=3.5, height=32, width=32, output_type="pt",
+                  generator=torch.Generator().manual_seed(2), max_sequence_length=16).images.float()
+    torch.testing.assert_close(theirs, ours.outputs["images"], rtol=0, atol=1e-4)
