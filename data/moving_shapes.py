@@ -13,7 +13,6 @@ Colours, shapes and the drawing of one shape come from [`mmgrpo.data.shapes`]. [
 
 from __future__ import annotations
 
-import copy
 import itertools
 from dataclasses import dataclass
 from typing import Literal
@@ -22,7 +21,7 @@ import numpy as np
 import torch
 from PIL import Image, ImageDraw
 
-from mmgrpo.data.shapes import BACKGROUND, NUMBERS, PALETTE, SHAPES, _draw, _separated, stable_fraction
+from mmgrpo.data.shapes import BACKGROUND, NUMBERS, PALETTE, SHAPES, _draw, _separated, draw_items, stable_fraction
 from mmgrpo.validation import check_fields, check_range, check_seed
 
 KINDS: tuple[str, ...] = ("single", "counting")
@@ -252,26 +251,15 @@ class MovingShapesPrompts:
             if not self.train_pools[kind] or not self.eval_pools[kind]:
                 raise ValueError(f"Kind {kind!r} has an empty train or eval split; change eval_fraction or motions.")
 
-    def _draw_items(self, pools: dict[str, list[dict]], n: int, seed: int) -> list[dict]:
-        rng = np.random.default_rng(seed)
-        kinds = tuple(pools)
-        orders = {kind: [] for kind in kinds}
-        items = []
-        for i in range(n):
-            kind = kinds[i % len(kinds)]
-            if not orders[kind]:
-                orders[kind] = list(rng.permutation(len(pools[kind])))
-            metadata = pools[kind][orders[kind].pop()]
-            items.append({"prompt": prompt_from_metadata(metadata), "metadata": copy.deepcopy(metadata)})
-        return items
-
     def train_items(self) -> list[dict]:
         """`n_train` items ``{"prompt": str, "metadata": dict}`` from the train prompts."""
-        return self._draw_items(self.train_pools, self.config.n_train, self.config.seed)
+        return draw_items(self.train_pools, tuple(self.train_pools), self.config.n_train, self.config.seed,
+                          prompt_from_metadata)
 
     def eval_items(self) -> list[dict]:
         """`n_eval` items ``{"prompt": str, "metadata": dict}`` from the held-out prompts."""
-        return self._draw_items(self.eval_pools, self.config.n_eval, self.config.seed + 1)
+        return draw_items(self.eval_pools, tuple(self.eval_pools), self.config.n_eval, self.config.seed + 1,
+                          prompt_from_metadata)
 
     def render(self, metadata: dict, rng: np.random.Generator) -> torch.Tensor:
         """A correct clip `[F, 3, H, W]` in [0, 1] for `metadata` at the configured size (see [`render_clip`])."""

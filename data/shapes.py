@@ -50,6 +50,21 @@ def _noun(obj: dict) -> str:
     return obj["shape"] + ("s" if obj["count"] > 1 else "")
 
 
+def draw_items(pools: dict[str, list[dict]], kinds: tuple[str, ...], n: int, seed: int, prompt_of) -> list[dict]:
+    """`n` items ``{"prompt": prompt_of(metadata), "metadata": dict}`` taking the kinds in turn, each kind's pool in a
+    seeded random order (reshuffled when used up); shared by the shapes tasks' prompt sources."""
+    rng = np.random.default_rng(seed)
+    orders = {kind: [] for kind in pools}
+    items = []
+    for i in range(n):
+        kind = kinds[i % len(kinds)]
+        if not orders[kind]:
+            orders[kind] = list(rng.permutation(len(pools[kind])))
+        metadata = pools[kind][orders[kind].pop()]
+        items.append({"prompt": prompt_of(metadata), "metadata": copy.deepcopy(metadata)})
+    return items
+
+
 def prompt_from_metadata(metadata: dict) -> str:
     """Writes the prompt of a metadata dictionary (the inverse of the sampling: metadata fixes the prompt)."""
     kind, objs = metadata["kind"], metadata["objects"]
@@ -293,25 +308,15 @@ class ShapesPrompts:
             if not self.train_pools[kind] or not self.eval_pools[kind]:
                 raise ValueError(f"Kind {kind!r} has an empty train or eval split; change eval_fraction.")
 
-    def _draw_items(self, pools: dict[str, list[dict]], kinds: tuple[str, ...], n: int, seed: int) -> list[dict]:
-        rng = np.random.default_rng(seed)
-        orders = {kind: [] for kind in pools}
-        items = []
-        for i in range(n):
-            kind = kinds[i % len(kinds)]
-            if not orders[kind]:
-                orders[kind] = list(rng.permutation(len(pools[kind])))
-            metadata = pools[kind][orders[kind].pop()]
-            items.append({"prompt": prompt_from_metadata(metadata), "metadata": copy.deepcopy(metadata)})
-        return items
-
     def train_items(self) -> list[dict]:
         """`n_train` items ``{"prompt": str, "metadata": dict}`` from the train prompts of `train_kinds`."""
-        return self._draw_items(self.train_pools, self.config.train_kinds, self.config.n_train, self.config.seed)
+        return draw_items(self.train_pools, self.config.train_kinds, self.config.n_train, self.config.seed,
+                          prompt_from_metadata)
 
     def eval_items(self) -> list[dict]:
         """`n_eval` items ``{"prompt": str, "metadata": dict}`` from the held-out prompts."""
-        return self._draw_items(self.eval_pools, self.config.kinds, self.config.n_eval, self.config.seed + 1)
+        return draw_items(self.eval_pools, self.config.kinds, self.config.n_eval, self.config.seed + 1,
+                          prompt_from_metadata)
 
     def render(self, metadata: dict, rng: np.random.Generator) -> Image.Image:
         """A correct image for `metadata` at the configured size (see [`render`])."""
