@@ -13,15 +13,9 @@ from mmgrpo.trainer import Trainer
 from mmgrpo.types import FlowPlan, PromptBatch
 
 from builders._runs import dgpo_config
+from builders._weights import perturb
 
 PROMPTS = ["a red circle", "two blue squares"]
-
-
-def _perturb(policy):
-    generator = torch.Generator().manual_seed(4)
-    with torch.no_grad():
-        for param in policy.trainable_parameters():
-            param.add_(0.05 * torch.randn(param.shape, generator=generator).to(param.dtype))
 
 
 def _stock_sd3(folder):
@@ -48,7 +42,7 @@ def _sd3_policy(path, lora_rank):
 @pytest.mark.parametrize("lora_rank, merge", [(4, True), (4, False), (0, False)], ids=["lora-merged", "lora", "full"])
 def test_sd3_export_loads_in_stock_diffusers_and_samples_like_mmgrpo(tiny_sd3_dir, tmp_path, lora_rank, merge):
     policy = _sd3_policy(tiny_sd3_dir, lora_rank)
-    _perturb(policy)
+    perturb(policy, seed=4)
     policy.export_pretrained(str(tmp_path / "out"), merge_lora=merge)
     ours = policy.sample(PromptBatch(PROMPTS), FlowPlan.deterministic(4), generator=torch.Generator().manual_seed(2))
     pipe = _stock_sd3(tmp_path / "out")
@@ -69,7 +63,7 @@ def test_qwen_vl_export_loads_in_stock_transformers(tiny_qwen2_vl_dir, tmp_path,
     from mmgrpo.pipelines.qwen_vl import QwenVLConfig, QwenVLPolicy
 
     policy = QwenVLPolicy(QwenVLConfig(pretrained=tiny_qwen2_vl_dir, max_new_tokens=4, lora_rank=4, lora_alpha=8))
-    _perturb(policy)
+    perturb(policy, seed=4)
     policy.export_pretrained(str(tmp_path / "out"), merge_lora=merge)
     model = Qwen2VLForConditionalGeneration.from_pretrained(str(tmp_path / "out")).eval()
     if not merge:
@@ -88,7 +82,7 @@ def test_mdlm_export_merged_loads_in_stock_transformers(tiny_mdlm_dir, tmp_path)
 
     policy = MDLMPolicy(MDLMConfig(pretrained=tiny_mdlm_dir, gen_length=8, block_length=4, steps_per_block=2,
                                    lora_rank=4, lora_alpha=8))
-    _perturb(policy)
+    perturb(policy, seed=4)
     policy.export_pretrained(str(tmp_path / "out"), merge_lora=True)
     model = AutoModelForCausalLM.from_pretrained(str(tmp_path / "out")).eval()
     assert not any("lora" in name for name, _ in model.named_parameters())
@@ -154,7 +148,7 @@ def test_wan_two_expert_export_loads_in_stock_diffusers(tiny_wan_experts_dir, tm
 
     policy = WanPolicy(WanConfig(pretrained=tiny_wan_experts_dir, num_frames=5, height=32, width=32, num_steps=3,
                                  lora_rank=lora_rank, lora_alpha=8, max_sequence_length=16))
-    _perturb(policy)
+    perturb(policy, seed=4)
     policy.export_pretrained(str(tmp_path / "out"), merge_lora=merge)
     pipe = WanPipeline.from_pretrained(str(tmp_path / "out"))
     if lora_rank and not merge:
@@ -178,7 +172,7 @@ def test_flux_full_fine_tuning_export_samples_like_mmgrpo_in_stock_diffusers(tin
 
     policy = FluxPolicy(FluxConfig(pretrained=tiny_flux_dir, resolution=32, num_steps=4, lora_rank=0,
                                    max_sequence_length=16))
-    _perturb(policy)
+    perturb(policy, seed=4)
     policy.export_pretrained(str(tmp_path / "out"))
     ours = policy.sample(PromptBatch(PROMPTS), FlowPlan.deterministic(4), generator=torch.Generator().manual_seed(2))
     pipe = FluxPipeline.from_pretrained(str(tmp_path / "out"))

@@ -7,13 +7,7 @@ import json
 import pytest
 import torch
 
-
-def _perturb(policy):
-    """Moves every trained weight (LoRA's B starts at zero, so an untouched adapter would change nothing)."""
-    generator = torch.Generator().manual_seed(3)
-    with torch.no_grad():
-        for param in policy.trainable_parameters():
-            param.add_(0.05 * torch.randn(param.shape, generator=generator).to(param.dtype))
+from builders._weights import perturb
 
 
 def _qwen_inputs(path):
@@ -31,7 +25,7 @@ def test_qwen_vl_checkpoint_loads_in_stock_transformers_and_peft(tiny_qwen2_vl_d
     from mmgrpo.pipelines.qwen_vl import QwenVLConfig, QwenVLPolicy
 
     policy = QwenVLPolicy(QwenVLConfig(pretrained=tiny_qwen2_vl_dir, max_new_tokens=4, lora_rank=lora_rank, lora_alpha=8))
-    _perturb(policy)
+    perturb(policy, seed=3)
     policy.save_pretrained(str(tmp_path / "ckpt"))
     inputs = _qwen_inputs(tiny_qwen2_vl_dir)
     with torch.no_grad():
@@ -57,7 +51,7 @@ def test_qwen_vl_reads_its_adapters_with_or_without_peft_prefix(tiny_qwen2_vl_di
 
     make = lambda: QwenVLPolicy(QwenVLConfig(pretrained=tiny_qwen2_vl_dir, max_new_tokens=4, lora_rank=4, lora_alpha=8))  # noqa: E731
     policy = make()
-    _perturb(policy)
+    perturb(policy, seed=3)
     policy.save_pretrained(str(tmp_path / "new"))
     state = load_file(str(tmp_path / "new" / "adapter_model.safetensors"))
     assert state and all(k.startswith(PEFT_PREFIX) for k in state)
@@ -79,7 +73,7 @@ def test_mdlm_checkpoint_loads_in_stock_transformers_and_peft(tiny_mdlm_dir, tmp
 
     policy = MDLMPolicy(MDLMConfig(pretrained=tiny_mdlm_dir, gen_length=8, block_length=4, steps_per_block=2,
                                    lora_rank=lora_rank, lora_alpha=8))
-    _perturb(policy)
+    perturb(policy, seed=3)
     policy.save_pretrained(str(tmp_path / "ckpt"))
     ids = torch.tensor([[3, 5, 7, 9, 11, 4]])
     with torch.no_grad():
