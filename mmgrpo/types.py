@@ -420,6 +420,8 @@ class MaskedPlan:
         scoring (`str`): ``"trajectory"`` or, feature ``"likelihood"``, ``"likelihood"``.
         token_scores (`bool`): feature ``"token_scores"``: the loss needs per-token scores of each step
             (``token_log_prob``, ``token_mask``, ``old_token_log_prob``).
+        likelihood (`str`): with ``"likelihood"`` scoring, the estimator: ``"one_step"`` (d1's one-step estimate) or,
+            feature ``"elbo"``, ``"elbo"`` (GDPO's semi-deterministic Monte Carlo ELBO of the whole completion).
     """
 
     family: ClassVar[str] = "masked"
@@ -429,15 +431,19 @@ class MaskedPlan:
     seed: int = 0
     scoring: str = "trajectory"
     token_scores: bool = False
+    likelihood: str = "one_step"
 
     def __post_init__(self):
         if self.scoring not in ("trajectory", "likelihood"):
             raise ValueError(f"MaskedPlan.scoring must be 'trajectory' or 'likelihood', got {self.scoring!r}.")
+        if self.likelihood not in ("one_step", "elbo"):
+            raise ValueError(f"MaskedPlan.likelihood must be 'one_step' or 'elbo', got {self.likelihood!r}.")
         check_units(self)
 
     def features(self) -> set[str]:
-        """The opt-in features this plan uses (a subset of ``{"likelihood", "token_scores"}``)."""
-        return {name for name, on in (("likelihood", self.scoring == "likelihood"),
+        """The opt-in features this plan uses (a subset of ``{"likelihood", "elbo", "token_scores"}``)."""
+        likelihood = self.scoring == "likelihood"
+        return {name for name, on in (("likelihood", likelihood), ("elbo", likelihood and self.likelihood == "elbo"),
                                       ("token_scores", self.token_scores)) if on}
 
     @property
