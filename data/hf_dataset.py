@@ -55,7 +55,7 @@ class HFDatasetConfig:
 
     def __post_init__(self):
         check_fields(self)
-        resolve_pretrained(self.path, "data.path")  # an existing local folder or a hub id; checked before loading
+        resolve_pretrained(self.path, "data.path", what="dataset")  # an existing local folder or a hub id; checked before loading
         for key in ("train_split", "question_column", "box_key"):
             check_text(key, getattr(self, key))
         if "{question}" not in self.prompt_template:

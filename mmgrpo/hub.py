@@ -49,12 +49,19 @@ def resolve_config(location: str) -> str:
     raise FileNotFoundError(f"config {location!r} is neither a file nor a shipped config; shipped: {', '.join(names)}")
 
 
-def resolve_pretrained(location: str, key: str = "pretrained") -> str:
-    """Turns a config's model location into what ``from_pretrained`` accepts, or raises a clear error.
+_LOCAL_FOLDERS = {
+    "model": "a local diffusers/transformers folder (one written by save_pretrained)",
+    "dataset": "a local dataset folder (one written by save_to_disk, or a folder of data files)",
+}
+
+
+def resolve_pretrained(location: str, key: str = "pretrained", what: str = "model") -> str:
+    """Turns a config's model (or dataset) location into what ``from_pretrained`` accepts, or raises a clear error.
 
     Args:
         location (`str`): ``mmgrpo:<name>`` for a shipped toy model, a local folder, or a hub id (``org/name``).
         key (`str`): the config key, named in errors.
+        what (`str`): ``"model"`` or ``"dataset"``: what the location holds, named in errors.
     """
     if location.startswith(SHIPPED_PREFIX):
         name = location[len(SHIPPED_PREFIX):]
@@ -69,9 +76,8 @@ def resolve_pretrained(location: str, key: str = "pretrained") -> str:
     looks_local = location.startswith(("/", ".", "~")) or os.sep in location.strip("/").replace("/", "", 1)
     if looks_local or not _HUB_ID.match(location):
         raise ValueError(
-            f"{key}: model folder {location!r} does not exist. Point {key} at a local diffusers/transformers "
-            f"folder (one written by save_pretrained), a hub id like 'org/model', or a shipped model "
-            f"'{SHIPPED_PREFIX}<name>'."
+            f"{key}: {what} folder {location!r} does not exist. Point {key} at {_LOCAL_FOLDERS[what]}, a hub id "
+            f"like 'org/{what}'" + (f", or a shipped model '{SHIPPED_PREFIX}<name>'." if what == "model" else ".")
         )
     return location
 

@@ -68,7 +68,7 @@ def test_errors_name_the_problem_and_the_fix(saved_dict, tmp_path):
         _source(path=saved_dict, eval_split="validation").eval_items()
     with pytest.raises(ValueError, match=r"has no column\(s\) \['label'\]"):
         _source(path=saved_dict, metadata_columns=["label"]).train_items()
-    with pytest.raises(ValueError, match="data.path: model folder .* does not exist"):
+    with pytest.raises(ValueError, match="data.path: dataset folder .* does not exist.*save_to_disk"):
         _source(path=str(tmp_path / "missing"))  # checked when the config is built, before anything loads
     with pytest.raises(ValueError, match="must contain '{question}'"):
         _source(path=saved_dict, prompt_template="no placeholder")
