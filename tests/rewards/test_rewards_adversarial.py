@@ -22,6 +22,7 @@ from mmgrpo.rewards.format import BOXED_PATTERN, R1_PATTERN, FormatReward, boxed
 from mmgrpo.rewards.seg_zero import SegZero
 from mmgrpo.rewards.step_rar import StepRARReward
 from mmgrpo.rewards.step_rvr import StepRVRReward
+from mmgrpo.rewards.tiou import TIoU
 from mmgrpo.types import PromptBatch
 
 MB = 1_000_000
@@ -62,6 +63,7 @@ TEXT_REWARDS = {
     "step_rar": (StepRARReward, {}, {"key_steps": ["count the red circles", ["2", "two"]]}),
     "step_rvr": (StepRVRReward, {}, {}),
     "seg_zero": (SegZero, {}, {"boxes": [[10, 10, 20, 20]], "image_size": [64, 64], "input_size": [64, 64]}),
+    "tiou": (TIoU, {}, {"span": [1.0, 3.0], "duration": 4.0}),
 }
 # text rewards whose parsers are tested on these inputs elsewhere, because they need a model to build: sam_mask (its
 # Seg-Zero / Seg-R1 parsers run on the same megabyte inputs in test_seg_parse.py)
