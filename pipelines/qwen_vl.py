@@ -37,6 +37,7 @@ import torch
 from mmgrpo.hub import DTYPES, resolve_pretrained
 from mmgrpo.reference import ReferenceSwitch
 from mmgrpo.sharding import any_process
+from mmgrpo.pipelines._checkpointing import checkpoint_transformers
 from mmgrpo.pipelines._qwen_vl_forward import GroupForward, collate_prompts, unique_rows
 from mmgrpo.pipelines._qwen_vl_inputs import PromptEncoder, vision_inputs
 from mmgrpo.types import PromptBatch, Rollout, Score, TokenPlan
@@ -84,6 +85,9 @@ class QwenVLConfig:
         weights_dtype (`str`): dtype of the frozen base under LoRA; trainable parameters are always float32, and a
             fully fine-tuned model runs in float32.
         attn_implementation (`str`): transformers attention backend (``"sdpa"``, ``"eager"``, ``"flash_attention_2"``).
+        gradient_checkpointing (`bool`): recompute each decoder layer (and vision block) in the backward pass (same
+            gradients, activations of one layer at a time, about one more forward per backward). It needs
+            ``prefix_sharing: false``: a checkpointed layer cannot fill the KV cache the group forward shares.
     """
 
     pretrained: str
@@ -108,6 +112,7 @@ class QwenVLConfig:
     prefix_sharing: bool = True
     weights_dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     attn_implementation: str = "sdpa"
+    gradient_checkpointing: bool = False
 
     @property
     def num_steps(self) -> int:
@@ -140,6 +145,10 @@ class QwenVLConfig:
         if self.attn_implementation not in ATTENTION and "/" not in self.attn_implementation:
             raise ConfigError(f"attn_implementation must be one of {list(ATTENTION)} or a hub kernel ('org/name'), "
                               f"got {self.attn_implementation!r}.")
+        if self.gradient_checkpointing and self.prefix_sharing:
+            raise ConfigError("gradient_checkpointing needs prefix_sharing: false (a checkpointed layer runs without "
+                              "the KV cache that the prefix-shared group forward expands): set pipeline.prefix_sharing: "
+                              "false, or gradient_checkpointing: false.")
         resolve_pretrained(self.pretrained, "pipeline.pretrained")  # checked now; kept as configured (adapters record it)
 
 
@@ -186,6 +195,8 @@ class QwenVLPolicy:
                 param.requires_grad_(not (config.freeze_vision and ".visual." in f".{name}"))
         # the group forward that training runs through (its DDP/FSDP wrapper after prepare), and the reference: the
         # same forward with the adapter off, or a frozen copy of the initial model when fully fine-tuned
+        if config.gradient_checkpointing:
+            checkpoint_transformers(self.model)
         self.switch = ReferenceSwitch(GroupForward(self.model, suppress), self._adapters_off if self.lora else None)
         self.device = torch.device("cpu")
 

@@ -13,6 +13,7 @@ from typing import Literal
 import torch
 
 from mmgrpo.hub import DTYPES, load_diffusers_pipeline
+from mmgrpo.pipelines._checkpointing import checkpoint_diffusers
 from mmgrpo.pipelines._flow_common import TrainableTransformer, check_flow_config
 from mmgrpo.samplers.flow_plan import PLAN_FEATURES, SCORE_FIELDS, plan_likelihood, replay_plan, run_plan
 from mmgrpo.types import FlowPlan, PromptBatch, Rollout, Score
@@ -35,6 +36,8 @@ class SD3Config:
         lora_targets (`list[str]`): transformer module names that get LoRA.
         weights_dtype (`str`): dtype of the frozen components (text encoders, VAE, and the base transformer
             under LoRA). Trainable parameters are always float32.
+        gradient_checkpointing (`bool`): recompute each transformer block in the backward pass (same gradients,
+            activations of one block at a time, about one more forward of the transformer per backward).
     """
 
     pretrained: str
@@ -53,6 +56,7 @@ class SD3Config:
         ]
     )
     weights_dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    gradient_checkpointing: bool = False
 
     def __post_init__(self):
         check_flow_config(self)
@@ -89,6 +93,8 @@ class SD3Policy:
             lora_targets=config.lora_targets, base_model=config.pretrained,
         )
         self.transformer = self.trainable.module  # the unwrapped module (checkpoints, adapters)
+        if config.gradient_checkpointing:
+            checkpoint_diffusers(self.transformer)
         self.device = torch.device("cpu")
 
     # ----------------------------------------------------------------------------------------------------- set-up
