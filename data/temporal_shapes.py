@@ -1,0 +1,182 @@
+"""Synthetic temporal grounding: short clips of coloured shapes in which each shape slides sideways during its own time
+span; the question asks when one of them moves, the answer is ``[start, end]`` in seconds.
+
+A clip has `num_frames` frames at `fps` frames per second (frame ``i`` is the instant ``i / fps``; the clip lasts
+``num_frames / fps`` seconds). Each of the ``1 + distractors`` shapes (distinct colour-shape pairs, one horizontal lane
+each) stands still, slides by `speed` pixels per frame between frames ``a`` and ``b``, then stands still again: its span
+is ``[a / fps, b / fps]``. Span ends are multiples of `frame_step` frames (2 by default: Qwen2-VL merges frame pairs
+into one temporal patch, so a finer boundary could not be seen). Items are drawn from their index alone.
+
+Question: "When does the red circle move?" (the target is the only shape of its colour and kind). Items carry
+``video`` (a list of PIL frames) and ``metadata`` ``{"task": "temporal_grounding", "span": [start, end],
+"duration", "fps", "question"}``, plus ``"completion"`` with `with_targets`: the supervised target in the R1 layout,
+``<think>the red circle moves from frame 2 to frame 6</think><answer>[1.0, 3.0]</answer>``, what ``mmgrpo sft``
+trains on. The `tiou` reward scores answers. Held-out items use indices disjoint from the training ones.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+from PIL import Image, ImageDraw
+
+from mmgrpo.validation import check_fields, check_range, check_seed, check_template
+
+COLOURS = {"red": (230, 25, 25), "green": (25, 230, 25), "blue": (25, 25, 230), "yellow": (230, 230, 25)}
+SHAPES = ("circle", "square", "triangle")
+TEMPLATE = "{question} Answer with the start and end time in seconds as [start, end] in <think> </think> and " \
+           "<answer> </answer> tags."
+
+
+@dataclass
+class TemporalShapesConfig:
+    """Options of [`TemporalShapes`].
+
+    Args:
+        n_train (`int`), n_eval (`int`): numbers of training and held-out items.
+        size (`int`): frame side in pixels (at least 56: qwen-vl-utils resizes frame lists on a 56-pixel grid).
+        num_frames (`int`): frames per clip (a multiple of `frame_step`).
+        fps (`float`): frames per second (set the pipeline's ``video_fps`` to the same value).
+        frame_step (`int`): span ends fall on multiples of this many frames.
+        distractors (`int`): other shapes, each moving during its own span (0-2).
+        speed (`int`): pixels a moving shape slides per frame.
+        shape_size (`int`): side of a shape in pixels.
+        prompt_template (`str`): ``{question}`` is replaced by the question.
+        seed (`int`): offsets the item indices (another seed, other clips).
+        with_targets (`bool`): add the target completion to each item's metadata under ``"completion"`` (for
+            ``mmgrpo sft``).
+    """
+
+    n_train: int = 2000
+    n_eval: int = 200
+    size: int = 56
+    num_frames: int = 8
+    fps: float = 2.0
+    frame_step: int = 2
+    distractors: int = 1
+    speed: int = 3
+    shape_size: int = 10
+    prompt_template: str = TEMPLATE
+    seed: int = 0
+    with_targets: bool = False
+
+    def __post_init__(self):
+        check_fields(self)
+        check_seed("seed", self.seed)
+        check_range("n_train", self.n_train, 0, 10**5, fix="items are built in memory; training needs some")
+        check_range("n_eval", self.n_eval, 0, 10**5, fix="0: no held-out items (then set eval.every=0)")
+        check_range("size", self.size, 56, 1024, fix="qwen-vl-utils resizes frame lists on a 56-pixel grid")
+        check_range("fps", self.fps, 0, 120, low_open=True)
+        check_range("frame_step", self.frame_step, 1, 16, fix="2 matches Qwen2-VL's temporal patch")
+        check_range("distractors", self.distractors, 0, 2, fix="each shape needs its own lane")
+        check_range("speed", self.speed, 1, 16)
+        check_template("prompt_template", self.prompt_template, question="q")
+        if self.num_frames < 2 * self.frame_step or self.num_frames % self.frame_step:
+            raise ValueError(
+                f"data.num_frames must be a multiple of data.frame_step ({self.frame_step}) and hold at least two "
+                f"steps, got {self.num_frames}; e.g. num_frames: {4 * self.frame_step}."
+            )
+        lanes = 1 + self.distractors
+        if self.shape_size * lanes > self.size or self.shape_size < 4:
+            raise ValueError(
+                f"data.shape_size must be >= 4 and {lanes} lanes of it must fit in data.size ({self.size}), got "
+                f"{self.shape_size}."
+            )
+        if self.shape_size + self.speed * (self.num_frames - self.frame_step) >= self.size:
+            raise ValueError(
+                f"a shape sliding data.speed={self.speed} pixels per frame for up to "
+                f"{self.num_frames - self.frame_step} frames leaves a {self.size}-pixel frame; lower data.speed."
+            )
+
+
+def scene(index: int, config: TemporalShapesConfig) -> list[dict]:
+    """The shapes of item `index`, target first: ``{"colour", "shape", "lane", "x0", "direction", "frames": [a, b]}``
+    (``x0``: left edge before moving; ``direction``: +1 right, -1 left; the shape moves between frames ``a`` and
+    ``b``)."""
+    c = config
+    rng = random.Random(index)
+    pairs = rng.sample([(colour, shape) for colour in COLOURS for shape in SHAPES], 1 + c.distractors)
+    lanes = rng.sample(range(1 + c.distractors), 1 + c.distractors)
+    ends = list(range(0, c.num_frames, c.frame_step))  # a span starts and ends on these frames
+    shapes = []
+    for (colour, shape), lane in zip(pairs, lanes):
+        a, b = sorted(rng.sample(ends, 2))
+        travel = c.speed * (b - a)
+        direction = rng.choice((1, -1))
+        x0 = rng.randint(0, c.size - c.shape_size - travel - 1)
+        if direction < 0:
+            x0 += travel
+        shapes.append({"colour": colour, "shape": shape, "lane": lane, "x0": x0, "direction": direction,
+                       "frames": [a, b]})
+    return shapes
+
+
+def x_at(shape: dict, frame: int, speed: int) -> int:
+    """Left edge of `shape` at `frame`."""
+    a, b = shape["frames"]
+    return shape["x0"] + shape["direction"] * speed * (min(max(frame, a), b) - a)
+
+
+def render_frames(shapes: list[dict], config: TemporalShapesConfig) -> list[Image.Image]:
+    """The clip of `shapes`: `num_frames` RGB frames on black."""
+    c = config
+    lane_height = c.size // (1 + c.distractors)
+    frames = []
+    for f in range(c.num_frames):
+        image = Image.new("RGB", (c.size, c.size), (0, 0, 0))
+        draw = ImageDraw.Draw(image)
+        for s in shapes:
+            x1 = x_at(s, f, c.speed)
+            y1 = s["lane"] * lane_height + (lane_height - c.shape_size) // 2
+            x2, y2 = x1 + c.shape_size - 1, y1 + c.shape_size - 1
+            fill = COLOURS[s["colour"]]
+            if s["shape"] == "circle":
+                draw.ellipse([x1, y1, x2, y2], fill=fill)
+            elif s["shape"] == "square":
+                draw.rectangle([x1, y1, x2, y2], fill=fill)
+            else:
+                draw.polygon([((x1 + x2) / 2, y1), (x2, y2), (x1, y2)], fill=fill)
+        frames.append(image)
+    return frames
+
+
+def target_text(target: dict, fps: float) -> str:
+    """The completion a supervised base model is trained to write."""
+    a, b = target["frames"]
+    return (f"<think>the {target['colour']} {target['shape']} moves from frame {a} to frame {b}</think>"
+            f"<answer>[{a / fps:.1f}, {b / fps:.1f}]</answer>")
+
+
+class TemporalShapes:
+    """The synthetic temporal-grounding clips as a prompt source."""
+
+    Config = TemporalShapesConfig
+    disjoint_splits = True  # held-out items are drawn from other indices than the training items
+
+    def __init__(self, config: TemporalShapesConfig):
+        self.config = config
+
+    def item(self, index: int) -> dict:
+        c = self.config
+        shapes = scene(index, c)
+        target = shapes[0]
+        a, b = target["frames"]
+        question = f"When does the {target['colour']} {target['shape']} move?"
+        metadata = {"task": "temporal_grounding", "question": question, "span": [a / c.fps, b / c.fps],
+                    "duration": c.num_frames / c.fps, "fps": c.fps}
+        if c.with_targets:
+            metadata["completion"] = target_text(target, c.fps)
+        return {"prompt": c.prompt_template.format(question=question), "metadata": metadata,
+                "video": render_frames(shapes, c)}
+
+    def train_items(self) -> list[dict]:
+        base = self.config.seed * 1_000_003
+        return [self.item(base + i) for i in range(self.config.n_train)]
+
+    def eval_items(self) -> list[dict]:
+        base = self.config.seed * 1_000_003 + 500_000  # disjoint from the training indices
+        return [self.item(base + i) for i in range(self.config.n_eval)]
+
+
+PLUGIN = TemporalShapes
