@@ -11,7 +11,8 @@ Question: "When does the red circle move?" (the target is the only shape of its 
 ``video`` (a list of PIL frames) and ``metadata`` ``{"task": "temporal_grounding", "span": [start, end],
 "duration", "fps", "question"}``, plus ``"completion"`` with `with_targets`: the supervised target in the R1 layout,
 ``<think>the red circle moves from frame 2 to frame 6</think><answer>[1.0, 3.0]</answer>``, what ``mmgrpo sft``
-trains on. The `tiou` reward scores answers. Held-out items use indices disjoint from the training ones.
+trains on. The `tiou` reward scores answers. Held-out items use indices disjoint from the training ones and never
+repeat a training clip.
 """
 
 from __future__ import annotations
@@ -112,6 +113,11 @@ def scene(index: int, config: TemporalShapesConfig) -> list[dict]:
     return shapes
 
 
+def signature(shapes: list[dict]) -> tuple:
+    """A hashable key equal for two scenes exactly when they render the same clip and ask the same question."""
+    return tuple((s["colour"], s["shape"], s["lane"], s["x0"], s["direction"], *s["frames"]) for s in shapes)
+
+
 def x_at(shape: dict, frame: int, speed: int) -> int:
     """Left edge of `shape` at `frame`."""
     a, b = shape["frames"]
@@ -175,8 +181,16 @@ class TemporalShapes:
         return [self.item(base + i) for i in range(self.config.n_train)]
 
     def eval_items(self) -> list[dict]:
-        base = self.config.seed * 1_000_003 + 500_000  # disjoint from the training indices
-        return [self.item(base + i) for i in range(self.config.n_eval)]
+        """Held-out items: indices disjoint from the training ones, skipping any clip equal to a training clip (the
+        space of clips is finite, so a few would repeat)."""
+        c = self.config
+        train = {signature(scene(c.seed * 1_000_003 + i, c)) for i in range(c.n_train)}
+        items, index = [], c.seed * 1_000_003 + 500_000
+        while len(items) < c.n_eval:
+            if signature(scene(index, c)) not in train:
+                items.append(self.item(index))
+            index += 1
+        return items
 
 
 PLUGIN = TemporalShapes
