@@ -5,7 +5,8 @@ semi-autoregressive; ``== gen_length``: full diffusion) by [`mmgrpo.samplers.mas
 low-confidence or random remasking, temperature, EOSER (EOS confidence damped early) and a fixed or ASS (2^i tokens at
 step i) schedule. The rollout records, per completion token, the step that committed it; `log_prob` rebuilds each
 state from that record and scores the tokens committed at the step (CJ-GRPO's trajectory replay), and `likelihood`
-is d1's one-step estimate (completion fully masked, prompt tokens masked at random).
+is d1's one-step estimate (completion fully masked, prompt tokens masked at random) or, when the plan asks for
+``likelihood="elbo"``, GDPO's semi-deterministic Monte Carlo ELBO of the completion (`pipelines/_mdlm_elbo.py`).
 
 Models: LLaDA (https://arxiv.org/abs/2502.09992) and Dream (https://hkunlp.github.io/blog/2025/dream) through
 ``trust_remote_code`` (mask id from the config, Dream's one-position logit shift, EOS / end-of-turn ids, LoRA targets
@@ -27,6 +28,8 @@ from mmgrpo.reference import ReferenceSwitch
 from mmgrpo.samplers.masked_diffusion import eoser_gamma, make_schedule, rebuild_state, token_log_probs, unmask_step
 from mmgrpo.types import MaskedPlan, PromptBatch, Rollout, Score, TokenPlan
 from mmgrpo.validation import check_fields, check_range
+
+from mmgrpo.pipelines import _mdlm_elbo
 
 ADAPTER_FILE = "adapter_model.safetensors"
 # family -> (LoRA targets, whether logit j predicts token j + 1, extra end-of-turn tokens)
@@ -66,6 +69,9 @@ class MDLMConfig:
         eoser_gamma_min (`float`), eoser_gamma_max (`float`): EOSER's factor at the first and last step.
         eoser_kind (`str`): ``"linear"``, ``"power"`` or ``"auto"`` (power with ASS, linear otherwise).
         prompt_mask_prob (`float`): `likelihood` (d1's estimator) masks each prompt token with this probability.
+        elbo_points (`int`): Gauss-Legendre nodes of GDPO's ELBO over the masking ratio (see `pipelines/_mdlm_elbo.py`).
+        elbo_masks (`int`): masks drawn per node of the ELBO.
+        elbo_masking (`str`): ``"count"`` (a fixed share of the scored tokens per node) or ``"bernoulli"``.
         lora_rank (`int`): LoRA rank; 0 trains the whole model (a frozen copy is then the reference).
         lora_alpha (`int`): LoRA scaling numerator.
         lora_targets (`list[str]`, *optional*): module names that get LoRA; default: the family's names that exist.
@@ -92,6 +98,9 @@ class MDLMConfig:
     eoser_gamma_max: float = 1.0
     eoser_kind: Literal["auto", "linear", "power"] = "auto"
     prompt_mask_prob: float = 0.15
+    elbo_points: int = 2
+    elbo_masks: int = 1
+    elbo_masking: Literal["count", "bernoulli"] = "count"
     lora_rank: int = 32
     lora_alpha: int = 64
     lora_targets: list[str] | None = None
@@ -118,6 +127,7 @@ class MDLMConfig:
             raise ValueError(f"need 0 < eoser_gamma_min <= eoser_gamma_max, got {self.eoser_gamma_min}, {self.eoser_gamma_max}.")
         if not 0 <= self.prompt_mask_prob < 1:
             raise ValueError(f"prompt_mask_prob must be in [0, 1), got {self.prompt_mask_prob}.")
+        _mdlm_elbo.check_options(self)
         if self.lora_rank < 0:
             raise ValueError(f"lora_rank must be >= 0 (0 = full fine-tuning), got {self.lora_rank}.")
 
@@ -171,7 +181,7 @@ class MDLMPolicy:
     Config = MDLMConfig
     modalities = frozenset({"text"})
     plan_families = ("masked", "token")  # its own MaskedPlan, and token algorithms' TokenPlan (a decision per step)
-    plan_features = frozenset({"likelihood", "token_scores"})
+    plan_features = frozenset({"likelihood", "elbo", "token_scores"})
     # scoring method -> the Score fields it fills (both through `_pack`)
     provides = dict.fromkeys(("log_prob", "likelihood"),
                              frozenset({"log_prob", "mask", "token_log_prob", "token_mask", "old_token_log_prob"}))
@@ -363,7 +373,9 @@ class MDLMPolicy:
             "completion": completion.cpu(), "commit_step": commit_step.cpu(), "token_log_probs": token_lp.cpu(),  # [N, L]
             "shared_temperatures": temperatures,  # [S]
         }
-        if "likelihood" in plan.features():
+        if "elbo" in plan.features():
+            old, mask = _mdlm_elbo.record(self, trajectory, plan)
+        elif "likelihood" in plan.features():
             old, mask = self._record_likelihood(trajectory, plan)
         else:
             mask &= committed.any(-1).cpu()
@@ -443,13 +455,16 @@ class MDLMPolicy:
 
     def likelihood(self, rollout: Rollout, steps: list[int]) -> Score:
         """d1's one-step estimate for the draws `steps` (prompt masks recorded at sampling), with gradients: every
-        completion token up to the first EOS is scored from the fully masked completion in one forward.
+        completion token up to the first EOS is scored from the fully masked completion in one forward. A rollout
+        sampled with an ``"elbo"`` plan is scored by GDPO's ELBO instead ([`_mdlm_elbo.score`]).
 
         Returns:
             The [`Score`] of [`~MDLMPolicy.log_prob`], with `token_mask` the completion mask and
             `old_token_log_prob` the sampling policy's one-step log-probs under the same masks.
         """
         t = rollout.trajectory
+        if "elbo_masked" in t:
+            return _mdlm_elbo.score(self, rollout, steps)
         if "prompt_masked" not in t:
             raise ValueError("This rollout was not sampled with a likelihood plan: no prompt masks were drawn.")
         prompt_ids, attention = t["prompt_ids"].to(self.device), t["prompt_attention"].to(self.device)

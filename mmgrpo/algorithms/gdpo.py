@@ -1,0 +1,123 @@
+"""GDPO (Group Diffusion Policy Optimization): a sequence-level clipped ratio of ELBOs for masked-diffusion LMs.
+
+Paper: Rojas et al., *Improving Reasoning for Diffusion Language Models via Group Diffusion Policy Optimization*,
+https://arxiv.org/abs/2510.08554. Instead of diffu-GRPO's one-step token estimate, the likelihood of a completion is
+its sequence ELBO, estimated by semi-deterministic Monte Carlo (a fixed Gauss-Legendre rule over the masking ratio,
+random masks only; the pipeline's ``likelihood="elbo"`` scoring, options ``pipeline.elbo_points`` /
+``elbo_masks`` / ``elbo_masking``, see `pipelines/_mdlm_elbo.py`). With ``E_i`` the ELBO of completion `i` under the
+policy, ``E_i^old`` under the sampling policy (recorded at sampling with the same masks) and `|y_i|` its scored
+tokens, the ratio is one per sequence,
+
+    s_i = exp((E_i - E_i^old) / |y_i|)        (``length_normalize=False``: exp(E_i - E_i^old))
+
+and the loss ``mean_i max(-A_i s_i, -A_i clip(s_i, 1 - clip_low, 1 + clip_high)) + kl_beta * mean_i k3_i`` with the
+k3 KL ``exp(d_i) - d_i - 1``, ``d_i = (E_i^ref - E_i) / |y_i|``, to the reference (adapter disabled). Advantages are
+``r - mean`` of the group (no division by the std, as d1, whose code GDPO builds on), or z-scores with
+``scale_rewards="group"``. Each likelihood draw is a train unit: ``draws`` estimates with fresh masks per rollout.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+from ..advantages import StdEstimator, group_normalize
+from ..losses import clipped_surrogate, k3_kl, masked_mean
+from ..types import AlgorithmTraits, LossOutput, MaskedPlan, Score
+from ..validation import check_fields, check_range
+
+
+@dataclass
+class GDPOConfig:
+    """Options of [`GDPO`].
+
+    Args:
+        draws (`int`): ELBO estimates per rollout batch, each with its own masks and each a train unit.
+        random_masking (`bool`): new mask seeds every step; False reuses one seed.
+        clip_low (`float`): the sequence ratio is clipped to ``[1 - clip_low, 1 + clip_high]`` (0.5: d1's value,
+            which GDPO's code base inherits; the paper's value is not checked here).
+        clip_high (`float`, *optional*): unset: `clip_low` (a symmetric clip).
+        length_normalize (`bool`): divide the ELBO difference by the completion's scored tokens before
+            exponentiating (a per-token ratio, as GSPO; the sequence ratio itself is far from 1 on long completions).
+        kl_beta (`float`): weight of the k3 KL to the reference on the length-normalised ELBO (0 skips the
+            reference; 0.04 is d1's value).
+        scale_rewards (`str`): ``"group"`` divides the centred rewards by the group's std, ``"batch"`` by the batch's,
+            ``"none"`` not (default).
+        adv_std (`str`): that std's estimator with `scale_rewards`: ``"unbiased"`` (n - 1) or ``"population"`` (n).
+    """
+
+    draws: int = 1
+    random_masking: bool = True
+    clip_low: float = 0.5
+    clip_high: float | None = None
+    length_normalize: bool = True
+    kl_beta: float = 0.0
+    scale_rewards: Literal["group", "batch", "none"] = "none"
+    adv_std: StdEstimator = "unbiased"
+
+    def __post_init__(self):
+        check_fields(self)
+        check_range("draws", self.draws, 1, fix="one ELBO estimate per rollout batch is usual")
+        check_range("clip_low", self.clip_low, 0, low_open=True, fix="0.2-0.5 is usual")
+        if self.clip_high is not None:
+            check_range("clip_high", self.clip_high, 0, low_open=True, fix="leave it unset for a symmetric clip")
+        check_range("kl_beta", self.kl_beta, 0, fix="0 turns the KL term off")
+
+
+class GDPO:
+    """GDPO: the ELBO of each completion (semi-deterministic Monte Carlo), a clipped sequence-level ratio."""
+
+    Config = GDPOConfig
+    scoring = "likelihood"
+    plan_family = "masked"  # the plan type `schedule` returns
+
+    def __init__(self, config: GDPOConfig):
+        self.config = config
+        self.traits = AlgorithmTraits(reads=frozenset({"log_prob", "mask", "token_mask"}),
+                                      needs_reference=config.kl_beta > 0, zero_advantage_is_inert=config.kl_beta == 0)
+
+    def schedule(self, num_steps: int, generator: torch.Generator | None = None) -> MaskedPlan:
+        """Every decoding step samples; the units are the ELBO draws ``[[0], [1], ...]``, scored by the ELBO."""
+        if self.config.draws > num_steps:
+            raise ValueError(f"draws {self.config.draws} must not exceed the {num_steps} decoding steps.")
+        seed = int(torch.randint(0, 4096, (1,), generator=generator)) if self.config.random_masking else 42
+        return MaskedPlan(num_steps=num_steps, train_units=[[j] for j in range(self.config.draws)],
+                          scoring="likelihood", seed=seed, likelihood="elbo")
+
+    def advantages(self, scores: torch.Tensor, group_ids: torch.Tensor) -> torch.Tensor:
+        c = self.config
+        return group_normalize(scores, group_ids, scale=c.scale_rewards != "none",
+                               global_std=c.scale_rewards == "batch", std=c.adv_std)
+
+    def _normalized(self, elbo: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        return elbo / lengths if self.config.length_normalize else elbo
+
+    def loss(self, new: Score, old_log_prob, advantages, ref: Score | None = None) -> LossOutput:
+        """Clipped sequence-level surrogate (+ k3 KL) of one ELBO draw.
+
+        Args:
+            new ([`Score`]): the policy's ELBO (``log_prob`` `[n, k]`), its scored tokens (``token_mask``
+                `[n, k, L]`) and the draws that are trained (``mask`` `[n, k]`).
+            old_log_prob (`torch.FloatTensor` of shape `[n, k]`): the ELBO recorded at sampling, same masks.
+            advantages (`torch.FloatTensor` of shape `[n]`).
+            ref ([`Score`], *optional*): the reference policy's ELBO (``log_prob``) for the KL term.
+        """
+        if new.token_mask is None:
+            raise ValueError("GDPO needs the scored tokens of each completion (token_mask): use the mdlm pipeline.")
+        c = self.config
+        lengths = new.token_mask.sum(-1).clamp_min(1).to(new.log_prob.dtype)  # [n, k]
+        mask = torch.ones_like(old_log_prob, dtype=torch.bool) if new.mask is None else new.mask  # [n, k]
+        log_ratio = self._normalized(new.log_prob - old_log_prob, lengths)  # [n, k]
+        high = c.clip_low if c.clip_high is None else c.clip_high
+        loss, metrics = clipped_surrogate(log_ratio, advantages, c.clip_low, high, mask)
+        if c.kl_beta > 0 and ref is not None:
+            kl = masked_mean(k3_kl(self._normalized(new.log_prob, lengths), self._normalized(ref.log_prob, lengths)),
+                             mask)
+            loss = loss + c.kl_beta * kl
+            metrics["kl"] = kl.item()
+        return LossOutput(loss=loss, metrics=metrics)
+
+
+PLUGIN = GDPO
