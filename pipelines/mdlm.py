@@ -24,6 +24,7 @@ from typing import Literal
 import torch
 
 from mmgrpo.hub import DTYPES, resolve_pretrained
+from mmgrpo.pipelines._checkpointing import checkpoint_transformers
 from mmgrpo.reference import ReferenceSwitch
 from mmgrpo.samplers.masked_diffusion import eoser_gamma, make_schedule, rebuild_state, token_log_probs, unmask_step
 from mmgrpo.types import MaskedPlan, PromptBatch, Rollout, Score, TokenPlan
@@ -76,6 +77,9 @@ class MDLMConfig:
         lora_alpha (`int`): LoRA scaling numerator.
         lora_targets (`list[str]`, *optional*): module names that get LoRA; default: the family's names that exist.
         weights_dtype (`str`): dtype of the frozen weights; trainable parameters are float32.
+        gradient_checkpointing (`bool`): recompute each transformer layer in the backward pass (same gradients,
+            activations of one layer at a time, about one more forward per backward); the model's class must support
+            transformers' activation checkpointing (remote-code models may not: a clear error says so).
     """
 
     pretrained: str
@@ -105,6 +109,7 @@ class MDLMConfig:
     lora_alpha: int = 64
     lora_targets: list[str] | None = None
     weights_dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    gradient_checkpointing: bool = False
 
     def __post_init__(self):
         check_fields(self)
@@ -211,6 +216,8 @@ class MDLMPolicy:
         else:
             model.float().requires_grad_(True)
         self.model = model.eval()  # no dropout: replay must see the rollout's logits
+        if config.gradient_checkpointing:
+            checkpoint_transformers(model)
         self.switch = ReferenceSwitch(model, model.disable_adapter if self.lora else None)
         self.device = torch.device("cpu")
 

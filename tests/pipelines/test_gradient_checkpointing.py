@@ -49,12 +49,27 @@ def qwen_vl_case(lora: bool):
     return make, batch, GRPO(GRPOConfig()).schedule(5), list(range(5))
 
 
+def mdlm_case(lora: bool):
+    from mmgrpo.algorithms.cj_grpo import CJGRPO, CJGRPOConfig
+    from mmgrpo.pipelines.mdlm import MDLMConfig, MDLMPolicy
+
+    options = dict(gen_length=8, block_length=4, steps_per_block=2, lora_rank=4 if lora else 0, lora_alpha=8)
+
+    def make(path, checkpointing):
+        return MDLMPolicy(MDLMConfig(pretrained=path, gradient_checkpointing=checkpointing, **options))
+
+    plan = CJGRPO(CJGRPOConfig()).schedule(4, torch.Generator().manual_seed(0))
+    return make, PromptBatch(["12+34=", "7+8=", "305+9="]).repeat(2), plan, [0, 1, 3]
+
+
 CASES = {  # name -> (tiny model fixture, case builder)
     "sd3_lora": ("tiny_sd3_dir", lambda: flow_case("sd3", lora=True)),
     "sd3_full": ("tiny_sd3_dir", lambda: flow_case("sd3", lora=False)),
     "flux_lora": ("tiny_flux_dir", lambda: flow_case("flux", lora=True)),
     "qwen_vl_lora": ("tiny_qwen2_vl_dir", lambda: qwen_vl_case(lora=True)),
     "qwen_vl_full": ("tiny_qwen2_vl_dir", lambda: qwen_vl_case(lora=False)),
+    "mdlm_lora": ("tiny_mdlm_dir", lambda: mdlm_case(lora=True)),
+    "mdlm_full": ("tiny_mdlm_dir", lambda: mdlm_case(lora=False)),
 }
 
 
@@ -99,14 +114,16 @@ def test_checkpointing_recomputes_blocks_with_the_same_gradient(request, case):
         torch.testing.assert_close(ckpt, plain, rtol=1e-5, atol=1e-7)
 
 
-def test_option_turns_the_models_flags_on(tiny_sd3_dir, tiny_qwen2_vl_dir):
+def test_option_turns_the_models_flags_on(tiny_sd3_dir, tiny_qwen2_vl_dir, tiny_mdlm_dir):
     make, *_ = flow_case("sd3", lora=True)
     assert make(tiny_sd3_dir, True).transformer.gradient_checkpointing
     assert not make(tiny_sd3_dir, False).transformer.gradient_checkpointing
     make, *_ = qwen_vl_case(lora=True)
     policy = make(tiny_qwen2_vl_dir, True)
-    assert policy.model.is_gradient_checkpointing and not policy.model.training  # the model stays in eval mode
-    assert not make(tiny_qwen2_vl_dir, False).model.is_gradient_checkpointing
+    assert policy.model.is_activation_checkpointing and not policy.model.training  # the model stays in eval mode
+    assert not make(tiny_qwen2_vl_dir, False).model.is_activation_checkpointing
+    make, *_ = mdlm_case(lora=True)
+    assert make(tiny_mdlm_dir, True).model.get_base_model().is_activation_checkpointing
 
 
 def test_qwen_vl_refuses_checkpointing_with_prefix_sharing(tiny_qwen2_vl_dir):
