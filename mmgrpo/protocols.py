@@ -26,7 +26,7 @@ class StochasticPolicy(Protocol):
     # evaluation samples with): the trainer refuses an algorithm emitting another family's plans before any model loads
     plan_families: tuple[str, ...]
     # the plan `features()` it implements ("merge", "branch", "unit_selection", "dpm", "likelihood", "elbo",
-    # "token_scores"; empty for plain plans only): the trainer refuses a plan asking for more
+    # "token_scores", "ground_truth_member"; empty for plain plans only): the trainer refuses a plan asking for more
     plan_features: frozenset[str]
     eval_num_steps: int  # decisions per evaluation sample
 

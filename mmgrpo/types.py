@@ -379,6 +379,9 @@ class TokenPlan:
         train_units (`list[list[int]]`): the trained decisions, grouped into units scored together.
         greedy (`bool`): decode deterministically (argmax; a masked-diffusion LM: its evaluation temperature).
         seed (`int`): seed shared by every process (unused by plain decoding).
+        ground_truth_member (`bool`): feature ``"ground_truth_member"`` (TempSamp-R1's off-policy member): member 0 of
+            each group (``PromptBatch.member_ids``) decodes its prompt's ground-truth completion,
+            ``metadata["completion"]``, teacher-forced instead of sampled, and is scored like the others.
     """
 
     family: ClassVar[str] = "token"
@@ -387,13 +390,14 @@ class TokenPlan:
     train_units: list[list[int]]
     greedy: bool = False
     seed: int = 0
+    ground_truth_member: bool = False
 
     def __post_init__(self):
         check_units(self)
 
     def features(self) -> set[str]:
-        """No opt-in features: a token plan is always plain."""
-        return set()
+        """The opt-in features this plan uses (``{"ground_truth_member"}`` or none)."""
+        return {"ground_truth_member"} if self.ground_truth_member else set()
 
     @property
     def trained_steps(self) -> list[int]:

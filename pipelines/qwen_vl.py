@@ -159,7 +159,7 @@ class QwenVLPolicy:
     Config = QwenVLConfig
     modalities = frozenset({"text"})
     plan_families = ("token",)  # it reads TokenPlan only
-    plan_features = frozenset()
+    plan_features = frozenset({"ground_truth_member"})  # TempSamp-R1's teacher-forced ground-truth member
     provides = {"log_prob": frozenset({"log_prob", "mask"})}  # scoring method -> the Score fields it fills
 
     def __init__(self, config: QwenVLConfig):
@@ -292,7 +292,9 @@ class QwenVLPolicy:
     @torch.no_grad()
     def sample(self, batch: PromptBatch, plan: TokenPlan, *, generator: torch.Generator | None = None) -> Rollout:
         """Decodes up to ``plan.num_steps`` tokens per sample with a KV cache: sampled (temperature, top-p, top-k)
-        unless the plan is greedy. The prompt and images of a group are forwarded once.
+        unless the plan is greedy. The prompt and images of a group are forwarded once. With
+        ``plan.ground_truth_member``, member 0 of each group decodes its ``metadata["completion"]`` instead of drawing
+        (TempSamp-R1's off-policy member; its log-probs are the policy's on those tokens).
 
         Returns:
             [`Rollout`]: ``outputs["texts"]`` (`N` strings), ``old_log_probs`` `[N, S]`, ``mask`` `[N, S]` (completion
@@ -300,6 +302,7 @@ class QwenVLPolicy:
             and the encoded prompts (one shared object per group).
         """
         n, steps = len(batch), plan.num_steps
+        forced = self._forced_tokens(batch, plan)  # [N, S]: a ground truth's tokens, -1 where the row samples
         prompts = self._encode_batch(batch)
         unique, inverse = unique_rows(prompts)
         module = self.switch.module
@@ -314,6 +317,7 @@ class QwenVLPolicy:
         for t in range(steps):
             logp = module.log_softmax(logits, self.config.temperature).cpu()  # [N, V]
             chosen = self._choose(logp, greedy=plan.greedy, generator=generator)  # [N]
+            chosen = torch.where(forced[:, t] >= 0, forced[:, t], chosen)  # teacher-forced rows: the ground truth
             chosen = torch.where(alive, chosen, torch.full_like(chosen, self.pad_id))
             tokens[:, t] = chosen
             log_probs[:, t] = torch.where(alive, logp.gather(1, chosen[:, None]).squeeze(1), torch.zeros(n))
@@ -335,6 +339,36 @@ class QwenVLPolicy:
             mask=mask,  # [N, S]
             trajectory={"completion_ids": tokens, "prompt_inputs": prompts},  # [N, S], N dicts (shared per group)
         )
+
+    def _target_ids(self, texts: list[str]) -> list[list[int]]:
+        """The token ids of each target text followed by the end-of-turn token (a stop token)."""
+        tok = self.processor.tokenizer
+        end = tok.convert_tokens_to_ids("<|im_end|>") if "<|im_end|>" in tok.get_vocab() else tok.eos_token_id
+        return [tok(text, add_special_tokens=False)["input_ids"] + [end] for text in texts]
+
+    def _forced_tokens(self, batch: PromptBatch, plan: TokenPlan) -> torch.Tensor:
+        """`[N, S]` tokens that `sample` decodes instead of drawing (-1: drawn): with ``plan.ground_truth_member``,
+        member 0 of each group decodes ``metadata["completion"]`` and the end-of-turn token (TempSamp-R1's
+        off-policy ground-truth member)."""
+        forced = torch.full((len(batch), plan.num_steps), -1, dtype=torch.long)
+        if not plan.ground_truth_member:
+            return forced
+        if batch.member_ids is None:
+            raise ValueError("ground_truth_member needs the prompts' member_ids (PromptBatch.repeat sets them).")
+        rows = [int(i) for i in torch.nonzero(batch.member_ids == 0).flatten()]
+        missing = [i for i in rows if not isinstance((batch.metadata[i] or {}).get("completion"), str)]
+        if missing:
+            raise ValueError(
+                f"ground_truth_member: prompt {batch.prompts[missing[0]]!r} has no ground-truth text in "
+                "metadata['completion']: use a prompt source that writes it (vlm_shapes with_targets: true; a JSONL "
+                "'completion' field) or set algorithm.ground_truth_member: false."
+            )
+        for row, target in zip(rows, self._target_ids([batch.metadata[i]["completion"] for i in rows])):
+            if len(target) > plan.num_steps:
+                raise ValueError(f"ground_truth_member: the ground truth of {batch.prompts[row]!r} takes {len(target)} "
+                                 f"tokens, more than the {plan.num_steps} of pipeline.max_new_tokens: raise it.")
+            forced[row, : len(target)] = torch.tensor(target)
+        return forced
 
     def _choose(self, logp: torch.Tensor, greedy: bool, generator: torch.Generator | None) -> torch.Tensor:
         """Next tokens `[N]` from log-probs `[N, V]`: argmax, or a draw after top-k / top-p truncation."""
@@ -385,9 +419,7 @@ class QwenVLPolicy:
         """
         if len(completions) != len(batch):
             raise ValueError(f"teacher_rollout: {len(completions)} completions for {len(batch)} prompts.")
-        tok = self.processor.tokenizer
-        end = tok.convert_tokens_to_ids("<|im_end|>") if "<|im_end|>" in tok.get_vocab() else tok.eos_token_id
-        ids = [tok(text, add_special_tokens=False)["input_ids"] + [end] for text in completions]
+        ids = self._target_ids(completions)
         length = max(len(row) for row in ids)
         tokens = torch.full((len(ids), length), self.pad_id, dtype=torch.long)  # [N, T]
         mask = torch.zeros(len(ids), length, dtype=torch.bool)  # [N, T]

@@ -29,12 +29,13 @@ ADVANTAGE_TRANSFORMS = ("none", "tempsamp_soft")
 TOKEN_READS = frozenset({"log_prob", "mask"})  # the Score fields every token loss reads (mask: the scored tokens)
 
 
-def token_plan(num_steps: int) -> TokenPlan:
+def token_plan(num_steps: int, ground_truth_member: bool = False) -> TokenPlan:
     """Every decision samples and the whole completion is one trained unit, ``[[0, ..., T - 1]]``: the trainer
     scores all tokens of a minibatch in one forward (the ratio of a token needs the tokens before it). A token plan
-    runs on the pipelines that speak the ``"token"`` family (`qwen_vl`; `mdlm`, one decoding step per decision)."""
+    runs on the pipelines that speak the ``"token"`` family (`qwen_vl`; `mdlm`, one decoding step per decision).
+    With `ground_truth_member`, member 0 of each group decodes its prompt's ground truth (see `SHARED_DOCS`)."""
     steps = list(range(num_steps))
-    return TokenPlan(num_steps=num_steps, train_units=[steps])
+    return TokenPlan(num_steps=num_steps, train_units=[steps], ground_truth_member=ground_truth_member)
 
 
 def token_mask(new: Score, like: torch.Tensor) -> torch.Tensor:
@@ -216,4 +217,10 @@ SHARED_DOCS = """
         soft_threshold (`float`): ``tau`` of the soft transform (TempSamp-R1: 0.8 on a temporal IoU).
         soft_alpha_high (`float`): ``a_high``, the slope of the log above ``tau`` (0.01).
         soft_alpha_low (`float`): ``a_low`` (> 0), the curvature of the exponential below ``tau`` (1.0).
+        ground_truth_member (`bool`): TempSamp-R1's off-policy member: member 0 of each group is not sampled but
+            teacher-forced through its prompt's ground-truth completion, the data's ``metadata["completion"]`` text
+            (end-of-turn appended), so a group of ``train.group_size`` G + 1 holds G samples and the answer. It is
+            rewarded, enters the group statistics (and the advantage transform) and is trained like the others; its
+            "old" log-probs are the sampling policy's on those tokens, so its ratio starts at 1 (no importance weight
+            for the off-policy source). Needs a pipeline that implements it (`qwen_vl`).
 """

@@ -62,6 +62,7 @@ class RegGRPOConfig:
     soft_threshold: float = 0.8
     soft_alpha_high: float = 0.01
     soft_alpha_low: float = 1.0
+    ground_truth_member: bool = False
 
     def __post_init__(self):
         check_fields(self)
@@ -105,7 +106,7 @@ class RegGRPO:
         attach_kl_members(self, self.kl)
 
     def schedule(self, num_steps: int, generator: torch.Generator | None = None) -> TokenPlan:
-        return token_plan(num_steps)
+        return token_plan(num_steps, self.config.ground_truth_member)
 
     def advantages(self, scores: torch.Tensor, group_ids: torch.Tensor) -> torch.Tensor:
         scores = shaped_scores(scores, self.config)  # [N]: the soft transform when advantage_transform asks
