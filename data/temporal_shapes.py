@@ -10,7 +10,7 @@ into one temporal patch, so a finer boundary could not be seen). Items are drawn
 Question: "When does the red circle move?" (the target is the only shape of its colour and kind). Items carry
 ``video`` (a list of PIL frames) and ``metadata`` ``{"task": "temporal_grounding", "span": [start, end],
 "duration", "fps", "question"}``, plus ``"completion"`` with `with_targets`: the supervised target in the R1 layout,
-``<think>the red circle moves from frame 2 to frame 6</think><answer>[1.0, 3.0]</answer>``, what ``mmgrpo sft``
+``<think>frame 2 to 6</think><answer>[1, 3]</answer>``, what ``mmgrpo sft``
 trains on. The `tiou` reward scores answers. Held-out items use indices disjoint from the training ones and never
 repeat a training clip.
 """
@@ -26,8 +26,7 @@ from mmgrpo.validation import check_fields, check_range, check_seed, check_templ
 
 COLOURS = {"red": (230, 25, 25), "green": (25, 230, 25), "blue": (25, 25, 230), "yellow": (230, 230, 25)}
 SHAPES = ("circle", "square", "triangle")
-TEMPLATE = "{question} Answer with the start and end time in seconds as [start, end] in <think> </think> and " \
-           "<answer> </answer> tags."
+TEMPLATE = "{question} Answer [start, end] in seconds in <think> </think> and <answer> </answer> tags."
 
 
 @dataclass
@@ -150,8 +149,8 @@ def render_frames(shapes: list[dict], config: TemporalShapesConfig) -> list[Imag
 def target_text(target: dict, fps: float) -> str:
     """The completion a supervised base model is trained to write."""
     a, b = target["frames"]
-    return (f"<think>the {target['colour']} {target['shape']} moves from frame {a} to frame {b}</think>"
-            f"<answer>[{a / fps:.1f}, {b / fps:.1f}]</answer>")
+    return (f"<think>frame {a} to {b}</think>"
+            f"<answer>[{a / fps:g}, {b / fps:g}]</answer>")
 
 
 class TemporalShapes:
