@@ -60,8 +60,10 @@ class TrainConfig:
             fsdp`` with several processes, ``bf16`` is FSDP2's mixed precision: bf16 compute, fp32 gradient reduction
             and fp32 sharded weights, and ``fp16`` is refused).
         sharding (`str`): how a multi-process run distributes the trained module: ``"ddp"`` (every process holds
-            all of it), ``"fsdp"`` (FSDP2: parameters, gradients and optimizer state sharded per transformer block)
-            or ``"none"`` (a single process; a multi-process launch is refused). One process is never sharded.
+            all of it), ``"fsdp"`` (FSDP2: parameters, gradients and optimizer state sharded per transformer block),
+            ``"hybrid"`` (HSDP: sharded within each node, replicated across nodes; every node runs the same number of
+            processes) or ``"none"`` (a single process; a multi-process launch is refused). One process is never
+            sharded.
     """
 
     max_steps: int = 100
@@ -82,12 +84,12 @@ class TrainConfig:
     prompt_sampling_mix: float = 0.5
     max_grad_norm: float = 1.0
     mixed_precision: Literal["no", "bf16", "fp16"] = "no"
-    sharding: Literal["none", "ddp", "fsdp"] = "ddp"
+    sharding: Literal["none", "ddp", "fsdp", "hybrid"] = "ddp"
 
     def __post_init__(self):
         check_fields(self)
-        if self.sharding == "fsdp" and self.mixed_precision == "fp16":
-            raise ConfigError("train.mixed_precision: fp16 does not combine with train.sharding: fsdp (sharded fp16 "
+        if self.sharding in ("fsdp", "hybrid") and self.mixed_precision == "fp16":
+            raise ConfigError(f"train.mixed_precision: fp16 does not combine with train.sharding: {self.sharding} (sharded fp16 "
                               "needs a sharded loss scaler): use bf16 (bf16 compute, fp32 reductions) or no.")
         for name in ("max_steps", "prompts_per_step", "group_size", "minibatch_size", "updates_per_step", "inner_epochs"):
             check_range(f"train.{name}", getattr(self, name), 1)

@@ -9,9 +9,14 @@
   all-gathered for their forward and backward, gradients reduce-scattered. The same code runs under gloo on CPUs and
   NCCL on GPUs. With ``train.mixed_precision: bf16`` the blocks compute in bf16 and gradients are reduced in fp32
   (``MixedPrecisionPolicy``), while the sharded weights and optimizer state stay fp32;
+- ``hybrid``: HSDP, FSDP2 over a 2-D device mesh ``("replicate", "shard")``: each node holds one copy of the
+  model sharded over its own processes (the shard dimension is the local world size, ``LOCAL_WORLD_SIZE``), and the
+  nodes replicate it (gradients are reduce-scattered within a node, then all-reduced across nodes). The parameter
+  all-gathers of every block stay on the fast links inside a node; per process it holds ``1 / local world`` of the
+  state instead of ``1 / world``;
 - ``none``: a single process (a multi-process launch is refused).
 
-With one process both ``ddp`` and ``fsdp`` run unsharded (``fsdp`` warns), so a config written for many GPUs runs
+With one process ``ddp``, ``fsdp`` and ``hybrid`` run unsharded (the sharded ones warn), so a config written for many GPUs runs
 and evaluates as it is on one.
 
 Blocks are found generically ([`find_blocks`]): modules whose class a model names in ``_no_split_modules``
@@ -32,7 +37,8 @@ import warnings
 import torch
 import torch.distributed as dist
 
-SHARDINGS = ("none", "ddp", "fsdp")
+SHARDINGS = ("none", "ddp", "fsdp", "hybrid")
+SHARDED = ("fsdp", "hybrid")  # the modes in which mmgrpo applies FSDP2 itself
 BLOCK_LISTS = ("transformer_blocks", "single_transformer_blocks", "blocks", "layers")
 
 
@@ -47,12 +53,15 @@ def is_sharded(value) -> bool:
     return isinstance(value, _dtensor_cls())
 
 
-def check_world(sharding: str, world: int) -> str:
-    """The sharding a run of `world` processes uses: `sharding`, or ``"none"`` for one process (``fsdp`` warns).
+def check_world(sharding: str, world: int, local_world: int | None = None) -> str:
+    """The sharding a run of `world` processes uses: `sharding`, or ``"none"`` for one process (``fsdp`` and
+    ``hybrid`` warn). `local_world` (default: ``LOCAL_WORLD_SIZE``, else `world`) is the number of processes per
+    node, the shard dimension of ``hybrid``.
 
     Raises:
-        `ValueError`: ``sharding: none`` under a multi-process launch, or a launch through accelerate's FSDP plugin
-            (``distributed_type: FSDP``), which would wrap the model a second time, in its own way.
+        `ValueError`: ``sharding: none`` under a multi-process launch, a launch through accelerate's FSDP plugin
+            (``distributed_type: FSDP``), which would wrap the model a second time, in its own way, or ``hybrid``
+            with a world that is not a whole number of nodes of `local_world` processes.
     """
     if os.environ.get("ACCELERATE_USE_FSDP", "false").lower() in ("1", "true"):
         raise ValueError("accelerate was launched with its FSDP plugin (distributed_type: FSDP), but mmgrpo shards the "
@@ -61,16 +70,22 @@ def check_world(sharding: str, world: int) -> str:
     if world > 1 and sharding == "none":
         raise ValueError(f"train.sharding is none but the run was launched with {world} processes: set ddp (each "
                          "process holds all weights) or fsdp (weights, gradients and optimizer state sharded).")
-    if world == 1 and sharding == "fsdp":
-        warnings.warn("train.sharding: fsdp with a single process: the model is not sharded (launch with torchrun "
-                      "--nproc_per_node N to shard it over N processes).", stacklevel=2)
+    if world == 1 and sharding in SHARDED:
+        warnings.warn(f"train.sharding: {sharding} with a single process: the model is not sharded (launch with "
+                      "torchrun --nproc_per_node N to shard it over N processes).", stacklevel=2)
+    if sharding == "hybrid" and world > 1:
+        local = local_world or int(os.environ.get("LOCAL_WORLD_SIZE", world))
+        if local < 1 or world % local:
+            raise ValueError(f"train.sharding: hybrid shards within a node of {local} processes, but the run has "
+                             f"{world} processes, not a whole number of such nodes: launch the same --nproc_per_node "
+                             "on every node, or use fsdp.")
     return sharding if world > 1 else "none"
 
 
 def autocast_precision(train_config) -> str:
     """The mixed precision accelerate's autocast should use: ``train.mixed_precision``, or ``"no"`` for a sharded
     multi-process run (launched with ``WORLD_SIZE`` > 1), whose bf16 is FSDP2's ``MixedPrecisionPolicy`` instead."""
-    if train_config.sharding == "fsdp" and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+    if train_config.sharding in SHARDED and int(os.environ.get("WORLD_SIZE", "1")) > 1:
         return "no"
     return train_config.mixed_precision
 
@@ -105,7 +120,21 @@ def shard_root(module: torch.nn.Module) -> torch.nn.Module:
     return module
 
 
-def shard(module: torch.nn.Module, device: torch.device, mixed_precision: str = "no") -> torch.nn.Module:
+def device_mesh(device: torch.device, sharding: str = "fsdp"):
+    """The device mesh FSDP2 shards over: 1-D over every process (``fsdp``), or 2-D ``("replicate", "shard")`` of
+    nodes x processes per node (``hybrid``; the shard dimension is ``LOCAL_WORLD_SIZE``)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    world = dist.get_world_size()
+    if sharding != "hybrid":
+        return init_device_mesh(device.type, (world,))
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    check_world("hybrid", world, local)
+    return init_device_mesh(device.type, (world // local, local), mesh_dim_names=("replicate", "shard"))
+
+
+def shard(module: torch.nn.Module, device: torch.device, mixed_precision: str = "no",
+          sharding: str = "fsdp") -> torch.nn.Module:
     """Applies FSDP2 to `module` in place over every process of the default group: ``fully_shard`` on each block
     ([`find_blocks`]), then on [`shard_root`]. Returns `module` (its parameters are now sharded DTensors).
 
@@ -114,11 +143,12 @@ def shard(module: torch.nn.Module, device: torch.device, mixed_precision: str = 
         device (`torch.device`): this process's device (its type names the device mesh).
         mixed_precision (`str`): ``"bf16"``: blocks compute in bf16, gradients are reduced in fp32; anything else
             computes in the parameters' own dtypes.
+        sharding (`str`): ``"fsdp"`` (sharded over every process) or ``"hybrid"`` (sharded within a node,
+            replicated across nodes; see [`device_mesh`]).
     """
-    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+    mesh = device_mesh(device, sharding)
     policy = MixedPrecisionPolicy()
     if mixed_precision == "bf16":
         policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
@@ -131,13 +161,15 @@ def shard(module: torch.nn.Module, device: torch.device, mixed_precision: str = 
 
 
 class ShardingAccelerator:
-    """The accelerator as a policy's ``prepare`` sees it when ``train.sharding`` is ``fsdp``: everything is the
-    accelerator's, except ``prepare_model``, which applies [`shard`] instead of accelerate's DDP wrapper, and
-    ``prepare_frozen`` (read by [`~mmgrpo.reference.ReferenceSwitch`]), which shards a frozen reference copy."""
+    """The accelerator as a policy's ``prepare`` sees it when ``train.sharding`` is ``fsdp`` or ``hybrid``:
+    everything is the accelerator's, except ``prepare_model``, which applies [`shard`] instead of accelerate's DDP
+    wrapper, and ``prepare_frozen`` (read by [`~mmgrpo.reference.ReferenceSwitch`]), which shards a frozen reference
+    copy."""
 
-    def __init__(self, accelerator, mixed_precision: str = "no"):
+    def __init__(self, accelerator, mixed_precision: str = "no", sharding: str = "fsdp"):
         self._accelerator = accelerator
         self._mixed_precision = mixed_precision
+        self._sharding = sharding
 
     def __getattr__(self, name: str):
         if name.startswith("_"):  # its own attributes, before __init__ set them (copies): never the accelerator's
@@ -145,18 +177,19 @@ class ShardingAccelerator:
         return getattr(self._accelerator, name)
 
     def prepare_model(self, module: torch.nn.Module, *args, **kwargs) -> torch.nn.Module:
-        return shard(module, self._accelerator.device, self._mixed_precision)
+        return shard(module, self._accelerator.device, self._mixed_precision, self._sharding)
 
     def prepare_frozen(self, module: torch.nn.Module) -> torch.nn.Module:
         """A frozen module (full fine-tuning's reference copy) sharded like the trained one: each process holds its
         share, and its forwards, run on every process alike, compute in the same precision as the policy's."""
-        return shard(module, self._accelerator.device, self._mixed_precision)
+        return shard(module, self._accelerator.device, self._mixed_precision, self._sharding)
 
 
 def prepare(policy, accelerator, sharding: str, mixed_precision: str = "no") -> list[torch.nn.Module]:
-    """``policy.prepare``, with its trained module(s) sharded when `sharding` is ``fsdp`` (see [`check_world`])."""
-    if sharding == "fsdp":
-        return policy.prepare(ShardingAccelerator(accelerator, mixed_precision))
+    """``policy.prepare``, with its trained module(s) sharded when `sharding` is ``fsdp`` or ``hybrid`` (see
+    [`check_world`])."""
+    if sharding in SHARDED:
+        return policy.prepare(ShardingAccelerator(accelerator, mixed_precision, sharding))
     return policy.prepare(accelerator)
 
 
@@ -175,15 +208,17 @@ def clip_grad_norm_(parameters, max_norm: float) -> torch.Tensor:
     """Scales the gradients of `parameters` so that their global L2 norm is at most `max_norm`; returns that norm
     (the same on every process; NaN or inf when a gradient is not finite, then nothing is scaled).
 
-    A sharded gradient contributes the squares of this process's shard, summed over the processes; an unsharded one
-    (replicated on every process) counts once."""
+    A sharded gradient contributes the squares of this process's shard, summed over the processes and divided by
+    the number of copies of that shard (``hybrid``: one per node); an unsharded one (replicated on every process)
+    counts once."""
     grads = [p.grad for p in parameters if p.grad is not None]
     sharded = [g.to_local() for g in grads if is_sharded(g)]
+    copies = [_copies(g) for g in grads if is_sharded(g)]
     local = [g for g in grads if not is_sharded(g)]
     device = (sharded or local or [torch.zeros(())])[0].device
     squares = torch.zeros((), dtype=torch.float64, device=device)
-    for g in sharded:
-        squares += g.double().square().sum()
+    for g, n in zip(sharded, copies):
+        squares += g.double().square().sum() / n
     if sharded and dist.is_initialized():
         dist.all_reduce(squares)
     for g in local:
@@ -196,10 +231,15 @@ def clip_grad_norm_(parameters, max_norm: float) -> torch.Tensor:
     return norm
 
 
+def _copies(tensor) -> int:
+    """How many processes hold each shard of the DTensor `tensor`: the sizes of its mesh's replicated dimensions."""
+    return math.prod(tensor.device_mesh.size(i) for i, p in enumerate(tensor.placements) if p.is_replicate())
+
+
 def clip(accelerator, sharding: str, parameters, train_config) -> torch.Tensor:
     """The gradient clipping of a run: [`clip_grad_norm_`] when sharded, accelerate's otherwise (it unscales fp16
     gradients first); both return the global norm before clipping, the same on every process."""
-    if sharding == "fsdp":
+    if sharding in SHARDED:
         return clip_grad_norm_(parameters, train_config.max_grad_norm)
     return accelerator.clip_grad_norm_(parameters, train_config.max_grad_norm)
 

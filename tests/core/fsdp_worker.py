@@ -59,7 +59,11 @@ def gathered_weights(trainer: Trainer) -> torch.Tensor:
 def run_case(name: str, case: dict, out: Path, tag: str) -> dict:
     trainer = Trainer(config_mod.from_dict(case["config"]))
     record = {"world": trainer.world, "sharding": trainer.sharding, "start": trainer.step, "steps": {}}
-    record["sharded"] = any(sharding.is_sharded(p) for p in trainer.policy.trainable_parameters())
+    sharded = [p for p in trainer.policy.trainable_parameters() if sharding.is_sharded(p)]
+    record["sharded"] = bool(sharded)
+    if sharded:  # the device mesh FSDP2 shards over: 1-D (fsdp) or 2-D replicate x shard (hybrid)
+        mesh = sharded[0].device_mesh
+        record["mesh"] = {"shape": list(mesh.shape), "names": list(mesh.mesh_dim_names or [])}
     switch = getattr(trainer.policy, "switch", None) or trainer.policy.trainable.switch  # its ReferenceSwitch
     if switch.frozen is not None:  # full fine-tuning: is the frozen reference copy sharded too?
         record["reference_sharded"] = all(sharding.is_sharded(p) for p in switch.frozen.parameters())

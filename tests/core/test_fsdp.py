@@ -4,8 +4,9 @@ several updates, for a flow pipeline (sd3), `qwen_vl` and `mdlm`, LoRA and full 
 policy (adapter off / frozen copy, through a KL term), DGPO's fast-EMA old model, global gradient clipping (an
 active clip: a per-process norm would scale differently) and the NaN-skip rule; evaluation and sample writing on
 rank 0; checkpoints resumed at the other world size (2 -> 1 and 1 -> 2) whose weights load in stock diffusers; a
-launch as two nodes of one process (two torchrun invocations, localhost rendezvous), and a process of it dying.
-Four launches in all (one process, two, one, two nodes), shared by the tests: about 2.5 minutes on two cores.
+launch as two nodes of one process (two torchrun invocations, localhost rendezvous), ``train.sharding: hybrid`` on
+them (a 2 x 1 replicate x shard mesh), and a process of it dying.
+Four launches in all (one process, two, one, two nodes), shared by the tests: about 3 minutes on two cores.
 
 fp32 tolerance: the sharded run reduces gradients in another order (reduce-scatter of per-process sums), so
 weights agree to ``atol=5e-5`` after the updates (measured: at most 1.9e-5, while Adam moved them by 4e-3 to
@@ -247,21 +248,57 @@ def launch_two_nodes(tmp_path: Path, tag: str, cases: dict, timeout: float = 600
     return done
 
 
-def test_fsdp_two_nodes_of_one_process(request, runs, tmp_path):
+def hybrid(case: dict) -> dict:
+    """`case` with ``train.sharding: hybrid`` (HSDP: shard within a node, replicate across nodes)."""
+    case["config"]["train"]["sharding"] = "hybrid"
+    return case
+
+
+@pytest.fixture(scope="module")
+def two_nodes(request, tmp_path_factory, tiny_sd3_dir):
+    """One launch of two nodes of one process: `mdlm` LoRA under fsdp, then under hybrid `mdlm` LoRA and the sd3
+    LoRA case (clipping, NaN skip, checkpoint), then a case in which the second node's process dies."""
+    root = tmp_path_factory.mktemp("fsdp_nodes")
+    cases = pipeline_cases(request, root / "nodes", 2, ["mdlm_lora"])
+    cases["hybrid_mdlm"] = hybrid(pipeline_cases(request, root / "hybrid", 2, ["mdlm_lora"])["mdlm_lora"])
+    cases["hybrid_sd3"] = hybrid(sd3_case(root / "hybrid_sd3", tiny_sd3_dir, 2))
+    cases["dies"] = {**pipeline_cases(request, root / "dies", 2, ["mdlm_lora"])["mdlm_lora"],
+                     "die": {"rank": 1, "step": 2}}
+    first, second = launch_two_nodes(root, "nodes", cases, timeout=600)  # a hang would raise TimeoutExpired
+    return root, first, second, json.loads((root / "result_nodes.json").read_text())  # written after each case
+
+
+def test_fsdp_two_nodes_of_one_process(runs, two_nodes):
     """Two torchrun invocations (`--nnodes 2 --node_rank 0/1`, localhost rendezvous) shard `mdlm` LoRA over both
-    "nodes" and give one process's update. Then, in a second case, the second node's process exits abruptly during
+    "nodes" and give one process's update. Then, in the last case, the second node's process exits abruptly during
     step 2 while the first gathers parameters from it: both launches end (no wait for a collective timeout) with a
     non-zero status, and the first node's error names the lost peer."""
     root, ones, _ = runs
-    cases = pipeline_cases(request, tmp_path / "nodes", 2, ["mdlm_lora"])
-    cases["dies"] = {**pipeline_cases(request, tmp_path / "dies", 2, ["mdlm_lora"])["mdlm_lora"],
-                     "die": {"rank": 1, "step": 2}}
-    first, second = launch_two_nodes(tmp_path, "nodes", cases, timeout=600)  # a hang would raise TimeoutExpired
-    two = json.loads((tmp_path / "result_nodes.json").read_text())  # written after each case
-    assert list(two) == ["mdlm_lora"] and two["mdlm_lora"]["world"] == 2 and two["mdlm_lora"]["sharded"]
+    nodes, first, second, two = two_nodes
+    assert list(two) == ["mdlm_lora", "hybrid_mdlm", "hybrid_sd3"]  # "dies" never finished
+    assert two["mdlm_lora"]["world"] == 2 and two["mdlm_lora"]["sharded"]
+    assert two["mdlm_lora"]["mesh"] == {"shape": [2], "names": []}
     assert_same_run(ones["mdlm_lora"], two["mdlm_lora"], weights(root, "mdlm_lora", "w1"),
-                    weights(tmp_path, "mdlm_lora", "nodes"))
+                    weights(nodes, "mdlm_lora", "nodes"))
     assert second.returncode != 0 and "exitcode  : 3" in second.stderr
     assert first.returncode != 0
     lost = ("Connection closed by peer", "Connection reset by peer")  # gloo's words, as the peer's socket closes
     assert any(words in first.stderr for words in lost), first.stderr[-3000:]
+
+
+def test_hybrid_two_nodes_match_one_process(runs, two_nodes):
+    """``train.sharding: hybrid`` on two nodes of one process: a 2-D mesh of 2 replicas x 1 shard, and the same
+    update metrics and weights as one process for `mdlm` LoRA and for sd3 LoRA with an active global clip (a norm
+    that counted each replica's copy of a shard would be sqrt(2) too large and clip differently), step 2's NaN
+    advantage skipped, and a checkpoint written."""
+    root, ones, _ = runs
+    nodes, _, _, two = two_nodes
+    for name, one_name in (("hybrid_mdlm", "mdlm_lora"), ("hybrid_sd3", "sd3")):
+        run = two[name]
+        assert run["sharding"] == "hybrid" and run["world"] == 2 and run["sharded"]
+        assert run["mesh"] == {"shape": [2, 1], "names": ["replicate", "shard"]}
+        assert_same_run(ones[one_name], run, weights(root, one_name, "w1"), weights(nodes, name, "nodes"))
+    sd3 = two["hybrid_sd3"]
+    assert sd3["nan_step_unchanged"] and sd3["skipped_updates"] == ones["sd3"]["skipped_updates"] == 2
+    assert max(sd3["steps"][s]["train/grad_norm"] for s in ("1", "3")) > 0.05  # above max_grad_norm: clipped
+    assert Path(sd3["checkpoint"], "weights", "pytorch_lora_weights.safetensors").is_file()

@@ -15,10 +15,11 @@ from mmgrpo.validation import ConfigError
 def test_sharding_option_is_validated_before_any_model_loads():
     assert TrainConfig().sharding == "ddp"  # what a multi-process launch did before the option existed
     assert TrainConfig(sharding="fsdp", mixed_precision="bf16").mixed_precision == "bf16"  # FSDP2 bf16 / fp32 reduce
-    with pytest.raises(ConfigError, match="sharding must be 'none', 'ddp' or 'fsdp', got 'zero3'"):
+    with pytest.raises(ConfigError, match="sharding must be 'none', 'ddp', 'fsdp' or 'hybrid', got 'zero3'"):
         TrainConfig(sharding="zero3")
-    with pytest.raises(ConfigError, match="fp16 does not combine with train.sharding: fsdp.*use bf16"):
-        TrainConfig(sharding="fsdp", mixed_precision="fp16")
+    for mode in ("fsdp", "hybrid"):
+        with pytest.raises(ConfigError, match=f"fp16 does not combine with train.sharding: {mode}.*use bf16"):
+            TrainConfig(sharding=mode, mixed_precision="fp16")
 
 
 def test_world_size_rules(monkeypatch):
@@ -29,6 +30,15 @@ def test_world_size_rules(monkeypatch):
         assert sharding.check_world("fsdp", 1) == "none"
     with pytest.raises(ValueError, match="sharding is none but the run was launched with 2 processes: set ddp"):
         sharding.check_world("none", 2)
+    # hybrid shards within a node: the world must be a whole number of nodes of LOCAL_WORLD_SIZE processes
+    assert sharding.check_world("hybrid", 4, 2) == "hybrid" and sharding.check_world("hybrid", 2, 1) == "hybrid"
+    with pytest.raises(ValueError, match="hybrid shards within a node of 2 processes, but the run has 3 processes"):
+        sharding.check_world("hybrid", 3, 2)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    with pytest.raises(ValueError, match="node of 4 processes, but the run has 6"):
+        sharding.check_world("hybrid", 6)
+    with pytest.warns(UserWarning, match="hybrid with a single process: the model is not sharded"):
+        assert sharding.check_world("hybrid", 1) == "none"
     monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
     with pytest.raises(ValueError, match="accelerate was launched with its FSDP plugin.*train.sharding: fsdp"):
         sharding.check_world("fsdp", 2)
