@@ -1,6 +1,7 @@
 """FSDP2 (``train.sharding: fsdp``) on two CPU processes under torchrun and gloo against one process, on the same
 rollouts and advantages (see `fsdp_worker.py`): the same losses and, within fp32 tolerance, the same weights after
-several updates, for a flow pipeline (sd3), `qwen_vl` and `mdlm`, LoRA and full fine-tuning; with the reference
+several updates, for a flow pipeline (sd3), `qwen_vl` and `mdlm`, LoRA and full fine-tuning (the full ones with
+gradient checkpointing: diffusers' checkpointed blocks rerun FSDP2's hooks, transformers' do not); with the reference
 policy (adapter off / frozen copy, through a KL term), DGPO's fast-EMA old model, global gradient clipping (an
 active clip: a per-process norm would scale differently) and the NaN-skip rule; evaluation and sample writing on
 rank 0; checkpoints resumed at the other world size (2 -> 1 and 1 -> 2) whose weights load in stock diffusers; a
@@ -28,14 +29,15 @@ ENV = {"ACCELERATE_USE_CPU": "true", "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "
 WEIGHT_ATOL, LOSS_REL, LOSS_ABS = 5e-5, 1e-4, 1e-6
 
 
-def sd3_config(root: Path, pretrained: str, world: int, *, lora: bool, algorithm: dict) -> dict:
+def sd3_config(root: Path, pretrained: str, world: int, *, lora: bool, algorithm: dict,
+               checkpointing: bool = False) -> dict:
     root.mkdir(parents=True, exist_ok=True)
     prompts = root / "prompts.txt"
     prompts.write_text("a red circle\na blue square\na green triangle\n")
     return {
         "output_dir": str(root / "run"), "seed": 0,
         "pipeline": {"name": "sd3", "pretrained": pretrained, "resolution": 32, "num_steps": 3, "guidance_scale": 1.0,
-                     "lora_rank": 4 if lora else 0, "max_sequence_length": 16},
+                     "lora_rank": 4 if lora else 0, "max_sequence_length": 16, "gradient_checkpointing": checkpointing},
         "algorithm": algorithm,
         "reward": {"name": "jpeg"},
         "data": {"name": "prompt_file", "train_file": str(prompts), "eval_file": str(prompts)},
@@ -61,11 +63,12 @@ def qwen_vl_config(root: Path, pretrained: str, world: int, *, lora: bool) -> di
     }
 
 
-def mdlm_config(root: Path, pretrained: str, world: int, *, lora: bool) -> dict:
+def mdlm_config(root: Path, pretrained: str, world: int, *, lora: bool, checkpointing: bool = False) -> dict:
     return {
         "output_dir": str(root / "run"), "seed": 0,
         "pipeline": {"name": "mdlm", "pretrained": pretrained, "gen_length": 8, "block_length": 4,
-                     "steps_per_block": 2, "lora_rank": 4 if lora else 0, "lora_alpha": 8},
+                     "steps_per_block": 2, "lora_rank": 4 if lora else 0, "lora_alpha": 8,
+                     "gradient_checkpointing": checkpointing},
         "algorithm": {"name": "cj_grpo", "kl_beta": 0.04},
         "reward": {"name": "accuracy", "mode": "numeric"},
         "data": {"name": "arith", "digits": 1, "n_train": 8, "n_eval": 2},
@@ -112,12 +115,13 @@ def assert_same_run(one: dict, two: dict, w_one: torch.Tensor, w_two: torch.Tens
 
 DGPO = {"name": "dgpo", "trunc_steps": 1, "num_train_timesteps": 2, "ema_decay_rate": 0.1}
 CASES = {  # name -> (builder, its fixture, options): each trains 2 steps of 2 inner epochs
-    "sd3_full": (sd3_config, "tiny_sd3_dir", {"lora": False, "algorithm": flow_grpo()}),  # reference: frozen copy
+    # reference: the frozen copy; blocks checkpointed (diffusers checkpoints the block's __call__, FSDP2 hooks included)
+    "sd3_full": (sd3_config, "tiny_sd3_dir", {"lora": False, "algorithm": flow_grpo(), "checkpointing": True}),
     "sd3_dgpo": (sd3_config, "tiny_sd3_dir", {"lora": True, "algorithm": DGPO}),  # the fast-EMA old model
     "qwen_vl_lora": (qwen_vl_config, "tiny_qwen2_vl_dir", {"lora": True}),  # prefix-shared group forward, KL
     "qwen_vl_full": (qwen_vl_config, "tiny_qwen2_vl_dir", {"lora": False}),
     "mdlm_lora": (mdlm_config, "tiny_mdlm_dir", {"lora": True}),  # step-by-step masked-diffusion backward, KL
-    "mdlm_full": (mdlm_config, "tiny_mdlm_dir", {"lora": False}),
+    "mdlm_full": (mdlm_config, "tiny_mdlm_dir", {"lora": False, "checkpointing": True}),  # layers checkpointed
 }
 
 
