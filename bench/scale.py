@@ -15,7 +15,8 @@ Per process it counts the bytes of the trained **parameters**, their **gradients
 **optimizer state** as stored on that process: a sharded tensor counts its local shard (``DTensor.to_local()``). The
 ratios to one process show what each process holds (DDP: everything; FSDP: about ``1 / world``). DDP's reducer also
 keeps gradient buckets of about the gradients' size, which are not counted. Peak RSS is the whole process (libraries,
-every model component, activations), from the start of each model's case. Step time is the median wall time of the update of the process's share
+every model component, activations), from the start of each model's case. Step time is the median wall time of the
+update of the process's share
 (``--steps`` timed updates after one untimed), each process taking half the batch in a two-process run.
 
 **Gradient checkpointing** (``pipeline.gradient_checkpointing``). In one process, each model (built twice, with and
@@ -217,7 +218,8 @@ def launch(out: Path, tag: str, world: int, cases: dict, steps: int) -> dict[int
                           text=True, env=env, cwd=ROOT)
     if proc.returncode:
         first = proc.stderr.find("Traceback")
-        raise RuntimeError(f"the {tag} launch failed:\n{proc.stderr[first:first + 5000] if first >= 0 else proc.stderr[-5000:]}")
+        error = proc.stderr[first:first + 5000] if first >= 0 else proc.stderr[-5000:]
+        raise RuntimeError(f"the {tag} launch failed:\n{error}")
     return {r: json.loads((out / f"{tag}_rank{r}.json").read_text()) for r in range(world)}
 
 
@@ -313,8 +315,9 @@ def run_checkpointing(out: Path, models: list[str], repeats: int) -> dict:
 
 # ---------------------------------------------------------------------------------------------------- tables
 def sharding_table(results: dict) -> str:
-    rows = ["| model | launch | samples / process | trained parameters | params / process | grads / process | AdamW state / process | "
-            "state ratio to 1 process | peak RSS / process | update time (median) | time ratio |",
+    rows = ["| model | launch | samples / process | trained parameters | params / process | grads / process | "
+            "AdamW state / process | state ratio to 1 process | peak RSS / process | update time (median) | "
+            "time ratio |",
             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     first = results[LAUNCHES[0][0]][0]
     for model in first:
@@ -325,7 +328,8 @@ def sharding_table(results: dict) -> str:
             r0 = per_rank[0]
             state = max(r["param_bytes"] + r["grad_bytes"] + r["optimizer_bytes"] for r in per_rank)
             rows.append(
-                f"| {model} | {label} | {r0['local_samples']} | {r0['parameters'] / 1e6:.2f}M | {max(r['param_bytes'] for r in per_rank) / MIB:.1f} MiB"
+                f"| {model} | {label} | {r0['local_samples']} | {r0['parameters'] / 1e6:.2f}M"
+                f" | {max(r['param_bytes'] for r in per_rank) / MIB:.1f} MiB"
                 f" | {max(r['grad_bytes'] for r in per_rank) / MIB:.1f} MiB"
                 f" | {max(r['optimizer_bytes'] for r in per_rank) / MIB:.1f} MiB | {state / base_state:.2f}"
                 f" | {max(r['peak_rss_mib'] for r in per_rank):.0f} MiB | {r0['update_s']:.2f} s"
@@ -339,7 +343,8 @@ def checkpointing_table(results: dict) -> str:
     for model, pair in results.items():
         off, on = pair["False"], pair["True"]
         rows.append(
-            f"| {model} | {off['samples']} | {off['peak_mib']:.1f} / {on['peak_mib']:.1f} | {off['activations_mib']:.1f}"
+            f"| {model} | {off['samples']} | {off['peak_mib']:.1f} / {on['peak_mib']:.1f}"
+            f" | {off['activations_mib']:.1f}"
             f" / {on['activations_mib']:.1f} | {1 - on['peak_mib'] / off['peak_mib']:.0%} | {off['seconds']:.2f} s /"
             f" {on['seconds']:.2f} s | {on['seconds'] / off['seconds'] - 1:+.0%} |")
     return "\n".join(rows)

@@ -89,8 +89,9 @@ class TrainConfig:
     def __post_init__(self):
         check_fields(self)
         if self.sharding in ("fsdp", "hybrid") and self.mixed_precision == "fp16":
-            raise ConfigError(f"train.mixed_precision: fp16 does not combine with train.sharding: {self.sharding} (sharded fp16 "
-                              "needs a sharded loss scaler): use bf16 (bf16 compute, fp32 reductions) or no.")
+            raise ConfigError(f"train.mixed_precision: fp16 does not combine with train.sharding: {self.sharding} "
+                              "(sharded fp16 needs a sharded loss scaler): use bf16 (bf16 compute, fp32 reductions) "
+                              "or no.")
         for name in ("max_steps", "prompts_per_step", "group_size", "minibatch_size", "updates_per_step", "inner_epochs"):
             check_range(f"train.{name}", getattr(self, name), 1)
         check_range("train.max_seconds", self.max_seconds, 0, fix="0: no time limit")

@@ -16,8 +16,8 @@
   state instead of ``1 / world``;
 - ``none``: a single process (a multi-process launch is refused).
 
-With one process ``ddp``, ``fsdp`` and ``hybrid`` run unsharded (the sharded ones warn), so a config written for many GPUs runs
-and evaluates as it is on one.
+With one process ``ddp``, ``fsdp`` and ``hybrid`` run unsharded (the sharded ones warn), so a config written for
+many GPUs runs and evaluates as it is on one.
 
 Blocks are found generically ([`find_blocks`]): modules whose class a model names in ``_no_split_modules``
 (transformers decoder layers and vision blocks, diffusers transformer blocks) and the members of module lists named
