@@ -64,6 +64,11 @@ class TrainConfig:
             ``"hybrid"`` (HSDP: sharded within each node, replicated across nodes; every node runs the same number of
             processes) or ``"none"`` (a single process; a multi-process launch is refused). One process is never
             sharded.
+        group_placement (`str`): where a step's groups live. ``"spread"``: the batch is split over the processes in
+            order and a group may span two of them; rewards are gathered, and the reward's group stage and the
+            advantages run on the whole batch. ``"contiguous"``: every group lies on one process (``prompts_per_step``
+            must be a multiple of the number of processes); they run on each process's own groups and only the final
+            scores and advantages are gathered. Refused with advantages normalised over the whole batch.
     """
 
     max_steps: int = 100
@@ -85,6 +90,7 @@ class TrainConfig:
     max_grad_norm: float = 1.0
     mixed_precision: Literal["no", "bf16", "fp16"] = "no"
     sharding: Literal["none", "ddp", "fsdp", "hybrid"] = "ddp"
+    group_placement: Literal["spread", "contiguous"] = "spread"
 
     def __post_init__(self):
         check_fields(self)

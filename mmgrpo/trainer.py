@@ -149,6 +149,7 @@ class Trainer:
         set_seed(config.seed)  # LoRA initialisation and anything else drawn from global RNGs
         self.policy, self.algorithm, self.reward, self.data = build_components(config)
         self.group_stage = self.reward.group_stage  # the reward's stage after the gather, or None (see RewardFn)
+        sharding.check_group_placement(config.train, self.world, getattr(self.algorithm, "config", None))
         self.eval_items = self.data.eval_items()
         # the whole weights of a checkpoint to resume, on every process, before sharding splits them
         resume = checkpoint.preload(config.checkpoint.resume_from, self.output_dir / "checkpoints", self.policy)
@@ -231,7 +232,8 @@ class Trainer:
         plan = self.algorithm.schedule(self.policy.num_steps, torch.Generator().manual_seed(mix_seed(cfg.seed, self.step)))
         generator = torch.Generator().manual_seed(mix_seed(cfg.seed, self.step, self.rank, 1))
         rollout = self.policy.sample(local, plan, generator=generator)
-        whole, all_groups, advantages = self.global_advantages(self.reward(rollout.outputs, local), rollout.group_ids)
+        placed = self.local_advantages if cfg.train.group_placement == "contiguous" else self.global_advantages
+        whole, all_groups, advantages = placed(self.reward(rollout.outputs, local), rollout.group_ids)
         all_scores = whole.scores.float()  # [N] after the reward's group stage
         if self.stream.adaptive:  # variance-aware sampling reads back each prompt's group rewards (batch order)
             self.stream.observe(all_scores, batch.group_ids - (self.step - 1) * cfg.train.prompts_per_step)
@@ -266,6 +268,21 @@ class Trainer:
         on the whole batch. Returns ``(result [N] after the group stage, groups [N], advantages [N])``."""
         whole, all_groups = self.gather_rewards(result, group_ids)
         return whole, all_groups, self.algorithm.advantages(whole.scores.float(), all_groups)  # advantages [N]
+
+    def local_advantages(self, result: RewardResult, group_ids: torch.Tensor):
+        """``train.group_placement: contiguous``: this process holds whole groups, so the reward's group stage and
+        ``algorithm.advantages`` run on its own samples; then the final scores, components, groups and advantages are
+        gathered. Returns what [`global_advantages`] returns."""
+        if self.group_stage is not None:
+            result = self.group_stage(result, group_ids)
+        advantages = self.algorithm.advantages(result.scores.float(), group_ids)  # [n]
+
+        def gather(values: torch.Tensor) -> torch.Tensor:  # [n] on every process -> [N], rank order
+            return self.accelerator.gather(values.to(self.accelerator.device)).cpu()
+
+        whole = RewardResult(scores=gather(result.scores),
+                             components={name: gather(values) for name, values in result.components.items()})
+        return whole, gather(group_ids), gather(advantages)
 
     def _this_process(self, values: torch.Tensor, n: int) -> torch.Tensor:
         """This process's slice `[n]` of a batch gathered from every process `[N]`."""
