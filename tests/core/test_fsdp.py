@@ -6,8 +6,10 @@ policy (adapter off / frozen copy, through a KL term), DGPO's fast-EMA old model
 active clip: a per-process norm would scale differently) and the NaN-skip rule; evaluation and sample writing on
 rank 0; checkpoints resumed at the other world size (2 -> 1 and 1 -> 2) whose weights load in stock diffusers; a
 launch as two nodes of one process (two torchrun invocations, localhost rendezvous), ``train.sharding: hybrid`` on
-them (a 2 x 1 replicate x shard mesh), and a process of it dying.
-Four launches in all (one process, two, one, two nodes), shared by the tests: about 3 minutes on two cores.
+them (a 2 x 1 replicate x shard mesh), and a process of it dying; and, marked slow, hybrid on two nodes of two
+processes (a 2 x 2 mesh).
+Four launches shared by the tests (one process, two, one, two nodes): about 3 minutes on two cores; the slow test's
+launch of four processes adds about 40 s (measured: 12 tests in 176 s).
 
 fp32 tolerance: the sharded run reduces gradients in another order (reduce-scatter of per-process sums), so
 weights agree to ``atol=5e-5`` after the updates (measured: at most 1.9e-5, while Adam moved them by 4e-3 to
@@ -227,8 +229,10 @@ def test_fsdp_evaluates_on_every_process_and_writes_on_rank_0(runs):
     assert twos["sd3"]["eval"]["eval/jpeg_kb"] == pytest.approx(sum(r["jpeg_kb"] for r in rows) / 2, rel=1e-6)
 
 
-def launch_two_nodes(tmp_path: Path, tag: str, cases: dict, timeout: float = 600) -> list[subprocess.CompletedProcess]:
-    """Runs `cases` as two nodes of one process each: two torchrun invocations meeting at a localhost rendezvous."""
+def launch_two_nodes(tmp_path: Path, tag: str, cases: dict, timeout: float = 600,
+                     per_node: int = 1) -> list[subprocess.CompletedProcess]:
+    """Runs `cases` as two nodes of `per_node` processes each: two torchrun invocations meeting at a localhost
+    rendezvous."""
     import socket
 
     with socket.socket() as s:
@@ -238,7 +242,8 @@ def launch_two_nodes(tmp_path: Path, tag: str, cases: dict, timeout: float = 600
     spec.write_text(json.dumps({"tag": tag, "cases": cases}))
     nodes = [
         subprocess.Popen(
-            [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc_per_node", "1", "--node_rank",
+            [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc_per_node", str(per_node),
+             "--node_rank",
              str(rank), "--master_addr", "127.0.0.1", "--master_port", str(port), str(WORKER), str(spec),
              str(tmp_path)],
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=dict(os.environ, **ENV),
@@ -306,3 +311,24 @@ def test_hybrid_two_nodes_match_one_process(runs, two_nodes):
     assert sd3["nan_step_unchanged"] and sd3["skipped_updates"] == ones["sd3"]["skipped_updates"] == 2
     assert max(sd3["steps"][s]["train/grad_norm"] for s in ("1", "3")) > 0.05  # above max_grad_norm: clipped
     assert Path(sd3["checkpoint"], "weights", "pytorch_lora_weights.safetensors").is_file()
+
+
+@pytest.mark.slow  # four processes on two cores (about 40 s)
+def test_hybrid_two_nodes_of_two_processes_match_one_process(request, runs, tmp_path, tiny_sd3_dir):
+    """``train.sharding: hybrid`` on two nodes of two processes: a 2 x 2 mesh (each node shards over its two
+    processes, the nodes replicate), and one process's update metrics and weights for `mdlm` LoRA and for sd3 LoRA
+    with an active global clip and step 2's NaN advantage skipped."""
+    root, ones, _ = runs
+    cases = {"hybrid_mdlm": hybrid(pipeline_cases(request, tmp_path / "mdlm", 4, ["mdlm_lora"])["mdlm_lora"]),
+             "hybrid_sd3": hybrid(sd3_case(tmp_path / "sd3", tiny_sd3_dir, 4))}
+    launches = launch_two_nodes(tmp_path, "h22", cases, timeout=900, per_node=2)
+    for launch in launches:
+        first = launch.stderr.find("Traceback")
+        assert launch.returncode == 0, launch.stderr[first : first + 5000] if first >= 0 else launch.stderr[-5000:]
+    four = json.loads((tmp_path / "result_h22.json").read_text())
+    for name, one_name in (("hybrid_mdlm", "mdlm_lora"), ("hybrid_sd3", "sd3")):
+        run = four[name]
+        assert run["world"] == 4 and run["sharding"] == "hybrid"
+        assert run["mesh"] == {"shape": [2, 2], "names": ["replicate", "shard"]}
+        assert_same_run(ones[one_name], run, weights(root, one_name, "w1"), weights(tmp_path, name, "h22"))
+    assert four["hybrid_sd3"]["nan_step_unchanged"] and four["hybrid_sd3"]["skipped_updates"] == 2
