@@ -147,8 +147,8 @@ class QwenVLConfig:
                               f"got {self.attn_implementation!r}.")
         if self.gradient_checkpointing and self.prefix_sharing:
             raise ConfigError("gradient_checkpointing needs prefix_sharing: false (a checkpointed layer runs without "
-                              "the KV cache that the prefix-shared group forward expands): set pipeline.prefix_sharing: "
-                              "false, or gradient_checkpointing: false.")
+                              "the KV cache that the prefix-shared group forward expands): set "
+                              "pipeline.prefix_sharing: false, or gradient_checkpointing: false.")
         resolve_pretrained(self.pretrained, "pipeline.pretrained")  # checked now; kept as configured (adapters record it)
 
 
