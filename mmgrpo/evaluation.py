@@ -23,8 +23,8 @@ def sample_and_score(policy, reward, items: list, plan: SamplingPlan, generator:
                      first_group: int = 0, batch_size: int = 64, progress: bool = False) -> tuple[RewardResult, list[str]]:
     """Samples `items` with `plan` in batches of `batch_size`, scores each sample with `reward` (per sample: its group
     stage runs after the gather) and hands each batch to `writers`. Each item is its own group, numbered from
-    `first_group`. Returns the reward result (``scores`` `[n]`, ``components`` each `[n]`, ``features`` `[n, ...]` or
-    `None`, on the CPU, in the reward's dtypes) and the prompts (`n`). `progress` shows a progress bar over the
+    `first_group`. Returns the reward result (``scores`` `[n]`, ``components`` each `[n]`, plus ``completion_tokens``
+    `[n]` for policies that write text, ``features`` `[n, ...]` or `None`, on the CPU, in the reward's dtypes) and the prompts (`n`). `progress` shows a progress bar over the
     samples."""
     from tqdm.auto import tqdm
 
@@ -38,6 +38,9 @@ def sample_and_score(policy, reward, items: list, plan: SamplingPlan, generator:
         scores.append(result.scores.cpu())
         for name, value in result.components.items():
             components.setdefault(name, []).append(value.cpu())
+        tokens = rollout.outputs.get("num_tokens")  # [n] text policies: completion lengths (e.g. think or not)
+        if isinstance(tokens, torch.Tensor) and "completion_tokens" not in result.components:
+            components.setdefault("completion_tokens", []).append(tokens.float().cpu())
         if result.features is not None:
             features.append(result.features.cpu())
         prompts += batch.prompts

@@ -37,6 +37,8 @@ def test_trainer_runs_token_algorithms_on_qwen_vl(tmp_path, tiny_qwen2_vl_dir, a
     records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert summary["steps"] == 2 and [r["step"] for r in records if "reward/mean" in r] == [1, 2]
     assert any("eval/accuracy" in r for r in records)
+    lengths = [r["eval/completion_tokens"] for r in records if "eval/accuracy" in r]  # mean completion length
+    assert lengths and all(1.0 <= n <= 6.0 for n in lengths)  # max_new_tokens 6, the end of turn included
     for r in records:
         if "train/ratio_mean" in r:  # one update per rollout: on-policy
             assert r["train/ratio_mean"] == pytest.approx(1.0, abs=1e-4)
