@@ -1,0 +1,181 @@
+"""Base-trains (supervised) the tiny Qwen2-VL-architecture model shipped as ``mmgrpo:vlm_seg``: it answers the
+referring questions of `seg_shapes` ("the red triangle", "the circle", "the largest blue shape") in Seg-Zero's layout,
+
+    <think>red circle, none, blue square, red triangle: bottom right</think><answer>{"bbox": [x1, y1, x2, y2],
+    "points_1": [x, y], "points_2": [x, y]}</answer>
+
+(the shape in each quadrant in reading order, then the quadrant of the named one; then its tight box and two points
+inside it, whole pixels of the 56 x 56 image).
+
+The shipped ``vlm_shapes`` base (a tiny Qwen2-VL whose vision tower already tells the colours of the quadrants
+apart; ``--init ''`` starts instead from a random tiny model of the tests' builder `tests/builders/qwen_vl.py` with a
+byte-level BPE learnt offline from the prompt and the words of the task) learns by teacher forcing on the completion
+tokens, from scene indices that neither the RL training nor the held-out items use, with a short prompt (`TEMPLATE`;
+the RL config uses the same). Every ``--eval-every`` steps the greedy answers to the held-out items go through the
+shipped tiny SAM 2 (the `sam_mask` reward, ``coords: original``); training stops after ``--steps`` or as soon as the
+held-out gIoU (mean IoU of the masks) reaches ``--stop-giou``, so the base model is clearly imperfect and RL has
+room::
+
+    python scripts/train_vlm_seg.py --out data/weights/vlm_seg --sam data/weights/tiny_sam2
+
+Writes the model, the processor and ``metrics.json`` (held-out gIoU / cIoU curve, steps, seconds) to ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests"))  # the tiny-model builders (tests/builders/)
+sys.path.insert(0, str(ROOT / "scripts"))
+
+import torch  # noqa: E402
+
+from builders._tokenizers import QWEN_CORPUS, qwen_tokenizer  # noqa: E402
+from builders.qwen_vl import tiny_qwen_vl  # noqa: E402
+from mmgrpo.data.seg_shapes import SegShapes, SegShapesConfig  # noqa: E402
+from mmgrpo.data.vlm_shapes import COLOURS, SHAPES, scene  # noqa: E402
+from train_vlm_shapes import batch_inputs  # noqa: E402
+
+QUADRANTS = ("top left", "top right", "bottom left", "bottom right")
+TEMPLATE = 'Find "{question}": the box and two points, as JSON.'  # short: the tiny model reads it in every step
+SFT_FIRST = 2_000_000  # scene indices of the supervised data (RL trains from 0, evaluates from 500_000)
+
+
+def interior_points(mask: torch.Tensor, box: list[float]) -> list[list[int]]:
+    """Two pixels well inside the bool mask `[H, W]`: the interior pixels (whose 3 x 3 neighbourhood is all mask)
+    nearest to the points a sixth of the box height above and below the mask's centroid, as ``[[x, y], [x, y]]``."""
+    m = mask.float()[None, None]  # [1, 1, H, W]
+    inner = torch.nn.functional.max_pool2d(1 - m, 3, stride=1, padding=1)[0, 0] == 0  # [H, W] eroded
+    ys, xs = torch.nonzero(inner if inner.any() else mask, as_tuple=True)
+    cy, cx = ys.float().mean(), xs.float().mean()
+    third = (box[3] - box[1]) / 6
+    points = []
+    for ty in (cy - third, cy + third):
+        k = int(((xs - cx) ** 2 + (ys - ty) ** 2).argmin())
+        points.append([int(xs[k]), int(ys[k])])
+    return points
+
+
+def target_text(item: dict, shapes: list[dict]) -> str:
+    """The supervised completion of a `seg_shapes` item whose scene holds `shapes` (module docstring)."""
+    meta = item["metadata"]
+    by_cell = {s["cell"]: f"{s['colour']} {s['shape']}" for s in shapes}
+    seen = ", ".join(by_cell.get(c, "none") for c in range(4))  # the quadrants in reading order
+    box = [int(round(v)) for v in meta["boxes"]]
+    size = meta["image_size"]
+    centre_x, centre_y = (box[0] + box[2]) / 2, (box[1] + box[3]) / 2
+    quadrant = QUADRANTS[2 * int(centre_y >= size[1] / 2) + int(centre_x >= size[0] / 2)]
+    p1, p2 = interior_points(meta["mask"], meta["boxes"])
+    answer = json.dumps({"bbox": box, "points_1": p1, "points_2": p2})
+    return f"<think>{seen}: {quadrant}</think><answer>{answer}</answer>"
+
+
+def build(seed: int, hidden: int, layers: int, size: int, vocab: int):
+    words = " ".join([*COLOURS, *SHAPES, *QUADRANTS, "the largest shape none,", TEMPLATE,
+                      '<think></think><answer>{"bbox": [], "points_1": [], "points_2": []}</answer>'] * 3)
+    tokenizer = qwen_tokenizer(QWEN_CORPUS + " " + words, vocab_size=vocab)
+    return tiny_qwen_vl("qwen2_vl", seed=seed, hidden_size=hidden, num_layers=layers, min_pixels=size * size,
+                        max_pixels=size * size, tokenizer=tokenizer)
+
+
+@torch.no_grad()
+def held_out(path: str, sam: str, items: list[dict], max_new_tokens: int) -> dict:
+    """Greedy answers of the model at `path` to `items`, scored through the tiny SAM 2 at `sam`: gIoU, cIoU, and the
+    share of answers without a usable box."""
+    from mmgrpo.pipelines.qwen_vl import QwenVLConfig, QwenVLPolicy
+    from mmgrpo.prompt_stream import items_to_batch
+    from mmgrpo.rewards.sam_mask import SamMask, SamMaskConfig
+    from mmgrpo.types import TokenPlan
+
+    policy = QwenVLPolicy(QwenVLConfig(pretrained=path, max_new_tokens=max_new_tokens, lora_rank=0))
+    reward = SamMask(SamMaskConfig(model=sam, coords="original", device="cpu", attach_masks=False))
+    columns = {"iou": [], "intersection": [], "union": [], "no_box": []}
+    for start in range(0, len(items), 50):
+        batch = items_to_batch(items[start : start + 50])
+        batch.group_ids = torch.arange(len(batch))
+        rollout = policy.sample(batch, TokenPlan.deterministic(max_new_tokens))
+        result = reward(rollout.outputs, batch)
+        for name in columns:
+            columns[name].append(result.components[name])
+    c = {name: torch.cat(v) for name, v in columns.items()}  # [n] each
+    return {"giou": float(c["iou"].mean()), "ciou": float(c["intersection"].mean() / c["union"].mean()),
+            "no_box": float(c["no_box"].mean())}
+
+
+def main(argv=None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default="data/weights/vlm_seg")
+    parser.add_argument("--sam", default="data/weights/tiny_sam2", help="the segmenter the held-out gIoU goes through")
+    parser.add_argument("--steps", type=int, default=400)
+    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--lr", type=float, default=2e-3)
+    parser.add_argument("--template", default=TEMPLATE, help="seg_shapes' prompt_template (the RL config's too)")
+    parser.add_argument("--init", default="data/weights/vlm_shapes",
+                        help="start from this model folder ('': a random tiny model with its own tokenizer)")
+    parser.add_argument("--hidden", type=int, default=128)
+    parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--vocab", type=int, default=600)
+    parser.add_argument("--size", type=int, default=56)
+    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--eval-every", type=int, default=25)
+    parser.add_argument("--n-eval", type=int, default=100)
+    parser.add_argument("--stop-giou", type=float, default=0.3)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    torch.manual_seed(args.seed)
+    if args.init:  # a trained model and its processor (e.g. the shipped vlm_shapes base)
+        from transformers import AutoProcessor, Qwen2VLForConditionalGeneration
+
+        model = Qwen2VLForConditionalGeneration.from_pretrained(args.init)
+        processor = AutoProcessor.from_pretrained(args.init)
+    else:
+        model, processor = build(args.seed, args.hidden, args.layers, args.size, args.vocab)
+    model.train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
+    source = SegShapes(SegShapesConfig(n_train=0, n_eval=args.n_eval, size=args.size, prompt_template=args.template))
+    evaluation = source.eval_items()
+    longest = 0
+    for index in range(SFT_FIRST, SFT_FIRST + 200):
+        item = source.item(index)
+        if item is not None:
+            longest = max(longest, len(processor.tokenizer(target_text(item, scene(index, args.size)))["input_ids"]))
+    if longest + 2 > args.max_new_tokens:
+        raise ValueError(f"--max-new-tokens {args.max_new_tokens} cannot hold a {longest}-token answer; raise it.")
+    start, scores, history, index = time.time(), {"giou": 0.0}, [], SFT_FIRST  # never the RL / held-out scenes
+    for step in range(1, args.steps + 1):
+        items, targets = [], []
+        while len(items) < args.batch:  # fresh scenes every step
+            item = source.item(index)
+            if item is not None:
+                items.append(item)
+                targets.append(target_text(item, scene(index, args.size)))
+            index += 1
+        loss = model(**batch_inputs(processor, items, targets)).loss
+        optimizer.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        if step % args.eval_every == 0:
+            model.save_pretrained(args.out)
+            processor.save_pretrained(args.out)
+            scores = held_out(args.out, args.sam, evaluation, args.max_new_tokens)
+            model.train()
+            history.append({"step": step, "loss": round(loss.item(), 4), **scores,
+                            "seconds": round(time.time() - start, 1)})
+            print(json.dumps(history[-1]), flush=True)
+            if scores["giou"] >= args.stop_giou:
+                break
+    metrics = {"held_out_giou": scores["giou"], "held_out_ciou": scores.get("ciou"), "steps": step,
+               "seconds": round(time.time() - start, 1), "answer_tokens": longest, "args": vars(args),
+               "history": history}
+    Path(args.out, "metrics.json").write_text(json.dumps(metrics, indent=2) + "\n", encoding="utf-8")
+    return metrics
+
+
+if __name__ == "__main__":
+    main()

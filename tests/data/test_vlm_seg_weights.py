@@ -1,0 +1,62 @@
+"""The shipped segmentation base (``mmgrpo:vlm_seg``, trained by ``scripts/train_vlm_seg.py``) answers held-out
+`seg_shapes` questions in Seg-Zero's layout with boxes the shipped tiny SAM 2 turns into masks, and is clearly
+imperfect (RL has room); the supervised completions it was trained on hold the true box and points inside the mask."""
+
+import importlib.util
+import json
+from pathlib import Path
+
+import torch
+
+from mmgrpo.data.seg_shapes import SegShapes, SegShapesConfig
+from mmgrpo.data.vlm_shapes import scene
+from mmgrpo.hub import resolve_pretrained
+from mmgrpo.prompt_stream import items_to_batch
+from mmgrpo.rewards._seg_parse import parse_prompt
+from mmgrpo.rewards.box_iou import BoxIoU
+
+SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "train_vlm_seg.py"
+
+
+def _script():
+    spec = importlib.util.spec_from_file_location("train_vlm_seg", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_supervised_completions_give_the_true_box_and_points_inside_the_mask():
+    script = _script()
+    source = SegShapes(SegShapesConfig(n_train=0, n_eval=0, prompt_template=script.TEMPLATE))
+    mapper = BoxIoU(BoxIoU.Config(coords="original"))
+    checked = 0
+    for index in range(script.SFT_FIRST, script.SFT_FIRST + 40):
+        item = source.item(index)
+        if item is None:
+            continue
+        meta = item["metadata"]
+        parsed = parse_prompt(script.target_text(item, scene(index, 56)), "seg_zero", mapper, meta, 0, 4, 4)
+        assert parsed.boxes == [meta["boxes"]]
+        for x, y in parsed.points[0]:
+            assert meta["mask"][int(y), int(x)]
+        checked += 1
+    assert checked >= 20
+
+
+def test_shipped_vlm_seg_base_is_imperfect_and_prompts_sam():
+    from mmgrpo.pipelines.qwen_vl import QwenVLConfig, QwenVLPolicy
+    from mmgrpo.rewards.sam_mask import SamMask, SamMaskConfig
+    from mmgrpo.types import TokenPlan
+
+    script = _script()
+    metrics = json.loads(Path(resolve_pretrained("mmgrpo:vlm_seg"), "metrics.json").read_text(encoding="utf-8"))
+    assert 0.2 <= metrics["held_out_giou"] <= 0.6  # clearly imperfect: RL has room
+    policy = QwenVLPolicy(QwenVLConfig(pretrained="mmgrpo:vlm_seg", max_new_tokens=112, lora_rank=0,
+                                       min_pixels=3136, max_pixels=3136))
+    items = SegShapes(SegShapesConfig(n_train=0, n_eval=12, prompt_template=script.TEMPLATE)).eval_items()
+    batch = items_to_batch(items)
+    batch.group_ids = torch.arange(len(batch))
+    rollout = policy.sample(batch, TokenPlan.deterministic(112))
+    result = SamMask(SamMaskConfig(model="mmgrpo:tiny_sam2", coords="original", device="cpu"))(rollout.outputs, batch)
+    assert float(result.components["no_box"].mean()) <= 0.25  # answers parse into boxes
+    assert float(result.components["iou"].max()) > 0.5  # some answers find their shape
