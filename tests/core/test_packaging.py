@@ -84,7 +84,8 @@ def test_wheel_ships_the_configured_toy_models_and_no_test_builder_or_training_s
     assert not [n for n in names if re.search(r"(^|/)(tiny_\w+|train_\w+|_tokenizers)\.py$", n)]
     assert not [n for n in names if n.endswith("samples.png")]
     configured = _configured_toy_models()
-    assert {"t2i_shapes", "t2i_shapes_p2", "vlm_shapes", "mdlm_arith"} <= configured  # the embedded defaults
+    embedded = {"t2i_shapes", "t2i_shapes_p2", "t2v_shapes", "vlm_shapes", "mdlm_arith"}
+    assert embedded <= configured  # the embedded defaults
     for name in configured:
         model = ROOT / "data" / "weights" / name
         files = {f"mmgrpo/data/weights/{name}/{p.relative_to(model).as_posix()}" for p in model.rglob("*")
