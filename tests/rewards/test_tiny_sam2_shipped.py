@@ -55,3 +55,9 @@ def test_the_box_decides_which_shape(setup):
         moved.append(_answer([x1 + dx, y1 + dy, x2 + dx, y2 + dy]))
     result = reward({"texts": moved}, batch)
     assert float(result.components["iou"].mean()) < 0.1
+
+
+def test_shipped_sam_encodes_prompts_and_pixels_in_one_fourier_basis(setup):
+    reward = setup[0]
+    image_basis = reward.model.shared_image_embedding.positional_embedding  # [2, hidden / 2]
+    assert torch.equal(reward.model.prompt_encoder.shared_embedding.positional_embedding, image_basis)
