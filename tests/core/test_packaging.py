@@ -50,10 +50,11 @@ def wheel(tmp_path_factory) -> Path:
 
 
 def _configured_toy_models() -> set[str]:
-    """The shipped toy models that some config names as ``pretrained: mmgrpo:<name>``."""
+    """The shipped toy models that some config names as ``pretrained: mmgrpo:<name>`` (a policy) or ``model:
+    mmgrpo:<name>`` (a reward's model, e.g. the tiny SAM 2)."""
     found = set()
     for config in (ROOT / "configs").rglob("*.yaml"):
-        found.update(re.findall(r"pretrained:\s*mmgrpo:(\w+)", config.read_text(encoding="utf-8")))
+        found.update(re.findall(r"(?:pretrained|model):\s*mmgrpo:(\w+)", config.read_text(encoding="utf-8")))
     return found
 
 
