@@ -20,12 +20,11 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
-from PIL import Image, ImageDraw
+from PIL import Image
 
+from mmgrpo.data.vlm_shapes import COLOURS, SHAPES, render
 from mmgrpo.validation import check_fields, check_range, check_seed, check_template
 
-COLOURS = {"red": (230, 25, 25), "green": (25, 230, 25), "blue": (25, 25, 230), "yellow": (230, 230, 25)}
-SHAPES = ("circle", "square", "triangle")
 TEMPLATE = "{question} Answer [start, end] in seconds in <think> </think> and <answer> </answer> tags."
 
 
@@ -129,20 +128,12 @@ def render_frames(shapes: list[dict], config: TemporalShapesConfig) -> list[Imag
     lane_height = c.size // (1 + c.distractors)
     frames = []
     for f in range(c.num_frames):
-        image = Image.new("RGB", (c.size, c.size), (0, 0, 0))
-        draw = ImageDraw.Draw(image)
+        placed = []
         for s in shapes:
             x1 = x_at(s, f, c.speed)
             y1 = s["lane"] * lane_height + (lane_height - c.shape_size) // 2
-            x2, y2 = x1 + c.shape_size - 1, y1 + c.shape_size - 1
-            fill = COLOURS[s["colour"]]
-            if s["shape"] == "circle":
-                draw.ellipse([x1, y1, x2, y2], fill=fill)
-            elif s["shape"] == "square":
-                draw.rectangle([x1, y1, x2, y2], fill=fill)
-            else:
-                draw.polygon([((x1 + x2) / 2, y1), (x2, y2), (x1, y2)], fill=fill)
-        frames.append(image)
+            placed.append({**s, "box": [x1, y1, x1 + c.shape_size - 1, y1 + c.shape_size - 1]})
+        frames.append(render(placed, c.size))  # the drawing of the vlm_shapes images
     return frames
 
 
