@@ -21,6 +21,7 @@ With ``exact_scene=True``, every object also gets ``count_<j>`` and the image ge
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,6 +36,38 @@ _COLORS = tuple(PALETTE)
 # every check a prompt can have; `components` always holds all of them (NaN where a prompt lacks one)
 CHECK_NAMES = ("shape_0", "color_0", "count_0", "shape_1", "color_1", "count_1", "total", "relation")
 _RGB = torch.tensor([BACKGROUND, *PALETTE.values()], dtype=torch.float32) / 255  # [1 + K, 3], row 0 = background
+# a component is "other" unless its bounding box's width / height lies in [ASPECT_RANGE[0], ASPECT_RANGE[1]]
+ASPECT_RANGE = (0.6, 1 / 0.6)
+_LOG_ASPECT = math.log(ASPECT_RANGE[1])
+# the region of each shape in (fill, bottom_heavy): half-open ranges [low, high); the regions do not overlap
+SHAPE_REGIONS = {
+    "triangle": {"fill": (0.3, 0.85), "bottom_heavy": (0.62, float("inf"))},
+    "square": {"fill": (0.88, float("inf")), "bottom_heavy": (float("-inf"), 0.62)},
+    "circle": {"fill": (0.55, 0.88), "bottom_heavy": (float("-inf"), 0.62)},
+}
+
+
+def classify_shape(fill: float, bottom_heavy: float, aspect: float) -> str:
+    """The detector's shape of a component from its geometry: the `SHAPE_REGIONS` entry holding ``(fill,
+    bottom_heavy)`` when `aspect` is within `ASPECT_RANGE`, else ``"other"``."""
+    if ASPECT_RANGE[0] <= aspect <= ASPECT_RANGE[1]:
+        for name, region in SHAPE_REGIONS.items():
+            if region["fill"][0] <= fill < region["fill"][1] and \
+                    region["bottom_heavy"][0] <= bottom_heavy < region["bottom_heavy"][1]:
+                return name
+    return "other"
+
+
+def shape_distance(obj: dict, shape: str) -> float:
+    """How far the geometry of a detected object (``fill``, ``bottom_heavy``, ``aspect``, as `MiniGenEval.detect`
+    returns them) lies outside the detector's region of `shape`: the sum over the three features of the distance to
+    their allowed range (the aspect ratio in log space); 0 inside the region and on its boundary."""
+    region = {**SHAPE_REGIONS[shape], "log_aspect": (-_LOG_ASPECT, _LOG_ASPECT)}
+    values = {"fill": obj["fill"], "bottom_heavy": obj["bottom_heavy"], "log_aspect": math.log(obj["aspect"])}
+    distance = 0.0
+    for name, (low, high) in region.items():
+        distance += max(0.0, low - values[name]) + max(0.0, values[name] - high)
+    return distance
 
 
 def _connected_components(classes: torch.Tensor) -> torch.Tensor:
@@ -136,8 +169,10 @@ class MiniGenEval:
             images (`torch.FloatTensor` of shape `[N, 3, H, W]`): values in [0, 1] (NaNs count as 0).
 
         Returns:
-            `list[list[dict]]`: per image, the objects ``{"color", "shape", "area", "cx", "cy"}`` (``shape`` may
-            be ``"other"``; ``cx``/``cy`` are the centroid in pixels).
+            `list[list[dict]]`: per image, the objects ``{"color", "shape", "area", "cx", "cy", "fill",
+            "bottom_heavy", "aspect"}`` (``shape`` may be ``"other"``; ``cx``/``cy`` are the centroid in pixels;
+            ``fill`` the share of the bounding box covered, ``bottom_heavy`` the share of the area below the box's
+            middle row, ``aspect`` width / height).
         """
         images = torch.nan_to_num(images.detach().float().cpu(), nan=0.0).clamp(0, 1)  # [N, 3, H, W]
         n, _, h, w = images.shape
@@ -169,18 +204,9 @@ class MiniGenEval:
         below, above = float((ys > middle).sum()), float((ys < middle).sum())
         bottom_heavy = below / max(below + above, 1.0)  # ~0.75 for an upward triangle, ~0.5 for the others
         aspect = width / height
-        if not 0.6 <= aspect <= 1 / 0.6:
-            shape = "other"
-        elif bottom_heavy >= 0.62 and 0.3 <= fill < 0.85:
-            shape = "triangle"
-        elif bottom_heavy < 0.62 and fill >= 0.88:
-            shape = "square"
-        elif bottom_heavy < 0.62 and 0.55 <= fill < 0.88:
-            shape = "circle"
-        else:
-            shape = "other"
+        shape = classify_shape(fill, bottom_heavy, aspect)
         return {"color": _COLORS[color_index - 1], "shape": shape, "area": area, "cx": float(xs.mean()),
-                "cy": float(ys.mean())}
+                "cy": float(ys.mean()), "fill": fill, "bottom_heavy": bottom_heavy, "aspect": aspect}
 
     # --------------------------------------------------------------------------------------------- checks
 

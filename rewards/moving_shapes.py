@@ -20,7 +20,12 @@ each true or false for the whole clip:
   ``a_last / a_first >= scale_ratio`` and ``|c_last - c_first| < motion_margin * side`` (it stays in place),
   ``shrinking`` the same with ``a_first / a_last``.
 
-The reward's ``partial`` score is the share of the prompt's checks passed, ``strict`` is 1 when all pass. What it does
+The reward's ``partial`` score is the share of the prompt's checks passed, ``strict`` is 1 when all pass. With
+``shape_slack > 0`` the ``shape`` check counts in ``partial`` as a graded credit instead of 0 / 1: per frame, the best
+object of the prompt's colour scores 1 if the detector calls it the prompt's shape, else ``max(0, 1 - d / shape_slack)``
+with ``d`` its `shape_distance` to that shape's region (fill, bottom-heaviness, aspect); the credit is the mean over
+frames. A blob that is almost a square then earns part of the check, which gives a group something to rank where no
+member draws an exact square yet; ``strict`` is unchanged. What it does
 not check: the speed profile within a clip (only the direction of every step), object sizes beyond the area ratio,
 and which object is which across frames (groups of objects are compared through their mean centroid and total area).
 """
@@ -33,12 +38,13 @@ from typing import Any
 import torch
 
 from mmgrpo.data.moving_shapes import TRANSLATIONS
-from mmgrpo.rewards.mini_geneval import MiniGenEval
+from mmgrpo.rewards.mini_geneval import MiniGenEval, shape_distance
 from mmgrpo.types import PromptBatch, RewardResult
 from mmgrpo.validation import check_fields, check_range
 
 # every check a prompt can have; `components` always holds all of them (NaN where a prompt lacks one)
 CHECK_NAMES = ("shape", "color", "count", "total", "motion")
+SHAPE_CREDIT = "shape_credit"  # the graded shape check, a component when `shape_slack > 0`
 
 
 @dataclass
@@ -50,6 +56,9 @@ class MovingShapesRewardConfig:
             ``"strict"`` (1 if all pass, else 0). Both are always in `components`.
         exact_scene (`bool`, defaults to `True`): also require the exact count of every prompt and no other object in
             every frame (without it, extra objects go unnoticed and a policy learns to draw them).
+        shape_slack (`float`, defaults to 0.0): above 0, ``partial`` counts the ``shape`` check as a graded credit
+            that falls to 0 at this `shape_distance` from the shape's region (module docstring), e.g. 0.3; 0 keeps
+            it a 0 / 1 check. ``strict`` never changes.
         motion_margin (`float`, defaults to 0.12): smallest travel of a translation, and the largest drift of a
             scaling, as a share of the frame side (3.8 px at 32 x 32; rendered clips travel 8-11 px).
         scale_ratio (`float`, defaults to 1.5): smallest area ratio of growing / shrinking (rendered: 2 or more), and
@@ -63,6 +72,7 @@ class MovingShapesRewardConfig:
 
     score: str = "partial"
     exact_scene: bool = True
+    shape_slack: float = 0.0
     motion_margin: float = 0.12
     scale_ratio: float = 1.5
     step_tolerance: float = 0.03
@@ -75,6 +85,7 @@ class MovingShapesRewardConfig:
         if self.score not in ("partial", "strict"):
             raise ValueError(f"MovingShapesRewardConfig.score must be 'partial' or 'strict', got {self.score!r}.")
         check_range("motion_margin", self.motion_margin, 0.0, 0.5, low_open=True, fix="a share of the frame side")
+        check_range("shape_slack", self.shape_slack, 0.0, 10.0, fix="0 (exact checks) or a distance such as 0.3")
         check_range("scale_ratio", self.scale_ratio, 1.0, 10.0, low_open=True, fix="an area ratio above 1, e.g. 1.5")
         check_range("step_tolerance", self.step_tolerance, 0.0, 0.5, fix="a share of the frame side")
         # the detector's own options are validated by MiniGenEval.Config when the reward is built
@@ -117,6 +128,17 @@ class MovingShapesReward:
         result["motion"] = all(matching) and self._motion(matching, metadata["motion"], side)
         return result
 
+    def shape_credit(self, frames: list[list[dict]], spec: dict) -> float:
+        """The graded ``shape`` check of one clip (module docstring): mean over frames of the best credit of an object
+        of the prompt's colour (0 in a frame without one)."""
+        slack = self.config.shape_slack
+        per_frame = []
+        for objects in frames:
+            credits = [1.0 if o["shape"] == spec["shape"] else max(0.0, 1.0 - shape_distance(o, spec["shape"]) / slack)
+                       for o in objects if o["color"] == spec["color"]]
+            per_frame.append(max(credits, default=0.0))
+        return sum(per_frame) / len(per_frame)
+
     def _motion(self, matching: list[list[dict]], motion: str, side: int) -> bool:
         centres = torch.tensor([[sum(o[k] for o in objs) / len(objs) for k in ("cx", "cy")] for objs in matching])
         areas = torch.tensor([sum(o["area"] for o in objs) for objs in matching])  # [F]
@@ -139,14 +161,15 @@ class MovingShapesReward:
 
         Returns:
             [`RewardResult`]: `scores` `[N]` (partial or strict, as configured) and `components` ``strict``,
-            ``partial`` and ``check_<name>`` for each name in `CHECK_NAMES` (NaN where a prompt has no such check).
-            Samples whose metadata is not a moving-shapes prompt (no ``"motion"``) score NaN; malformed videos score 0.
+            ``partial`` and ``check_<name>`` for each name in `CHECK_NAMES` (NaN where a prompt has no such check),
+            plus ``shape_credit`` when `shape_slack > 0`. Samples whose metadata is not a moving-shapes prompt (no ``"motion"``) score NaN; malformed videos score 0.
         """
         videos = outputs["videos"]
         n = len(batch.metadata)
         partial = torch.full((n,), float("nan"))
         strict = torch.full((n,), float("nan"))
         per_check = {f"check_{name}": torch.full((n,), float("nan")) for name in CHECK_NAMES}
+        credit = torch.full((n,), float("nan"))  # [N] graded shape check (shape_slack > 0)
         usable = (isinstance(videos, torch.Tensor) and videos.dim() == 5 and videos.shape[0] == n
                   and videos.shape[2] == 3 and videos.shape[1] >= 2)
         if usable:
@@ -157,13 +180,18 @@ class MovingShapesReward:
             if not metadata.get("motion") or not metadata.get("objects"):
                 continue
             checks = self.checks(detected[i], metadata, side) if usable else {"video": False}
-            partial[i] = sum(checks.values()) / len(checks)
+            credits = {**checks}
+            if usable and self.config.shape_slack > 0:
+                credits["shape"] = credit[i] = self.shape_credit(detected[i], metadata["objects"][0])
+            partial[i] = sum(float(v) for v in credits.values()) / len(credits)
             strict[i] = float(all(checks.values()))
             for name, ok in checks.items():
                 if f"check_{name}" in per_check:
                     per_check[f"check_{name}"][i] = float(ok)
         scores = partial if self.config.score == "partial" else strict
         components = {"strict": strict, "partial": partial, **per_check}
+        if self.config.shape_slack > 0:
+            components[SHAPE_CREDIT] = credit
         return RewardResult(scores=scores.float(), components={k: v.float() for k, v in components.items()})
 
 

@@ -5,11 +5,14 @@ import math
 import numpy as np
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 from PIL import Image, ImageDraw
 
 from mmgrpo import registry
 from mmgrpo.data.moving_shapes import all_metadata, prompt_from_metadata, render_clip
 from mmgrpo.data.shapes import PALETTE, _draw
+from mmgrpo.rewards.mini_geneval import SHAPE_REGIONS, classify_shape, shape_distance
 from mmgrpo.rewards.moving_shapes import CHECK_NAMES, MovingShapesReward
 from mmgrpo.types import PromptBatch
 
@@ -165,6 +168,7 @@ def test_batch_other_tasks_and_malformed_videos():
     ({"motion_margin": 0.0}, "motion_margin"),
     ({"scale_ratio": 1.0}, "scale_ratio"),
     ({"step_tolerance": -0.1}, "step_tolerance"),
+    ({"shape_slack": -0.1}, "shape_slack"),
     ({"colour": 1}, "colour"),
 ])
 def test_bad_config_is_refused_with_the_key(options, key):
@@ -172,3 +176,56 @@ def test_bad_config_is_refused_with_the_key(options, key):
         MovingShapesReward.Config(**options)
     with pytest.raises(ValueError, match="color_threshold"):
         MovingShapesReward(MovingShapesReward.Config(color_threshold=0.9))
+
+
+# ------------------------------------------------------------------------------------------ graded shape credit
+
+
+def test_shape_distance_by_hand():
+    blob = {"fill": 0.80, "bottom_heavy": 0.5, "aspect": 1.0}  # a square with round corners
+    assert shape_distance(blob, "circle") == 0.0
+    assert shape_distance(blob, "square") == pytest.approx(0.88 - 0.80)
+    assert shape_distance(blob, "triangle") == pytest.approx(0.62 - 0.5)
+    wide = {"fill": 0.95, "bottom_heavy": 0.5, "aspect": 2.0}
+    assert shape_distance(wide, "square") == pytest.approx(math.log(2.0) - math.log(1 / 0.6))
+    assert shape_distance(wide, "circle") == pytest.approx((0.95 - 0.88) + math.log(2.0) - math.log(1 / 0.6))
+
+
+@given(fill=st.floats(0.05, 1.0), bottom_heavy=st.floats(0.0, 1.0), aspect=st.floats(0.3, 3.0))
+def test_the_detected_shape_is_at_distance_zero_and_no_other_is(fill, bottom_heavy, aspect):
+    blob = {"fill": fill, "bottom_heavy": bottom_heavy, "aspect": aspect}
+    detected = classify_shape(fill, bottom_heavy, aspect)
+    for shape in SHAPE_REGIONS:
+        distance = shape_distance(blob, shape)
+        assert distance >= 0.0
+        if shape == detected:
+            assert distance == 0.0
+        elif distance == 0.0:  # only on an open upper boundary of the shape's region
+            region = SHAPE_REGIONS[shape]
+            assert fill == region["fill"][1] or bottom_heavy == region["bottom_heavy"][1] or detected == "other"
+
+
+def test_graded_credit_rewards_a_near_square_and_leaves_strict_alone():
+    # a red disc moving right, asked for as a square: the detector calls it a circle in every frame
+    clip = _clip([[("circle", "red", 4 + 3 * f, 10, 12)] for f in range(5)])
+    exact = _score(clip, _meta(shape="square"))
+    graded = _score(clip, _meta(shape="square"), shape_slack=0.2)
+    reward = MovingShapesReward(MovingShapesReward.Config(shape_slack=0.2))
+    frames = reward.detect(clip[None])[0]
+    assert all(o["shape"] == "circle" for objects in frames for o in objects)
+    by_hand = sum(max(0.0, 1 - (0.88 - objects[0]["fill"]) / 0.2) for objects in frames) / 5
+    assert 0.0 < by_hand < 1.0
+    assert graded.components["shape_credit"][0].item() == pytest.approx(by_hand, abs=1e-6)
+    # checks: shape (graded), colour, count, total, motion; only total passes exactly
+    assert exact.components["partial"][0].item() == pytest.approx(1 / 5)
+    assert graded.components["partial"][0].item() == pytest.approx((1 + by_hand) / 5, abs=1e-6)
+    assert graded.components["strict"][0].item() == exact.components["strict"][0].item() == 0.0
+    assert "shape_credit" not in exact.components
+
+
+def test_graded_credit_is_one_for_the_right_shape_and_zero_without_the_colour():
+    clip = _clip([[("square", "red", 4 + 3 * f, 10, 10)] for f in range(5)])
+    right = _score(clip, _meta(shape="square"), shape_slack=0.2)
+    assert right.components["shape_credit"][0].item() == 1.0 and right.scores[0].item() == 1.0
+    other_colour = _score(clip, _meta(color="blue", shape="square"), shape_slack=0.2)
+    assert other_colour.components["shape_credit"][0].item() == 0.0
