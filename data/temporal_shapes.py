@@ -10,8 +10,11 @@ into one temporal patch, so a finer boundary could not be seen). Items are drawn
 Question: "When does the red circle move?" (the target is the only shape of its colour and kind). Items carry
 ``video`` (a list of PIL frames) and ``metadata`` ``{"task": "temporal_grounding", "span": [start, end],
 "duration", "fps", "question"}``, plus ``"completion"`` with `with_targets`: the supervised target in the R1 layout,
-``<think>frame 2 to 6</think><answer>[1, 3]</answer>``, what ``mmgrpo sft``
-trains on. The `tiou` reward scores answers. Held-out items use indices disjoint from the training ones and never
+what ``mmgrpo sft`` trains on. Its thought is either the target's frames (``thought: span``),
+``<think>frame 2 to 6</think><answer>[1, 3]</answer>``, or a timeline (``thought: timeline``): for each block of
+`frame_step` frames (one temporal patch of Qwen2-VL), its start time and the shapes that move within it,
+``<think>0s none. 1s red circle. 2s red circle, blue square. 3s blue square.</think><answer>[1, 3]</answer>``, so
+the model states what it sees in each patch before it answers. The `tiou` reward scores answers. Held-out items use indices disjoint from the training ones and never
 repeat a training clip.
 """
 
@@ -25,6 +28,7 @@ from PIL import Image
 from mmgrpo.data.vlm_shapes import COLOURS, SHAPES, render
 from mmgrpo.validation import check_fields, check_range, check_seed, check_template
 
+THOUGHTS = ("span", "timeline")
 TEMPLATE = "{question} Answer [start, end] in seconds in <think> </think> and <answer> </answer> tags."
 
 
@@ -45,6 +49,7 @@ class TemporalShapesConfig:
         seed (`int`): offsets the item indices (another seed, other clips).
         with_targets (`bool`): add the target completion to each item's metadata under ``"completion"`` (for
             ``mmgrpo sft``).
+        thought (`str`): the thought of the target completion, ``"span"`` or ``"timeline"`` (module docstring).
     """
 
     n_train: int = 2000
@@ -59,6 +64,7 @@ class TemporalShapesConfig:
     prompt_template: str = TEMPLATE
     seed: int = 0
     with_targets: bool = False
+    thought: str = "span"
 
     def __post_init__(self):
         check_fields(self)
@@ -71,6 +77,8 @@ class TemporalShapesConfig:
         check_range("distractors", self.distractors, 0, 2, fix="each shape needs its own lane")
         check_range("speed", self.speed, 1, 16)
         check_template("prompt_template", self.prompt_template, question="q")
+        if self.thought not in THOUGHTS:
+            raise ValueError(f"data.thought must be one of {THOUGHTS}, got {self.thought!r}.")
         if self.num_frames < 2 * self.frame_step or self.num_frames % self.frame_step:
             raise ValueError(
                 f"data.num_frames must be a multiple of data.frame_step ({self.frame_step}) and hold at least two "
@@ -137,11 +145,24 @@ def render_frames(shapes: list[dict], config: TemporalShapesConfig) -> list[Imag
     return frames
 
 
-def target_text(target: dict, fps: float) -> str:
-    """The completion a supervised base model is trained to write."""
-    a, b = target["frames"]
-    return (f"<think>frame {a} to {b}</think>"
-            f"<answer>[{a / fps:g}, {b / fps:g}]</answer>")
+def timeline(shapes: list[dict], config: TemporalShapesConfig) -> str:
+    """For each block of `frame_step` frames, its start time and the shapes moving within it (in scene order), e.g.
+    ``0s none. 1s red circle. 2s red circle, blue square. 3s blue square.`` A shape moving between frames ``a`` and
+    ``b`` moves within the blocks that start at frames ``a`` to ``b - frame_step``."""
+    c = config
+    entries = []
+    for start in range(0, c.num_frames, c.frame_step):
+        moving = [f"{s['colour']} {s['shape']}" for s in shapes if s["frames"][0] <= start < s["frames"][1]]
+        entries.append(f"{start / c.fps:g}s {', '.join(moving) or 'none'}.")
+    return " ".join(entries)
+
+
+def target_text(shapes: list[dict], config: TemporalShapesConfig) -> str:
+    """The completion a supervised base model is trained to write for a scene (target first)."""
+    a, b = shapes[0]["frames"]
+    fps = config.fps
+    thought = timeline(shapes, config) if config.thought == "timeline" else f"frame {a} to {b}"
+    return f"<think>{thought}</think><answer>[{a / fps:g}, {b / fps:g}]</answer>"
 
 
 class TemporalShapes:
@@ -162,7 +183,7 @@ class TemporalShapes:
         metadata = {"task": "temporal_grounding", "question": question, "span": [a / c.fps, b / c.fps],
                     "duration": c.num_frames / c.fps, "fps": c.fps}
         if c.with_targets:
-            metadata["completion"] = target_text(target, c.fps)
+            metadata["completion"] = target_text(shapes, c)
         return {"prompt": c.prompt_template.format(question=question), "metadata": metadata,
                 "video": render_frames(shapes, c)}
 

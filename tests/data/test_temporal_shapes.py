@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 import torch
 
-from mmgrpo.data.temporal_shapes import COLOURS, TemporalShapes, TemporalShapesConfig, scene
+from mmgrpo.data.temporal_shapes import COLOURS, TemporalShapes, TemporalShapesConfig, scene, timeline
 from mmgrpo.rewards.tiou import TIoU
 from mmgrpo.types import PromptBatch
 
@@ -51,11 +51,42 @@ def test_the_supervised_target_scores_one_and_items_are_deterministic():
     assert [np.asarray(f).tobytes() for f in again[3]["video"]] == [np.asarray(f).tobytes() for f in items[3]["video"]]
 
 
+def test_timeline_by_hand():
+    config = TemporalShapesConfig(num_frames=8, fps=2.0, frame_step=2, distractors=1)
+    shapes = [{"colour": "red", "shape": "circle", "frames": [2, 6]},
+              {"colour": "blue", "shape": "square", "frames": [4, 6]}]
+    assert timeline(shapes, config) == "0s none. 1s red circle. 2s red circle, blue square. 3s none."
+    config = TemporalShapesConfig(num_frames=12, fps=4.0, frame_step=3, distractors=0, speed=3)
+    shapes = [{"colour": "green", "shape": "triangle", "frames": [0, 3]}]
+    assert timeline(shapes, config) == "0s green triangle. 0.75s none. 1.5s none. 2.25s none."
+
+
+@pytest.mark.parametrize("distractors", [0, 1, 2])
+def test_timeline_targets_name_the_moving_shapes_and_score_one(distractors):
+    config = TemporalShapesConfig(n_train=30, n_eval=0, distractors=distractors, with_targets=True, thought="timeline",
+                                  speed=4)
+    items = TemporalShapes(config).train_items()
+    for index, item in enumerate(items):
+        target = scene(index, config)[0]
+        thought = item["metadata"]["completion"].split("<think>")[1].split("</think>")[0]
+        entries = thought.split(". ")
+        assert len(entries) == config.num_frames // config.frame_step
+        name = f"{target['colour']} {target['shape']}"
+        blocks = [k for k, entry in enumerate(entries) if name in entry]
+        start, end = item["metadata"]["span"]  # the target moves exactly in the blocks of its span
+        frames = [round(start * config.fps), round(end * config.fps)]
+        assert blocks == list(range(frames[0] // config.frame_step, frames[1] // config.frame_step))
+    batch = PromptBatch([i["prompt"] for i in items], metadata=[i["metadata"] for i in items])
+    completions = [i["metadata"]["completion"] for i in items]
+    assert TIoU()({"texts": completions}, batch).scores.tolist() == [1.0] * len(items)
+
+
 @pytest.mark.parametrize("options, message", [
     ({"num_frames": 7}, "num_frames must be a multiple"),
     ({"speed": 10}, "leaves a 56-pixel frame"),
     ({"distractors": 3}, "distractors"),
     ({"size": 28}, "56-pixel grid"),
+    ({"thought": "frames"}, "data.thought must be one of"),
 ])
 def test_bad_options_name_the_problem(options, message):
     with pytest.raises(Exception, match=message):
