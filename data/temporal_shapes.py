@@ -7,7 +7,9 @@ each) stands still, slides by `speed` pixels per frame between frames ``a`` and 
 is ``[a / fps, b / fps]``. Span ends are multiples of `frame_step` frames (2 by default: Qwen2-VL merges frame pairs
 into one temporal patch, so a finer boundary could not be seen). Items are drawn from their index alone.
 
-Question: "When does the red circle move?" (the target is the only shape of its colour and kind). Items carry
+Question: "When does the red circle move?" (the target is the only shape of its colour and kind); with ``event:
+visible`` each shape is on screen, standing still, only during its span, and the question is "When is the red circle
+on screen?". Items carry
 ``video`` (a list of PIL frames) and ``metadata`` ``{"task": "temporal_grounding", "span": [start, end],
 "duration", "fps", "question"}``, plus ``"completion"`` with `with_targets`: the supervised target in the R1 layout,
 what ``mmgrpo sft`` trains on. Its thought is either the target's frames (``thought: span``),
@@ -29,6 +31,7 @@ from mmgrpo.data.vlm_shapes import COLOURS, SHAPES, render
 from mmgrpo.validation import check_fields, check_range, check_seed, check_template
 
 THOUGHTS = ("span", "timeline")
+EVENTS = {"move": "When does the {name} move?", "visible": "When is the {name} on screen?"}
 TEMPLATE = "{question} Answer [start, end] in seconds in <think> </think> and <answer> </answer> tags."
 
 
@@ -50,6 +53,9 @@ class TemporalShapesConfig:
         with_targets (`bool`): add the target completion to each item's metadata under ``"completion"`` (for
             ``mmgrpo sft``).
         thought (`str`): the thought of the target completion, ``"span"`` or ``"timeline"`` (module docstring).
+        event (`str`): what happens during a shape's span: ``"move"`` (it slides, and stands still before and after)
+            or ``"visible"`` (it is drawn, standing still, only in the frames ``a`` to ``b - 1`` of its span
+            ``[a / fps, b / fps]``; the question becomes "When is the red circle on screen?").
     """
 
     n_train: int = 2000
@@ -65,6 +71,7 @@ class TemporalShapesConfig:
     seed: int = 0
     with_targets: bool = False
     thought: str = "span"
+    event: str = "move"
 
     def __post_init__(self):
         check_fields(self)
@@ -77,6 +84,8 @@ class TemporalShapesConfig:
         check_range("distractors", self.distractors, 0, 2, fix="each shape needs its own lane")
         check_range("speed", self.speed, 1, 16)
         check_template("prompt_template", self.prompt_template, question="q")
+        if self.event not in EVENTS:
+            raise ValueError(f"data.event must be one of {tuple(EVENTS)}, got {self.event!r}.")
         if self.thought not in THOUGHTS:
             raise ValueError(f"data.thought must be one of {THOUGHTS}, got {self.thought!r}.")
         if self.num_frames < 2 * self.frame_step or self.num_frames % self.frame_step:
@@ -138,7 +147,9 @@ def render_frames(shapes: list[dict], config: TemporalShapesConfig) -> list[Imag
     for f in range(c.num_frames):
         placed = []
         for s in shapes:
-            x1 = x_at(s, f, c.speed)
+            if c.event == "visible" and not s["frames"][0] <= f < s["frames"][1]:
+                continue  # off screen outside its span
+            x1 = s["x0"] if c.event == "visible" else x_at(s, f, c.speed)
             y1 = s["lane"] * lane_height + (lane_height - c.shape_size) // 2
             placed.append({**s, "box": [x1, y1, x1 + c.shape_size - 1, y1 + c.shape_size - 1]})
         frames.append(render(placed, c.size))  # the drawing of the vlm_shapes images
@@ -146,7 +157,8 @@ def render_frames(shapes: list[dict], config: TemporalShapesConfig) -> list[Imag
 
 
 def timeline(shapes: list[dict], config: TemporalShapesConfig) -> str:
-    """For each block of `frame_step` frames, its start time and the shapes moving within it (in scene order), e.g.
+    """For each block of `frame_step` frames, its start time and the shapes moving (``event: visible``: on screen)
+    within it (in scene order), e.g.
     ``0s none. 1s red circle. 2s red circle, blue square. 3s blue square.`` A shape moving between frames ``a`` and
     ``b`` moves within the blocks that start at frames ``a`` to ``b - frame_step``."""
     c = config
@@ -179,7 +191,7 @@ class TemporalShapes:
         shapes = scene(index, c)
         target = shapes[0]
         a, b = target["frames"]
-        question = f"When does the {target['colour']} {target['shape']} move?"
+        question = EVENTS[c.event].format(name=f"{target['colour']} {target['shape']}")
         metadata = {"task": "temporal_grounding", "question": question, "span": [a / c.fps, b / c.fps],
                     "duration": c.num_frames / c.fps, "fps": c.fps}
         if c.with_targets:

@@ -51,6 +51,21 @@ def test_the_supervised_target_scores_one_and_items_are_deterministic():
     assert [np.asarray(f).tobytes() for f in again[3]["video"]] == [np.asarray(f).tobytes() for f in items[3]["video"]]
 
 
+@pytest.mark.parametrize("distractors", [0, 1])
+def test_visible_event_draws_each_shape_only_during_its_span(distractors):
+    config = TemporalShapesConfig(n_train=30, n_eval=0, distractors=distractors, event="visible")
+    source = TemporalShapes(config)
+    lane_height = config.size // (1 + distractors)
+    for index in range(30):
+        item = source.item(index)
+        target = scene(index, config)[0]
+        assert item["prompt"].startswith(f"When is the {target['colour']} {target['shape']} on screen?")
+        rows = slice(target["lane"] * lane_height, (target["lane"] + 1) * lane_height)
+        shown = [f for f, frame in enumerate(item["video"]) if np.asarray(frame)[rows].any()]
+        start, end = item["metadata"]["span"]
+        assert shown == list(range(round(start * config.fps), round(end * config.fps)))
+
+
 def test_timeline_by_hand():
     config = TemporalShapesConfig(num_frames=8, fps=2.0, frame_step=2, distractors=1)
     shapes = [{"colour": "red", "shape": "circle", "frames": [2, 6]},
@@ -87,6 +102,7 @@ def test_timeline_targets_name_the_moving_shapes_and_score_one(distractors):
     ({"distractors": 3}, "distractors"),
     ({"size": 28}, "56-pixel grid"),
     ({"thought": "frames"}, "data.thought must be one of"),
+    ({"event": "appear"}, "data.event must be one of"),
 ])
 def test_bad_options_name_the_problem(options, message):
     with pytest.raises(Exception, match=message):
