@@ -1,11 +1,13 @@
 """Base-trains (supervised) the tiny Qwen2-VL-architecture model shipped as ``mmgrpo:vlm_seg``: it answers the
 referring questions of `seg_shapes` ("the red triangle", "the circle", "the largest blue shape") in Seg-Zero's layout,
 
-    <think>red circle, none, blue square, red triangle: bottom right</think><answer>{"bbox": [x1, y1, x2, y2],
-    "points_1": [x, y], "points_2": [x, y]}</answer>
+    <think>top left red circle, top right none, bottom left blue square, bottom right red triangle: bottom
+    right</think><answer>{"bbox": [x1, y1, x2, y2], "points_1": [x, y], "points_2": [x, y]}</answer>
 
-(the shape in each quadrant in reading order, then the quadrant of the named one; then its tight box and two points
-inside it, whole pixels of the 56 x 56 image).
+(each quadrant followed by the shape in it, then the quadrant of the named one; then its tight box and two points
+inside it, whole pixels of the 56 x 56 image). ``--thought list`` writes the four shapes without their quadrants
+(``red circle, none, blue square, red triangle: bottom right``): the model learns the same inventory, but then names
+the right quadrant for only about half of the questions, and GRPO did not improve on such a base.
 
 The shipped ``vlm_shapes`` base (a tiny Qwen2-VL whose vision tower already tells the colours of the quadrants
 apart; ``--init ''`` starts instead from a random tiny model of the tests' builder `tests/builders/qwen_vl.py` with a
@@ -61,11 +63,15 @@ def interior_points(mask: torch.Tensor, box: list[float]) -> list[list[int]]:
     return points
 
 
-def target_text(item: dict, shapes: list[dict]) -> str:
-    """The supervised completion of a `seg_shapes` item whose scene holds `shapes` (module docstring)."""
+def target_text(item: dict, shapes: list[dict], thought: str = "labelled") -> str:
+    """The supervised completion of a `seg_shapes` item whose scene holds `shapes` (module docstring); `thought`
+    ``"labelled"`` names each quadrant before its shape."""
     meta = item["metadata"]
     by_cell = {s["cell"]: f"{s['colour']} {s['shape']}" for s in shapes}
-    seen = ", ".join(by_cell.get(c, "none") for c in range(4))  # the quadrants in reading order
+    if thought == "labelled":
+        seen = ", ".join(f"{QUADRANTS[c]} {by_cell.get(c, 'none')}" for c in range(4))
+    else:
+        seen = ", ".join(by_cell.get(c, "none") for c in range(4))  # the quadrants in reading order
     box = [int(round(v)) for v in meta["boxes"]]
     size = meta["image_size"]
     centre_x, centre_y = (box[0] + box[2]) / 2, (box[1] + box[3]) / 2
@@ -111,9 +117,9 @@ def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="data/weights/vlm_seg")
     parser.add_argument("--sam", default="data/weights/tiny_sam2", help="the segmenter the held-out gIoU goes through")
-    parser.add_argument("--steps", type=int, default=400)
+    parser.add_argument("--steps", type=int, default=1600)
     parser.add_argument("--batch", type=int, default=32)
-    parser.add_argument("--lr", type=float, default=2e-3)
+    parser.add_argument("--lr", type=float, default=1.5e-3)
     parser.add_argument("--template", default=TEMPLATE, help="seg_shapes' prompt_template (the RL config's too)")
     parser.add_argument("--init", default="data/weights/vlm_shapes",
                         help="start from this model folder ('': a random tiny model with its own tokenizer)")
@@ -121,11 +127,13 @@ def main(argv=None) -> dict:
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--vocab", type=int, default=600)
     parser.add_argument("--size", type=int, default=56)
-    parser.add_argument("--max-new-tokens", type=int, default=128)
-    parser.add_argument("--eval-every", type=int, default=25)
+    parser.add_argument("--max-new-tokens", type=int, default=144)
+    parser.add_argument("--eval-every", type=int, default=100)
     parser.add_argument("--n-eval", type=int, default=100)
-    parser.add_argument("--stop-giou", type=float, default=0.3)
+    parser.add_argument("--stop-giou", type=float, default=0.55)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--thought", choices=["list", "labelled"], default="labelled",
+                        help="the inventory in <think>: the four shapes in reading order, or each after its quadrant")
     args = parser.parse_args(argv)
     torch.manual_seed(args.seed)
     if args.init:  # a trained model and its processor (e.g. the shipped vlm_shapes base)
@@ -143,7 +151,8 @@ def main(argv=None) -> dict:
     for index in range(SFT_FIRST, SFT_FIRST + 200):
         item = source.item(index)
         if item is not None:
-            longest = max(longest, len(processor.tokenizer(target_text(item, scene(index, args.size)))["input_ids"]))
+            longest = max(longest, len(processor.tokenizer(
+                target_text(item, scene(index, args.size), args.thought))["input_ids"]))
     if longest + 2 > args.max_new_tokens:
         raise ValueError(f"--max-new-tokens {args.max_new_tokens} cannot hold a {longest}-token answer; raise it.")
     start, scores, history, index = time.time(), {"giou": 0.0}, [], SFT_FIRST  # never the RL / held-out scenes
@@ -153,7 +162,7 @@ def main(argv=None) -> dict:
             item = source.item(index)
             if item is not None:
                 items.append(item)
-                targets.append(target_text(item, scene(index, args.size)))
+                targets.append(target_text(item, scene(index, args.size), args.thought))
             index += 1
         loss = model(**batch_inputs(processor, items, targets)).loss
         optimizer.zero_grad()

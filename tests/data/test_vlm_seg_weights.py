@@ -51,12 +51,12 @@ def test_shipped_vlm_seg_base_is_imperfect_and_prompts_sam():
     script = _script()
     metrics = json.loads(Path(resolve_pretrained("mmgrpo:vlm_seg"), "metrics.json").read_text(encoding="utf-8"))
     assert 0.2 <= metrics["held_out_giou"] <= 0.6  # clearly imperfect: RL has room
-    policy = QwenVLPolicy(QwenVLConfig(pretrained="mmgrpo:vlm_seg", max_new_tokens=112, lora_rank=0,
+    policy = QwenVLPolicy(QwenVLConfig(pretrained="mmgrpo:vlm_seg", max_new_tokens=144, lora_rank=0,
                                        min_pixels=3136, max_pixels=3136))
     items = SegShapes(SegShapesConfig(n_train=0, n_eval=12, prompt_template=script.TEMPLATE)).eval_items()
     batch = items_to_batch(items)
     batch.group_ids = torch.arange(len(batch))
-    rollout = policy.sample(batch, TokenPlan.deterministic(112))
+    rollout = policy.sample(batch, TokenPlan.deterministic(144))
     result = SamMask(SamMaskConfig(model="mmgrpo:tiny_sam2", coords="original", device="cpu"))(rollout.outputs, batch)
     assert float(result.components["no_box"].mean()) <= 0.25  # answers parse into boxes
     assert float(result.components["iou"].max()) > 0.5  # some answers find their shape
