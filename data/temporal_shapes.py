@@ -16,8 +16,8 @@ what ``mmgrpo sft`` trains on. Its thought is either the target's frames (``thou
 ``<think>frame 2 to 6</think><answer>[1, 3]</answer>``, or a timeline (``thought: timeline``): for each block of
 `frame_step` frames (one temporal patch of Qwen2-VL), its start time and the shapes that move within it,
 ``<think>0s none. 1s red circle. 2s red circle, blue square. 3s blue square.</think><answer>[1, 3]</answer>``, so
-the model states what it sees in each patch before it answers. The `tiou` reward scores answers. Held-out items use indices disjoint from the training ones and never
-repeat a training clip.
+the model states what it sees in each patch before it answers. The `tiou` reward scores answers. Held-out items use
+indices disjoint from the training ones and never repeat a training clip.
 """
 
 from __future__ import annotations

@@ -162,7 +162,8 @@ class MovingShapesReward:
         Returns:
             [`RewardResult`]: `scores` `[N]` (partial or strict, as configured) and `components` ``strict``,
             ``partial`` and ``check_<name>`` for each name in `CHECK_NAMES` (NaN where a prompt has no such check),
-            plus ``shape_credit`` when `shape_slack > 0`. Samples whose metadata is not a moving-shapes prompt (no ``"motion"``) score NaN; malformed videos score 0.
+            plus ``shape_credit`` when `shape_slack > 0`. Samples whose metadata is not a moving-shapes prompt (no
+            ``"motion"``) score NaN; malformed videos score 0.
         """
         videos = outputs["videos"]
         n = len(batch.metadata)
