@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -84,12 +85,21 @@ def test_a_second_signal_stops_at_once(tmp_path, tiny_sd3_dir):
     raw = _config(tmp_path, tiny_sd3_dir, max_steps=10_000)
     proc = _launch(raw, tmp_path)
     _wait_for_step(Path(raw["output_dir"]), proc)
+    chunks = []  # stderr, read as it comes: the second signal must land after the first one was handled
+    reader = threading.Thread(target=lambda: chunks.extend(iter(lambda: proc.stderr.read(1), "")), daemon=True)
+    reader.start()
+    threading.Thread(target=proc.stdout.read, daemon=True).start()  # drained, so a full pipe never blocks the run
     proc.send_signal(signal.SIGINT)
-    time.sleep(0.05)
+    deadline = time.monotonic() + 60  # two signals before the handler runs would count as one (one graceful stop)
+    while "SIGINT received" not in "".join(chunks) and time.monotonic() < deadline and proc.poll() is None:
+        time.sleep(0.01)
+    assert "SIGINT received" in "".join(chunks)
     proc.send_signal(signal.SIGINT)
-    _, err = proc.communicate(timeout=120)
+    proc.wait(timeout=120)
+    reader.join(timeout=30)
+    err = "".join(chunks)
     assert proc.returncode == 130, err[-3000:]
-    assert "stopped at once" in err
+    assert "stopped at once" in err, err[-3000:]
 
 
 def test_every_embedded_default_checkpoints_during_training():
