@@ -130,11 +130,12 @@ class MovingShapesReward:
 
     def shape_credit(self, frames: list[list[dict]], spec: dict) -> float:
         """The graded ``shape`` check of one clip (module docstring): mean over frames of the best credit of an object
-        of the prompt's colour (0 in a frame without one)."""
+        of the prompt's colour (0 in a frame without one). An object the detector calls the prompt's shape lies in
+        that shape's region, at `shape_distance` 0, so it scores 1."""
         slack = self.config.shape_slack
         per_frame = []
         for objects in frames:
-            credits = [1.0 if o["shape"] == spec["shape"] else max(0.0, 1.0 - shape_distance(o, spec["shape"]) / slack)
+            credits = [max(0.0, 1.0 - shape_distance(o, spec["shape"]) / slack)
                        for o in objects if o["color"] == spec["color"]]
             per_frame.append(max(credits, default=0.0))
         return sum(per_frame) / len(per_frame)
