@@ -41,7 +41,7 @@ from builders._tokenizers import QWEN_CORPUS, qwen_tokenizer  # noqa: E402
 from builders.qwen_vl import tiny_qwen_vl  # noqa: E402
 from mmgrpo.data.seg_shapes import SegShapes, SegShapesConfig  # noqa: E402
 from mmgrpo.data.vlm_shapes import COLOURS, SHAPES, scene  # noqa: E402
-from train_vlm_shapes import batch_inputs  # noqa: E402
+from train_vlm_shapes import supervised_step  # noqa: E402
 
 QUADRANTS = ("top left", "top right", "bottom left", "bottom right")
 TEMPLATE = 'Find "{question}": the box and two points, as JSON.'  # short: the tiny model reads it in every step
@@ -164,11 +164,7 @@ def main(argv=None) -> dict:
                 items.append(item)
                 targets.append(target_text(item, scene(index, args.size), args.thought))
             index += 1
-        loss = model(**batch_inputs(processor, items, targets)).loss
-        optimizer.zero_grad()
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
+        loss = supervised_step(model, optimizer, processor, items, targets)
         if step % args.eval_every == 0:
             model.save_pretrained(args.out)
             processor.save_pretrained(args.out)

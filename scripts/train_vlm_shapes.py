@@ -54,6 +54,17 @@ def batch_inputs(processor, items: list[dict], targets: list[str]) -> dict:
     return full
 
 
+def supervised_step(model, optimizer, processor, items: list[dict], targets: list[str]) -> torch.Tensor:
+    """One teacher-forced update on `targets` (the completions of `items`), gradient norm clipped at 1; returns the
+    loss."""
+    loss = model(**batch_inputs(processor, items, targets)).loss
+    optimizer.zero_grad()
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    optimizer.step()
+    return loss
+
+
 @torch.no_grad()
 def held_out_accuracy(path: str, n_eval: int, size: int) -> float:
     from mmgrpo.pipelines.qwen_vl import QwenVLConfig, QwenVLPolicy
@@ -98,11 +109,7 @@ def main(argv=None) -> dict:
         indices = [2_000_000 + (step * args.batch + i) for i in range(args.batch)]  # never the RL / eval indices
         items = [source.item(i) for i in indices]
         targets = [target_text(question(i, scene(i, args.size), source.config.tasks)) for i in indices]
-        loss = model(**batch_inputs(processor, items, targets)).loss
-        optimizer.zero_grad()
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
+        loss = supervised_step(model, optimizer, processor, items, targets)
         if step % args.eval_every == 0:
             model.save_pretrained(args.out)
             processor.save_pretrained(args.out)
