@@ -133,6 +133,12 @@ def signature(shapes: list[dict]) -> tuple:
     return tuple((s["colour"], s["shape"], s["lane"], s["x0"], s["direction"], *s["frames"]) for s in shapes)
 
 
+def active(shape: dict, frame: int) -> bool:
+    """Whether `shape` is in its span at `frame` (``a <= frame < b``): with ``event: move`` it moves from this frame to
+    the next, with ``event: visible`` it is on screen."""
+    return shape["frames"][0] <= frame < shape["frames"][1]
+
+
 def x_at(shape: dict, frame: int, speed: int) -> int:
     """Left edge of `shape` at `frame`."""
     a, b = shape["frames"]
@@ -147,7 +153,7 @@ def render_frames(shapes: list[dict], config: TemporalShapesConfig) -> list[Imag
     for f in range(c.num_frames):
         placed = []
         for s in shapes:
-            if c.event == "visible" and not s["frames"][0] <= f < s["frames"][1]:
+            if c.event == "visible" and not active(s, f):
                 continue  # off screen outside its span
             x1 = s["x0"] if c.event == "visible" else x_at(s, f, c.speed)
             y1 = s["lane"] * lane_height + (lane_height - c.shape_size) // 2
@@ -164,7 +170,7 @@ def timeline(shapes: list[dict], config: TemporalShapesConfig) -> str:
     c = config
     entries = []
     for start in range(0, c.num_frames, c.frame_step):
-        moving = [f"{s['colour']} {s['shape']}" for s in shapes if s["frames"][0] <= start < s["frames"][1]]
+        moving = [f"{s['colour']} {s['shape']}" for s in shapes if active(s, start)]
         entries.append(f"{start / c.fps:g}s {', '.join(moving) or 'none'}.")
     return " ".join(entries)
 
