@@ -19,3 +19,22 @@ def dgpo_config(tmp_path, tiny_sd3_dir, max_steps):
         "eval": {"every": 0},
         "checkpoint": {"every": 2, "keep_last": 3},
     }
+
+
+def held_out_flow_rollout(config_path, count):
+    """The policy of a flow config sampling its first `count` held-out prompts as evaluation does (deterministic
+    steps, noise seed 0): ``(config, batch, rollout, reward)``. Relative paths in the config resolve from the current
+    folder."""
+    import torch
+
+    from mmgrpo import config as config_mod
+    from mmgrpo.prompt_stream import items_to_batch
+    from mmgrpo.trainer import build_components
+    from mmgrpo.types import FlowPlan
+
+    config = config_mod.load(config_path)
+    policy, _, reward, data = build_components(config)
+    batch = items_to_batch(data.eval_items()[:count])
+    rollout = policy.sample(batch, FlowPlan.deterministic(policy.eval_num_steps),
+                            generator=torch.Generator().manual_seed(0))
+    return config, batch, rollout, reward

@@ -9,11 +9,8 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 
-from mmgrpo import config as config_mod
-from mmgrpo.prompt_stream import items_to_batch
-from mmgrpo.types import FlowPlan
+from builders._runs import held_out_flow_rollout
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIG = ROOT / "configs" / "tiny" / "t2i_shapes.yaml"
@@ -61,13 +58,7 @@ def test_cli_train_then_eval_a_few_steps(tmp_path):
 
 def test_shipped_base_model_is_clearly_imperfect(monkeypatch):
     monkeypatch.chdir(ROOT)
-    cfg = config_mod.load(CONFIG)
-    from mmgrpo.trainer import build_components
-
-    policy, _, reward, data = build_components(cfg)
-    items = data.eval_items()[:96]
-    batch = items_to_batch(items)
-    rollout = policy.sample(batch, FlowPlan.deterministic(policy.eval_num_steps), generator=torch.Generator().manual_seed(0))
+    _, batch, rollout, reward = held_out_flow_rollout(CONFIG, 96)
     strict = reward(rollout.outputs, batch).components["strict"]
     accuracy = strict.mean().item()
     assert 0.15 <= accuracy <= 0.75, accuracy  # room to improve, but the model draws shapes

@@ -5,12 +5,10 @@ reward can score, and is clearly imperfect (RL has room)."""
 import json
 from pathlib import Path
 
-import torch
-
 from mmgrpo import config as config_mod
 from mmgrpo.hub import resolve_pretrained
-from mmgrpo.prompt_stream import items_to_batch
-from mmgrpo.types import FlowPlan
+
+from builders._runs import held_out_flow_rollout
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIG = ROOT / "configs" / "tiny" / "t2v_shapes.yaml"
@@ -30,14 +28,7 @@ def test_shipped_metrics_record_an_imperfect_base_and_the_sampling_settings():
 
 def test_shipped_model_samples_clips_through_the_wan_policy(monkeypatch):
     monkeypatch.chdir(ROOT)
-    cfg = config_mod.load(CONFIG)
-    from mmgrpo.trainer import build_components
-
-    policy, _, reward, data = build_components(cfg)
-    items = data.eval_items()[:12]
-    batch = items_to_batch(items)
-    rollout = policy.sample(batch, FlowPlan.deterministic(policy.eval_num_steps),
-                            generator=torch.Generator().manual_seed(0))
+    cfg, batch, rollout, reward = held_out_flow_rollout(CONFIG, 12)
     videos = rollout.outputs["videos"]  # [N, F, 3, H, W]
     options = cfg.pipeline.options
     assert videos.shape == (12, options.num_frames, 3, options.height, options.width)
