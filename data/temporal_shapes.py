@@ -11,7 +11,8 @@ Question: "When does the red circle move?" (the target is the only shape of its 
 visible`` each shape is on screen, standing still, only during its span, and the question is "When is the red circle
 on screen?". Items carry
 ``video`` (a list of PIL frames) and ``metadata`` ``{"task": "temporal_grounding", "span": [start, end],
-"duration", "fps", "question"}``, plus ``"completion"`` with `with_targets`: the supervised target in the R1 layout,
+"duration", "fps", "question", "key_steps"}`` (``key_steps``: the entries of the timeline below, what the `step_rar`
+reward looks for in a thought), plus ``"completion"`` with `with_targets`: the supervised target in the R1 layout,
 what ``mmgrpo sft`` trains on. Its thought is either the target's frames (``thought: span``),
 ``<think>frame 2 to 6</think><answer>[1, 3]</answer>``, or a timeline (``thought: timeline``): for each block of
 `frame_step` frames (one temporal patch of Qwen2-VL), its start time and the shapes that move within it,
@@ -162,17 +163,22 @@ def render_frames(shapes: list[dict], config: TemporalShapesConfig) -> list[Imag
     return frames
 
 
-def timeline(shapes: list[dict], config: TemporalShapesConfig) -> str:
+def timeline_entries(shapes: list[dict], config: TemporalShapesConfig) -> list[str]:
     """For each block of `frame_step` frames, its start time and the shapes moving (``event: visible``: on screen)
     within it (in scene order), e.g.
-    ``0s none. 1s red circle. 2s red circle, blue square. 3s blue square.`` A shape moving between frames ``a`` and
-    ``b`` moves within the blocks that start at frames ``a`` to ``b - frame_step``."""
+    ``["0s none.", "1s red circle.", "2s red circle, blue square.", "3s blue square."]``. A shape moving between
+    frames ``a`` and ``b`` moves within the blocks that start at frames ``a`` to ``b - frame_step``."""
     c = config
     entries = []
     for start in range(0, c.num_frames, c.frame_step):
         moving = [f"{s['colour']} {s['shape']}" for s in shapes if active(s, start)]
         entries.append(f"{start / c.fps:g}s {', '.join(moving) or 'none'}.")
-    return " ".join(entries)
+    return entries
+
+
+def timeline(shapes: list[dict], config: TemporalShapesConfig) -> str:
+    """The timeline thought: the entries of [`timeline_entries`] joined by spaces."""
+    return " ".join(timeline_entries(shapes, config))
 
 
 def target_text(shapes: list[dict], config: TemporalShapesConfig) -> str:
@@ -199,7 +205,7 @@ class TemporalShapes:
         a, b = target["frames"]
         question = EVENTS[c.event].format(name=f"{target['colour']} {target['shape']}")
         metadata = {"task": "temporal_grounding", "question": question, "span": [a / c.fps, b / c.fps],
-                    "duration": c.num_frames / c.fps, "fps": c.fps}
+                    "duration": c.num_frames / c.fps, "fps": c.fps, "key_steps": timeline_entries(shapes, c)}
         if c.with_targets:
             metadata["completion"] = target_text(shapes, c)
         return {"prompt": c.prompt_template.format(question=question), "metadata": metadata,

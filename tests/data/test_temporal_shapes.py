@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from mmgrpo.data.temporal_shapes import COLOURS, TemporalShapes, TemporalShapesConfig, scene, timeline
+from mmgrpo.rewards.step_rar import StepRARReward
 from mmgrpo.rewards.tiou import TIoU
 from mmgrpo.types import PromptBatch
 
@@ -94,6 +95,24 @@ def test_timeline_targets_name_the_moving_shapes_and_score_one(distractors):
     batch = PromptBatch([i["prompt"] for i in items], metadata=[i["metadata"] for i in items])
     completions = [i["metadata"]["completion"] for i in items]
     assert TIoU()({"texts": completions}, batch).scores.tolist() == [1.0] * len(items)
+
+
+def test_key_steps_are_the_timeline_entries_and_step_rar_counts_them():
+    config = TemporalShapesConfig(n_train=12, n_eval=0, distractors=1, with_targets=True, thought="timeline",
+                                  event="visible")
+    items = TemporalShapes(config).train_items()
+    for index, item in enumerate(items):
+        assert " ".join(item["metadata"]["key_steps"]) == timeline(scene(index, config), config)
+    batch = PromptBatch([i["prompt"] for i in items], metadata=[i["metadata"] for i in items])
+    completions = [i["metadata"]["completion"] for i in items]
+    assert StepRARReward()({"texts": completions}, batch).scores.tolist() == [1.0] * len(items)
+    # one wrong entry (a shape on screen where the truth says none, or the reverse) costs exactly 1/4 of the score
+    wrong = []
+    for item, text in zip(items, completions):
+        first = item["metadata"]["key_steps"][0]
+        swapped = "0s green triangle." if first == "0s none." else "0s none."
+        wrong.append(text.replace(first, swapped, 1))
+    assert StepRARReward()({"texts": wrong}, batch).scores.tolist() == [0.75] * len(items)
 
 
 @pytest.mark.parametrize("options, message", [
