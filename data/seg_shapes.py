@@ -12,12 +12,23 @@ the pixels of the shape in the image. Questions (each asked only when it names o
 The prompt template wraps the expression (``seg_r1``: 'Segment "the red triangle". ...').
 
 Items carry ``images`` (one PIL image) and metadata ``mask`` (bool `[size, size]`), ``boxes`` (the mask's tight box
-``[x1, y1, x2, y2]``), ``image_size``, ``question`` and ``task``. Held-out items use scene indices disjoint from the
+``[x1, y1, x2, y2]``), ``image_size``, ``question`` and ``task``, plus ``"completion"`` with `with_targets`: the
+supervised answer in Seg-Zero's layout (what ``mmgrpo sft`` and TempSamp's ground-truth member use),
+
+    <think>top left red circle, top right none, bottom left blue square, bottom right red triangle: bottom
+    right</think><answer>{"bbox": [x1, y1, x2, y2], "points_1": [x, y], "points_2": [x, y]}</answer>
+
+(``thought: labelled``: each quadrant followed by the shape in it, then the quadrant of the named one;
+``thought: list``: the four shapes without their quadrants' names; ``thought: match``: the quadrants in reading order up
+to the named shape's, each with its shape and whether it is the one asked for, ``top left blue circle no, top right red
+triangle yes``), with the tight box and two points well inside
+the mask, whole pixels. Held-out items use scene indices disjoint from the
 training ones. The prompt is `prompt_template` (``"seg_zero"``, ``"seg_r1"`` or a template with ``{question}``).
 """
 
 from __future__ import annotations
 
+import json
 import random
 from dataclasses import dataclass, field
 
@@ -29,6 +40,8 @@ from mmgrpo.data.vlm_shapes import render, scene
 from mmgrpo.validation import check_fields, check_range, check_seed, check_template
 
 QUESTIONS = ("colour_shape", "shape", "largest")
+QUADRANTS = ("top left", "top right", "bottom left", "bottom right")
+THOUGHTS = ("labelled", "list", "match")
 
 
 @dataclass
@@ -42,6 +55,9 @@ class SegShapesConfig:
         min_margin (`int`): a ``largest`` question needs its target larger than the others by this many pixels.
         prompt_template (`str`): ``"seg_zero"``, ``"seg_r1"`` or a template with ``{question}``.
         seed (`int`): offsets the scene indices (another seed, other images).
+        with_targets (`bool`): add the supervised answer to each item's metadata under ``"completion"``.
+        thought (`str`): the inventory in the target's ``<think>``: ``"labelled"``, ``"list"`` or ``"match"`` (module
+            docstring).
     """
 
     questions: list[str] = field(default_factory=lambda: list(QUESTIONS))
@@ -51,6 +67,8 @@ class SegShapesConfig:
     min_margin: int = 20
     prompt_template: str = "seg_zero"
     seed: int = 0
+    with_targets: bool = False
+    thought: str = "labelled"
 
     def __post_init__(self):
         check_fields(self)
@@ -62,11 +80,47 @@ class SegShapesConfig:
         check_template("prompt_template", TEMPLATES.get(self.prompt_template, self.prompt_template), question="q")
         if not self.questions or set(self.questions) - set(QUESTIONS):
             raise ValueError(f"data.questions must be a non-empty subset of {list(QUESTIONS)}, got {self.questions}.")
+        if self.thought not in THOUGHTS:
+            raise ValueError(f"data.thought must be one of {list(THOUGHTS)}, got {self.thought!r}.")
 
 
 def shape_mask(shape: dict, size: int) -> torch.Tensor:
     """The exact pixels of one shape: bool `[size, size]` (the shape drawn alone, non-black)."""
     return torch.from_numpy(np.asarray(render([shape], size)).any(axis=-1))
+
+
+def interior_points(mask: torch.Tensor, box: list[float]) -> list[list[int]]:
+    """Two pixels well inside the bool mask `[H, W]`: the interior pixels (whose 3 x 3 neighbourhood is all mask)
+    nearest to the points a sixth of the box height above and below the mask's centroid, as ``[[x, y], [x, y]]``."""
+    m = mask.float()[None, None]  # [1, 1, H, W]
+    inner = torch.nn.functional.max_pool2d(1 - m, 3, stride=1, padding=1)[0, 0] == 0  # [H, W] eroded
+    ys, xs = torch.nonzero(inner if inner.any() else mask, as_tuple=True)
+    cy, cx = ys.float().mean(), xs.float().mean()
+    sixth = (box[3] - box[1]) / 6
+    points = []
+    for ty in (cy - sixth, cy + sixth):
+        k = int(((xs - cx) ** 2 + (ys - ty) ** 2).argmin())
+        points.append([int(xs[k]), int(ys[k])])
+    return points
+
+
+def target_text(metadata: dict, shapes: list[dict], thought: str = "labelled") -> str:
+    """The supervised completion of an item with `metadata` whose scene holds `shapes` (module docstring)."""
+    by_cell = {s["cell"]: f"{s['colour']} {s['shape']}" for s in shapes}
+    box = [int(round(v)) for v in metadata["boxes"]]
+    width, height = metadata["image_size"]
+    centre_x, centre_y = (box[0] + box[2]) / 2, (box[1] + box[3]) / 2
+    target = 2 * int(centre_y >= height / 2) + int(centre_x >= width / 2)
+    if thought == "match":  # each quadrant up to the target's, answered "no" or "yes"
+        thought_text = ", ".join(f"{QUADRANTS[c]} {by_cell.get(c, 'none')} {'yes' if c == target else 'no'}"
+                                 for c in range(target + 1))
+    elif thought == "labelled":
+        thought_text = ", ".join(f"{QUADRANTS[c]} {by_cell.get(c, 'none')}" for c in range(4)) + f": {QUADRANTS[target]}"
+    else:
+        thought_text = ", ".join(by_cell.get(c, "none") for c in range(4)) + f": {QUADRANTS[target]}"
+    p1, p2 = interior_points(metadata["mask"], metadata["boxes"])
+    answer = json.dumps({"bbox": box, "points_1": p1, "points_2": p2})
+    return f"<think>{thought_text}</think><answer>{answer}</answer>"
 
 
 def pick(index: int, shapes: list[dict], masks: list[torch.Tensor], kinds: list[str], margin: int):
@@ -111,6 +165,8 @@ class SegShapes:
         kind, question, target = chosen
         metadata = {"mask": masks[target], "boxes": tight_box(masks[target]), "image_size": [c.size, c.size],
                     "question": question, "task": kind}
+        if c.with_targets:
+            metadata["completion"] = target_text(metadata, shapes, c.thought)
         return {"prompt": self.template.format(question=question), "metadata": metadata,
                 "images": [render(shapes, c.size)]}
 

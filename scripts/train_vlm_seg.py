@@ -39,50 +39,16 @@ import torch  # noqa: E402
 
 from builders._tokenizers import QWEN_CORPUS, qwen_tokenizer  # noqa: E402
 from builders.qwen_vl import tiny_qwen_vl  # noqa: E402
-from mmgrpo.data.seg_shapes import SegShapes, SegShapesConfig  # noqa: E402
+from mmgrpo.data.seg_shapes import QUADRANTS, THOUGHTS, SegShapes, SegShapesConfig, target_text  # noqa: E402
 from mmgrpo.data.vlm_shapes import COLOURS, SHAPES, scene  # noqa: E402
 from train_vlm_shapes import supervised_step  # noqa: E402
 
-QUADRANTS = ("top left", "top right", "bottom left", "bottom right")
 TEMPLATE = 'Find "{question}": the box and two points, as JSON.'  # short: the tiny model reads it in every step
 SFT_FIRST = 2_000_000  # scene indices of the supervised data (RL trains from 0, evaluates from 500_000)
 
 
-def interior_points(mask: torch.Tensor, box: list[float]) -> list[list[int]]:
-    """Two pixels well inside the bool mask `[H, W]`: the interior pixels (whose 3 x 3 neighbourhood is all mask)
-    nearest to the points a sixth of the box height above and below the mask's centroid, as ``[[x, y], [x, y]]``."""
-    m = mask.float()[None, None]  # [1, 1, H, W]
-    inner = torch.nn.functional.max_pool2d(1 - m, 3, stride=1, padding=1)[0, 0] == 0  # [H, W] eroded
-    ys, xs = torch.nonzero(inner if inner.any() else mask, as_tuple=True)
-    cy, cx = ys.float().mean(), xs.float().mean()
-    third = (box[3] - box[1]) / 6
-    points = []
-    for ty in (cy - third, cy + third):
-        k = int(((xs - cx) ** 2 + (ys - ty) ** 2).argmin())
-        points.append([int(xs[k]), int(ys[k])])
-    return points
-
-
-def target_text(item: dict, shapes: list[dict], thought: str = "labelled") -> str:
-    """The supervised completion of a `seg_shapes` item whose scene holds `shapes` (module docstring); `thought`
-    ``"labelled"`` names each quadrant before its shape."""
-    meta = item["metadata"]
-    by_cell = {s["cell"]: f"{s['colour']} {s['shape']}" for s in shapes}
-    if thought == "labelled":
-        seen = ", ".join(f"{QUADRANTS[c]} {by_cell.get(c, 'none')}" for c in range(4))
-    else:
-        seen = ", ".join(by_cell.get(c, "none") for c in range(4))  # the quadrants in reading order
-    box = [int(round(v)) for v in meta["boxes"]]
-    size = meta["image_size"]
-    centre_x, centre_y = (box[0] + box[2]) / 2, (box[1] + box[3]) / 2
-    quadrant = QUADRANTS[2 * int(centre_y >= size[1] / 2) + int(centre_x >= size[0] / 2)]
-    p1, p2 = interior_points(meta["mask"], meta["boxes"])
-    answer = json.dumps({"bbox": box, "points_1": p1, "points_2": p2})
-    return f"<think>{seen}: {quadrant}</think><answer>{answer}</answer>"
-
-
 def build(seed: int, hidden: int, layers: int, size: int, vocab: int):
-    words = " ".join([*COLOURS, *SHAPES, *QUADRANTS, "the largest shape none,", TEMPLATE,
+    words = " ".join([*COLOURS, *SHAPES, *QUADRANTS, "the largest shape none, yes no", TEMPLATE,
                       '<think></think><answer>{"bbox": [], "points_1": [], "points_2": []}</answer>'] * 3)
     tokenizer = qwen_tokenizer(QWEN_CORPUS + " " + words, vocab_size=vocab)
     return tiny_qwen_vl("qwen2_vl", seed=seed, hidden_size=hidden, num_layers=layers, min_pixels=size * size,
@@ -132,8 +98,9 @@ def main(argv=None) -> dict:
     parser.add_argument("--n-eval", type=int, default=100)
     parser.add_argument("--stop-giou", type=float, default=0.55)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--thought", choices=["list", "labelled"], default="labelled",
-                        help="the inventory in <think>: the four shapes in reading order, or each after its quadrant")
+    parser.add_argument("--thought", choices=list(THOUGHTS), default="labelled",
+                        help="the inventory in <think> (seg_shapes' data.thought): the four shapes in reading order, "
+                             "each after its quadrant, or each up to the target's with a yes / no match")
     args = parser.parse_args(argv)
     torch.manual_seed(args.seed)
     if args.init:  # a trained model and its processor (e.g. the shipped vlm_shapes base)
@@ -152,7 +119,7 @@ def main(argv=None) -> dict:
         item = source.item(index)
         if item is not None:
             longest = max(longest, len(processor.tokenizer(
-                target_text(item, scene(index, args.size), args.thought))["input_ids"]))
+                target_text(item["metadata"], scene(index, args.size), args.thought))["input_ids"]))
     if longest + 2 > args.max_new_tokens:
         raise ValueError(f"--max-new-tokens {args.max_new_tokens} cannot hold a {longest}-token answer; raise it.")
     start, scores, history, index = time.time(), {"giou": 0.0}, [], SFT_FIRST  # never the RL / held-out scenes
@@ -162,7 +129,7 @@ def main(argv=None) -> dict:
             item = source.item(index)
             if item is not None:
                 items.append(item)
-                targets.append(target_text(item, scene(index, args.size), args.thought))
+                targets.append(target_text(item["metadata"], scene(index, args.size), args.thought))
             index += 1
         loss = supervised_step(model, optimizer, processor, items, targets)
         if step % args.eval_every == 0:

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from mmgrpo.data.referring_jsonl import TEMPLATES
-from mmgrpo.data.seg_shapes import SegShapes, SegShapesConfig
+from mmgrpo.data.seg_shapes import SegShapes, SegShapesConfig, target_text
 from mmgrpo.data.vlm_shapes import COLOURS
 
 
@@ -64,3 +64,29 @@ def test_bad_options_are_refused():
         SegShapesConfig(questions=["biggest"])
     with pytest.raises(ValueError, match="size"):
         SegShapesConfig(size=8)
+    with pytest.raises(ValueError, match="data.thought must be one of"):
+        SegShapesConfig(thought="grid")
+
+
+def test_target_text_by_hand():
+    shapes = [{"shape": "circle", "colour": "red", "cell": 1}, {"shape": "square", "colour": "blue", "cell": 2}]
+    mask = torch.zeros(56, 56, dtype=torch.bool)
+    mask[8:20, 32:44] = True  # a 12 x 12 square in the top right quadrant
+    metadata = {"boxes": [32.0, 8.0, 43.0, 19.0], "image_size": [56, 56], "mask": mask}
+    # interior pixels span rows 9..18 and columns 33..42; centroid (37.5, 13.5); targets 11.67 and 15.33 rows
+    answer = '<answer>{"bbox": [32, 8, 43, 19], "points_1": [37, 12], "points_2": [37, 15]}</answer>'
+    assert target_text(metadata, shapes) == (
+        "<think>top left none, top right red circle, bottom left blue square, bottom right none: top right</think>"
+        + answer)
+    assert target_text(metadata, shapes, "list") == "<think>none, red circle, blue square, none: top right</think>" + answer
+    assert target_text(metadata, shapes, "match") == "<think>top left none no, top right red circle yes</think>" + answer
+
+
+def test_with_targets_writes_the_completion_of_the_scene():
+    plain = SegShapes(SegShapesConfig(n_train=5, n_eval=0)).train_items()
+    targets = SegShapes(SegShapesConfig(n_train=5, n_eval=0, with_targets=True)).train_items()
+    assert all("completion" not in item["metadata"] for item in plain)
+    for item in targets:
+        text = item["metadata"]["completion"]
+        assert text.startswith("<think>top left ") and text.endswith("}</answer>")
+        assert item["metadata"]["question"].removeprefix("the ").removeprefix("largest ").split()[0] in text

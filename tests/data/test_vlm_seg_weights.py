@@ -9,7 +9,6 @@ from pathlib import Path
 import torch
 
 from mmgrpo.data.seg_shapes import SegShapes, SegShapesConfig
-from mmgrpo.data.vlm_shapes import scene
 from mmgrpo.hub import resolve_pretrained
 from mmgrpo.prompt_stream import items_to_batch
 from mmgrpo.rewards._seg_parse import parse_prompt
@@ -27,7 +26,7 @@ def _script():
 
 def test_supervised_completions_give_the_true_box_and_points_inside_the_mask():
     script = _script()
-    source = SegShapes(SegShapesConfig(n_train=0, n_eval=0, prompt_template=script.TEMPLATE))
+    source = SegShapes(SegShapesConfig(n_train=0, n_eval=0, prompt_template=script.TEMPLATE, with_targets=True))
     mapper = BoxIoU(BoxIoU.Config(coords="original"))
     checked = 0
     for index in range(script.SFT_FIRST, script.SFT_FIRST + 40):
@@ -35,7 +34,7 @@ def test_supervised_completions_give_the_true_box_and_points_inside_the_mask():
         if item is None:
             continue
         meta = item["metadata"]
-        parsed = parse_prompt(script.target_text(item, scene(index, 56)), "seg_zero", mapper, meta, 0, 4, 4)
+        parsed = parse_prompt(meta["completion"], "seg_zero", mapper, meta, 0, 4, 4)
         assert parsed.boxes == [meta["boxes"]]
         for x, y in parsed.points[0]:
             assert meta["mask"][int(y), int(x)]
