@@ -7,7 +7,9 @@ referring questions of `seg_shapes` ("the red triangle", "the circle", "the larg
 (each quadrant followed by the shape in it, then the quadrant of the named one; then its tight box and two points
 inside it, whole pixels of the 56 x 56 image). ``--thought list`` writes the four shapes without their quadrants
 (``red circle, none, blue square, red triangle: bottom right``): the model learns the same inventory, but then names
-the right quadrant for only about half of the questions, and GRPO did not improve on such a base.
+the right quadrant for only about half of the questions, and GRPO did not improve on such a base. ``--thought match``
+goes through the quadrants up to the named shape's, each with a yes / no (``top left blue circle no, top right red
+triangle yes``); the layouts are `mmgrpo.data.seg_shapes.target_text`'s.
 
 The shipped ``vlm_shapes`` base (a tiny Qwen2-VL whose vision tower already tells the colours of the quadrants
 apart; ``--init ''`` starts instead from a random tiny model of the tests' builder `tests/builders/qwen_vl.py` with a
