@@ -222,5 +222,6 @@ SHARED_DOCS = """
             (end-of-turn appended), so a group of ``train.group_size`` G + 1 holds G samples and the answer. It is
             rewarded, enters the group statistics (and the advantage transform) and is trained like the others; its
             "old" log-probs are the sampling policy's on those tokens, so its ratio starts at 1 (no importance weight
-            for the off-policy source). Needs a pipeline that implements it (`qwen_vl`).
+            for the off-policy source). Needs a pipeline that implements it (`qwen_vl`). The trainer then also logs
+            ``reward/sampled_mean``, the reward of the sampled members alone.
 """

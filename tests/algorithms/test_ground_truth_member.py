@@ -115,3 +115,34 @@ def test_every_token_algorithm_has_the_option_and_mdlm_refuses_it(name):
                              plan_features=policy_cls.plan_features, provides=policy_cls.provides)
     with pytest.raises(ValueError, match=rf"algorithm '{name}' needs \['ground_truth_member'\]"):
         check_plan(holder, algorithm, names)
+
+
+def test_training_step_reports_the_sampled_members_reward_apart(tmp_path, tiny_qwen2_vl_dir):
+    """`reward/mean` counts the ground-truth member (it scores 1 here); `reward/sampled_mean` is the mean over the
+    policy's own answers alone, so its curve compares with a plain GRPO run's."""
+    from mmgrpo import config as config_mod
+    from mmgrpo.trainer import Trainer
+
+    prompts, group = 2, G + 1
+    raw = {
+        "output_dir": str(tmp_path / "run"), "seed": 3,
+        "pipeline": {"name": "qwen_vl", "pretrained": tiny_qwen2_vl_dir, "max_new_tokens": 64, "min_pixels": 3136,
+                     "max_pixels": 3136, "lora_rank": 0},
+        "algorithm": {"name": "grpo", "ground_truth_member": True},
+        "reward": {"name": "accuracy", "mode": "numeric"},
+        "data": {"name": "vlm_shapes", "n_train": 4, "n_eval": 2, "with_targets": True},
+        "train": {"max_steps": 1, "prompts_per_step": prompts, "group_size": group, "minibatch_size": 8},
+        "eval": {"every": 0}, "checkpoint": {"every": 0}, "tracking": {"log_with": []},
+    }
+    trainer = Trainer(config_mod.from_dict(raw))
+    trainer.step = 1
+    metrics = trainer.train_step()
+    sampled = metrics["reward/sampled_mean"]
+    # prompts ground truths score 1 each; the prompts * G sampled answers average `sampled`
+    assert metrics["reward/mean"] == pytest.approx((prompts * 1.0 + prompts * G * sampled) / (prompts * group))
+    assert sampled < metrics["reward/mean"]
+    raw["algorithm"]["ground_truth_member"] = False
+    raw["output_dir"] = str(tmp_path / "plain")
+    plain = Trainer(config_mod.from_dict(raw))
+    plain.step = 1
+    assert "reward/sampled_mean" not in plain.train_step()
