@@ -21,9 +21,8 @@ supervised answer in Seg-Zero's layout (what ``mmgrpo sft`` and TempSamp's groun
 (``thought: labelled``: each quadrant followed by the shape in it, then the quadrant of the named one;
 ``thought: list``: the four shapes without their quadrants' names; ``thought: match``: the quadrants in reading order up
 to the named shape's, each with its shape and whether it is the one asked for, ``top left blue circle no, top right red
-triangle yes``), with the tight box and two points well inside
-the mask, whole pixels. Held-out items use scene indices disjoint from the
-training ones. The prompt is `prompt_template` (``"seg_zero"``, ``"seg_r1"`` or a template with ``{question}``).
+triangle yes``), with the tight box and two points well inside the mask, whole pixels. Held-out items use scene
+indices disjoint from the training ones. The prompt is `prompt_template` (``"seg_zero"``, ``"seg_r1"`` or a template with ``{question}``).
 """
 
 from __future__ import annotations
