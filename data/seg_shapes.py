@@ -22,7 +22,8 @@ supervised answer in Seg-Zero's layout (what ``mmgrpo sft`` and TempSamp's groun
 ``thought: list``: the four shapes without their quadrants' names; ``thought: match``: the quadrants in reading order up
 to the named shape's, each with its shape and whether it is the one asked for, ``top left blue circle no, top right red
 triangle yes``), with the tight box and two points well inside the mask, whole pixels. Held-out items use scene
-indices disjoint from the training ones. The prompt is `prompt_template` (``"seg_zero"``, ``"seg_r1"`` or a template with ``{question}``).
+indices disjoint from the training ones. The prompt is `prompt_template` (``"seg_zero"``, ``"seg_r1"`` or a template
+with ``{question}``).
 """
 
 from __future__ import annotations
@@ -113,10 +114,10 @@ def target_text(metadata: dict, shapes: list[dict], thought: str = "labelled") -
     if thought == "match":  # each quadrant up to the target's, answered "no" or "yes"
         thought_text = ", ".join(f"{QUADRANTS[c]} {by_cell.get(c, 'none')} {'yes' if c == target else 'no'}"
                                  for c in range(target + 1))
-    elif thought == "labelled":
-        thought_text = ", ".join(f"{QUADRANTS[c]} {by_cell.get(c, 'none')}" for c in range(4)) + f": {QUADRANTS[target]}"
-    else:
-        thought_text = ", ".join(by_cell.get(c, "none") for c in range(4)) + f": {QUADRANTS[target]}"
+    else:  # the four quadrants in reading order (labelled: each after its name), then the target's quadrant
+        seen = [f"{QUADRANTS[c]} {by_cell.get(c, 'none')}" if thought == "labelled" else by_cell.get(c, "none")
+                for c in range(4)]
+        thought_text = ", ".join(seen) + f": {QUADRANTS[target]}"
     p1, p2 = interior_points(metadata["mask"], metadata["boxes"])
     answer = json.dumps({"bbox": box, "points_1": p1, "points_2": p2})
     return f"<think>{thought_text}</think><answer>{answer}</answer>"

@@ -239,7 +239,7 @@ class Trainer:
             self.stream.observe(all_scores, batch.group_ids - (self.step - 1) * cfg.train.prompts_per_step)
         local_adv = self._this_process(advantages, len(local))
         metrics = self._reward_metrics(all_scores, all_groups, whole.components)
-        if getattr(plan, "ground_truth_member", False):  # TempSamp: the reward of the policy's own answers alone
+        if "ground_truth_member" in plan.features():  # TempSamp: the reward of the policy's own answers alone
             metrics["reward/sampled_mean"] = _finite_mean(all_scores[batch.member_ids != 0])
         with_signal, rewarded = groups_with_signal(advantages, all_groups), torch.isfinite(all_scores)  # [N], [N]
         metrics.update(self._update(rollout, plan, local_adv, with_signal, generator, rewarded))

@@ -41,8 +41,8 @@ import torch  # noqa: E402
 
 from builders._tokenizers import QWEN_CORPUS, qwen_tokenizer  # noqa: E402
 from builders.qwen_vl import tiny_qwen_vl  # noqa: E402
-from mmgrpo.data.seg_shapes import QUADRANTS, THOUGHTS, SegShapes, SegShapesConfig, target_text  # noqa: E402
-from mmgrpo.data.vlm_shapes import COLOURS, SHAPES, scene  # noqa: E402
+from mmgrpo.data.seg_shapes import QUADRANTS, THOUGHTS, SegShapes, SegShapesConfig  # noqa: E402
+from mmgrpo.data.vlm_shapes import COLOURS, SHAPES  # noqa: E402
 from train_vlm_shapes import supervised_step  # noqa: E402
 
 TEMPLATE = 'Find "{question}": the box and two points, as JSON.'  # short: the tiny model reads it in every step
@@ -114,14 +114,14 @@ def main(argv=None) -> dict:
         model, processor = build(args.seed, args.hidden, args.layers, args.size, args.vocab)
     model.train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
-    source = SegShapes(SegShapesConfig(n_train=0, n_eval=args.n_eval, size=args.size, prompt_template=args.template))
+    source = SegShapes(SegShapesConfig(n_train=0, n_eval=args.n_eval, size=args.size, prompt_template=args.template,
+                                       with_targets=True, thought=args.thought))  # metadata["completion"]: the target
     evaluation = source.eval_items()
     longest = 0
     for index in range(SFT_FIRST, SFT_FIRST + 200):
         item = source.item(index)
         if item is not None:
-            longest = max(longest, len(processor.tokenizer(
-                target_text(item["metadata"], scene(index, args.size), args.thought))["input_ids"]))
+            longest = max(longest, len(processor.tokenizer(item["metadata"]["completion"])["input_ids"]))
     if longest + 2 > args.max_new_tokens:
         raise ValueError(f"--max-new-tokens {args.max_new_tokens} cannot hold a {longest}-token answer; raise it.")
     start, scores, history, index = time.time(), {"giou": 0.0}, [], SFT_FIRST  # never the RL / held-out scenes
@@ -131,7 +131,7 @@ def main(argv=None) -> dict:
             item = source.item(index)
             if item is not None:
                 items.append(item)
-                targets.append(target_text(item["metadata"], scene(index, args.size), args.thought))
+                targets.append(item["metadata"]["completion"])
             index += 1
         loss = supervised_step(model, optimizer, processor, items, targets)
         if step % args.eval_every == 0:

@@ -78,8 +78,10 @@ def test_target_text_by_hand():
     assert target_text(metadata, shapes) == (
         "<think>top left none, top right red circle, bottom left blue square, bottom right none: top right</think>"
         + answer)
-    assert target_text(metadata, shapes, "list") == "<think>none, red circle, blue square, none: top right</think>" + answer
-    assert target_text(metadata, shapes, "match") == "<think>top left none no, top right red circle yes</think>" + answer
+    assert target_text(metadata, shapes, "list") == (
+        "<think>none, red circle, blue square, none: top right</think>" + answer)
+    assert target_text(metadata, shapes, "match") == (
+        "<think>top left none no, top right red circle yes</think>" + answer)
 
 
 def test_with_targets_writes_the_completion_of_the_scene():
