@@ -28,10 +28,12 @@ def _close(fig) -> None:
 
 def save_image_grid(images, captions: list[str], path: str | Path, columns: int = 4) -> None:
     """Saves images in [0, 1] as a PNG grid, each with its caption: a tensor `[N, 3, H, W]` or a list of `N` tensors
-    `[3, H_i, W_i]` (sizes may differ, e.g. frame strips or overlays on their input images)."""
+    `[3, H_i, W_i]` (sizes may differ, e.g. frame strips or overlays on their input images). Rows are as tall as the
+    tallest image at the common cell width, so wide frame strips leave no blank bands."""
     n = len(images)
     rows = max(1, (n + columns - 1) // columns)
-    fig, axes = plt.subplots(rows, columns, figsize=(columns * 2.4, rows * 2.7), squeeze=False)
+    aspect = max((float(image.shape[-2]) / image.shape[-1] for image in images), default=1.0)  # tallest H / W
+    fig, axes = plt.subplots(rows, columns, figsize=(columns * 2.4, rows * (2.4 * aspect + 0.35)), squeeze=False)
     for i, ax in enumerate(axes.flat):
         ax.axis("off")
         if i < n:

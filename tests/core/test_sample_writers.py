@@ -118,3 +118,15 @@ def test_drawn_figures_do_not_pile_up(tmp_path):
     finally:
         gc.enable()
     assert after <= before + 1  # the last one is still referenced by its drawing function while it collects
+
+
+def test_grid_rows_fit_wide_frame_strips_without_blank_bands(tmp_path):
+    from mmgrpo.visualize import save_image_grid
+
+    strips = [torch.rand(3, 32, 5 * 32) for _ in range(4)]  # [3, H, 5 W]: five frames side by side
+    squares = [torch.rand(3, 32, 32) for _ in range(4)]  # [3, H, W]
+    save_image_grid(strips, ["a red circle moving right"] * 4, tmp_path / "strips.png", columns=2)
+    save_image_grid(squares, ["a red circle"] * 4, tmp_path / "squares.png", columns=2)
+    strip_size, square_size = Image.open(tmp_path / "strips.png").size, Image.open(tmp_path / "squares.png").size
+    assert strip_size[0] == square_size[0]  # same cell width
+    assert strip_size[1] < 0.5 * square_size[1]  # rows shrink with the images' height / width
