@@ -5,31 +5,37 @@ Steps: (1) a tiny `AutoencoderKLWan` (spatial compression 4, temporal 2: a 5-fra
 (optionally then on whole clips, `--vae-steps`); its per-channel ``latents_mean`` / ``latents_std`` are set so latents
 have zero mean and unit std. Kept frame by frame (the default), it encodes frames 0, 2 and 4 of a clip and decodes
 frames 0, 2, 2, 4, 4: the motion is sampled every other frame; (2) a bank of rendered train clips is encoded once; (3)
-the `UMT5EncoderModel` and the `WanTransformer3DModel` (patch ``(3, 2, 2)``: one token holds a 2 x 2 latent block of all
-three latent frames, 16 tokens per clip) are trained jointly with the rectified-flow loss (``x_s = (1 - s) x_0 + s
-noise``, target ``noise - x_0``, `s` logit-normal) on latents drawn from that bank, with 10% empty prompts; (4) from
-`--eval-start` on, the held-out strict accuracy of the EMA weights (`mmgrpo.rewards.moving_shapes`, exact scene,
-sampling with `WanPipeline` itself: Euler, 10 steps, no guidance) is measured every `--eval-every` steps, and training
-stops once it lies in `--target` (RL needs an imperfect start). The result is written with `save_pretrained` (loadable
-by `WanPipeline.from_pretrained` and the `wan` policy), with ``metrics.json`` (accuracies overall and per prompt kind
-and motion, sampling settings, history) and ``samples.png`` (frame strips of held-out samples with their prompts and
-strict scores) beside it.
+the `UMT5EncoderModel` and the `WanTransformer3DModel` (patch ``(3, 1, 1)``: one token holds one latent pixel of all
+three latent frames, a 4 x 4 pixel patch of the clip, 64 tokens per clip) are trained jointly with the rectified-flow
+loss (``x_s = (1 - s) x_0 + s noise``, target ``noise - x_0``, `s` logit-normal) on latents drawn from that bank,
+with 10% empty prompts; (4) from `--eval-start` on, the held-out strict accuracy of the EMA weights
+(`mmgrpo.rewards.moving_shapes`, exact scene, sampling with `WanPipeline` itself: Euler, 10 steps, no guidance) is
+measured every `--eval-every` steps, and training stops once it lies in `--target` (RL needs an imperfect start). The
+result is written with `save_pretrained` (loadable by `WanPipeline.from_pretrained` and the `wan` policy), with
+``metrics.json`` (accuracies overall and per prompt kind and motion, sampling settings, history) and ``samples.png``
+(frame strips of held-out samples with their prompts and strict scores) beside it.
 
-Recipe of the shipped model (the defaults): prompts of the ``single`` kind only, 4 latent channels, patch ``(3, 2, 2)``,
+Recipe of the shipped model (the defaults): prompts of the ``single`` kind only, 4 latent channels, patch ``(3, 1, 1)``,
 3 layers x 4 heads x 32, batch 64, lr 3e-3 cosine over 6000 steps, 2500 VAE steps (reconstructions: strict 1.0 on
-100 held-out clips). It never reached the 0.3-0.5 target: the selection evaluations rose to 0.2-0.22 from step 4750 on,
-the EMA weights of step 5500 were kept, and they score 0.177 held-out strict on 300 items (``metrics.json``), in 50
-minutes on a 2-core machine shared with other jobs (VAE stage 24, flow matching with its evaluations 26). What
-was measured on the way, held-out strict on 120 items: with 16 latent channels, patch ``(1, 2, 2)``, 4 layers, batch
-32, lr 2e-3 and both kinds, 0.003 after 3000 steps; with 4 channels, patch ``(1, 2, 2)``, single kind, batch 64, 0.0
-at step 1500 and 0.025 at 1750 (each of the three latent frames drew its own object: the first frame often in another
-colour or place, and little motion); with patch ``(3, 2, 2)`` (the clip's frames in one token), 0.033 at step 1500 and
-0.125 at 3250 and 0.2 at 6000, at half the cost per step.
+100 held-out clips). The shipped weights took their VAE from an earlier run of these defaults with patch ``(3, 2, 2)``
+(``--vae-from``; the VAE does not depend on the patch): the selection evaluations read 0.15-0.2 from step 1750 to
+2750, 0.267 at 3000 and 0.333 at 3250, where the mean of the last two entered the target and training stopped; the EMA
+weights of step 3250 score 0.267 held-out strict on 300 items (``metrics.json``), after 19 minutes of flow matching with
+its evaluations on one thread of a 2-core machine shared with another job. What was measured on the way, held-out
+strict on 120 items: with 16 latent channels, patch ``(1, 2, 2)``, 4 layers, batch 32, lr 2e-3 and both kinds, 0.003
+after 3000 steps; with 4 channels, patch ``(1, 2, 2)``, single kind, batch 64, 0.0 at step 1500 and 0.025 at 1750 (each
+of the three latent frames drew its own object: the first frame often in another colour or place, and little
+motion); with patch ``(3, 2, 2)`` (the clip's frames in one token, a token covering 8 x 8 pixels), 0.033 at step 1500,
+0.125 at 3250 and 0.2-0.22 from 4750 to 6000 (its squares had soft corners and almost never passed the shape check);
+with patch ``(3, 1, 1)``, 0.15 at step 1750 and 0.333 at 3250 (0.32 s per step on one CPU thread).
 
 Run from the repository root (deterministic from ``--seed``; a killed run continues from its last checkpoint when
 started again with the same arguments)::
 
     HF_HUB_OFFLINE=1 python scripts/train_t2v_shapes.py --output data/weights/t2v_shapes
+
+(the shipped weights were trained with ``--vae-from`` pointing at the earlier model's folder; ``--vae-from
+data/weights/t2v_shapes`` reuses the same VAE weights and skips the 24-minute VAE stage).
 """
 
 from __future__ import annotations
@@ -70,7 +76,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="prompt kinds trained and measured (the shipped model: single)")
     # model
     parser.add_argument("--patch-t", type=int, default=3, choices=[1, 3],
-                        help="latent frames per transformer patch: 3 (the whole clip: 16 tokens) or 1 (48 tokens)")
+                        help="latent frames per patch: 3 (the whole clip in one token) or 1 (3x the tokens)")
+    parser.add_argument("--patch-s", type=int, default=1, choices=[1, 2],
+                        help="latent pixels per side of a transformer patch: 1 (a token covers 4 x 4 pixels, "
+                             "64 tokens per clip) or 2 (8 x 8 pixels, 16 tokens)")
     parser.add_argument("--layers", type=int, default=3)
     parser.add_argument("--heads", type=int, default=4)
     parser.add_argument("--head-dim", type=int, default=32)
@@ -81,6 +90,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--vae-dim", type=int, default=8, help="base channels of the VAE")
     parser.add_argument("--shift", type=float, default=1.0, help="`shift` of the saved Euler scheduler")
     # VAE stage
+    parser.add_argument("--vae-from", default="",
+                        help="a saved pipeline folder whose trained VAE (same --z-dim / --vae-dim) replaces the VAE "
+                             "stage")
     parser.add_argument("--vae-image-steps", type=int, default=2500, help="VAE steps on single frames (cheap)")
     parser.add_argument("--vae-image-batch", type=int, default=32)
     parser.add_argument("--vae-steps", type=int, default=0,
@@ -130,10 +142,10 @@ def build_pipeline(args):
             scale_factor_temporal=2, scale_factor_spatial=4,
         )
         transformer = WanTransformer3DModel(
-            patch_size=(args.patch_t, 2, 2), num_attention_heads=args.heads, attention_head_dim=args.head_dim,
-            in_channels=args.z_dim, out_channels=args.z_dim, text_dim=args.text_hidden, freq_dim=256,
-            ffn_dim=args.ffn, num_layers=args.layers, cross_attn_norm=True, qk_norm="rms_norm_across_heads",
-            rope_max_seq_len=32,
+            patch_size=(args.patch_t, args.patch_s, args.patch_s), num_attention_heads=args.heads,
+            attention_head_dim=args.head_dim, in_channels=args.z_dim, out_channels=args.z_dim,
+            text_dim=args.text_hidden, freq_dim=256, ffn_dim=args.ffn, num_layers=args.layers, cross_attn_norm=True,
+            qk_norm="rms_norm_across_heads", rope_max_seq_len=32,
         )
     scheduler = FlowMatchEulerDiscreteScheduler(shift=args.shift)
     return WanPipeline(tokenizer=tokenizer, text_encoder=text_encoder, vae=vae, scheduler=scheduler,
@@ -395,8 +407,15 @@ def main(argv=None) -> None:
 
     # ---- (1) VAE, (2) the latent bank
     if state is None:
-        train_vae(pipe.vae, source.train_pools, args, rng, log,
-                  lambda: reconstruction_accuracy(pipe.vae, final_items[:60], reward, args))
+        if args.vae_from:  # a VAE trained by an earlier run of this script
+            from diffusers import AutoencoderKLWan
+
+            pipe.vae.load_state_dict(AutoencoderKLWan.from_pretrained(args.vae_from, subfolder="vae").state_dict())
+            pipe.vae.eval()
+            log(f"vae: loaded from {args.vae_from}")
+        else:
+            train_vae(pipe.vae, source.train_pools, args, rng, log,
+                      lambda: reconstruction_accuracy(pipe.vae, final_items[:60], reward, args))
         bank = encode_bank(pipe.vae, source.train_pools, args, rng)
         vae_accuracy = reconstruction_accuracy(pipe.vae, final_items[:100], reward, args)
         save_state({"vae": pipe.vae.state_dict(), "latents_mean": pipe.vae.config.latents_mean,

@@ -18,7 +18,7 @@ def test_shipped_metrics_record_an_imperfect_base_and_the_sampling_settings():
     cfg = config_mod.load(CONFIG)
     path = Path(resolve_pretrained("mmgrpo:t2v_shapes"))
     metrics = json.loads((path / "metrics.json").read_text(encoding="utf-8"))
-    assert 0.1 <= metrics["heldout"]["strict"] <= 0.6, metrics["heldout"]  # room to improve, but it draws clips
+    assert 0.25 <= metrics["heldout"]["strict"] <= 0.6, metrics["heldout"]  # room to improve, but it draws clips
     sampling, options = metrics["sampling"], cfg.pipeline.options
     assert (sampling["height"], sampling["width"], sampling["num_frames"]) == (
         options.height, options.width, options.num_frames)
