@@ -58,6 +58,30 @@ def build(seed: int, hidden: int, layers: int, size: int, vocab: int):
 
 
 @torch.no_grad()
+def deepen(model, extra: int) -> None:
+    """Appends `extra` decoder layers to the text model of the Qwen2-VL `model`, each starting as the identity (its
+    attention output and MLP down-projections zeroed, so the residual stream passes unchanged and the model answers
+    as before); the config's layer count follows, so ``save_pretrained`` / ``from_pretrained`` keep them."""
+    from transformers.models.qwen2_vl.modeling_qwen2_vl import Qwen2VLDecoderLayer
+
+    text = model.model.language_model
+    config = model.config.text_config
+    first = config.num_hidden_layers
+    config.num_hidden_layers = first + extra
+    config.layer_types = list(config.layer_types) + [config.layer_types[-1]] * extra
+    for index in range(first, first + extra):
+        layer = Qwen2VLDecoderLayer(config, layer_idx=index)
+        for module in layer.modules():
+            if isinstance(module, torch.nn.Linear):
+                torch.nn.init.normal_(module.weight, std=config.initializer_range)
+                if module.bias is not None:
+                    torch.nn.init.zeros_(module.bias)
+        torch.nn.init.zeros_(layer.self_attn.o_proj.weight)
+        torch.nn.init.zeros_(layer.mlp.down_proj.weight)
+        text.layers.append(layer)
+
+
+@torch.no_grad()
 def held_out(path: str, sam: str, items: list[dict], max_new_tokens: int) -> dict:
     """Greedy answers of the model at `path` to `items`, scored through the tiny SAM 2 at `sam`: gIoU, cIoU, and the
     share of answers without a usable box."""
@@ -93,6 +117,8 @@ def main(argv=None) -> dict:
                         help="start from this model folder ('': a random tiny model with its own tokenizer)")
     parser.add_argument("--hidden", type=int, default=128)
     parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--extra-layers", type=int, default=0,
+                        help="decoder layers appended to the --init model's text model, starting as the identity")
     parser.add_argument("--vocab", type=int, default=600)
     parser.add_argument("--size", type=int, default=56)
     parser.add_argument("--max-new-tokens", type=int, default=144)
@@ -110,6 +136,7 @@ def main(argv=None) -> dict:
 
         model = Qwen2VLForConditionalGeneration.from_pretrained(args.init)
         processor = AutoProcessor.from_pretrained(args.init)
+        deepen(model, args.extra_layers)
     else:
         model, processor = build(args.seed, args.hidden, args.layers, args.size, args.vocab)
     model.train()

@@ -59,3 +59,25 @@ def test_shipped_vlm_seg_base_is_imperfect_and_prompts_sam():
     result = SamMask(SamMaskConfig(model="mmgrpo:tiny_sam2", coords="original", device="cpu"))(rollout.outputs, batch)
     assert float(result.components["no_box"].mean()) <= 0.25  # answers parse into boxes
     assert float(result.components["iou"].max()) > 0.5  # some answers find their shape
+
+
+def test_deepen_appends_identity_layers_that_survive_save_and_reload(tmp_path):
+    from transformers import Qwen2VLForConditionalGeneration
+
+    script = _script()
+    model = Qwen2VLForConditionalGeneration.from_pretrained(resolve_pretrained("mmgrpo:vlm_seg")).eval()
+    ids = torch.randint(0, model.config.text_config.vocab_size - 8, (2, 12))  # [B, L] text tokens
+    with torch.no_grad():
+        before = model(input_ids=ids).logits  # [B, L, V]
+    script.deepen(model, 2)
+    assert len(model.model.language_model.layers) == model.config.text_config.num_hidden_layers == 4
+    assert len(model.config.text_config.layer_types) == 4
+    with torch.no_grad():
+        assert torch.equal(model(input_ids=ids).logits, before)  # the new layers start as the identity
+    model.save_pretrained(tmp_path)
+    reloaded = Qwen2VLForConditionalGeneration.from_pretrained(tmp_path).eval()
+    assert len(reloaded.model.language_model.layers) == 4
+    new_layer = reloaded.model.language_model.layers[3]
+    assert torch.count_nonzero(new_layer.self_attn.q_proj.weight) > 0  # trainable, not all zero
+    with torch.no_grad():
+        assert torch.equal(reloaded(input_ids=ids).logits, before)
