@@ -36,3 +36,19 @@ def test_shipped_model_samples_clips_through_the_wan_policy(monkeypatch):
     result = reward(rollout.outputs, batch)
     # the model passes some of the checks (an untrained one passes none: the share of checks passed is 0)
     assert result.components["partial"].mean() >= 0.15, result.components["partial"]
+
+
+def test_script_defaults_build_the_shipped_architecture(monkeypatch):
+    import importlib.util
+
+    monkeypatch.syspath_prepend(str(ROOT / "scripts"))  # the script imports its image sibling's schedule
+    spec = importlib.util.spec_from_file_location("train_t2v_shapes", ROOT / "scripts" / "train_t2v_shapes.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    args = script.parse_args(["--output", "unused"])
+    shipped = json.loads((Path(resolve_pretrained("mmgrpo:t2v_shapes")) / "metrics.json").read_text(encoding="utf-8"))
+    assert (args.patch_t, args.patch_s) == (shipped["args"]["patch_t"], shipped["args"]["patch_s"]) == (3, 1)
+    pipe = script.build_pipeline(args)
+    config = json.loads((Path(resolve_pretrained("mmgrpo:t2v_shapes")) / "transformer" / "config.json").read_text())
+    assert list(pipe.transformer.config.patch_size) == config["patch_size"] == [3, 1, 1]
+    assert sum(p.numel() for p in pipe.transformer.parameters()) == shipped["parameters"]["transformer"]
