@@ -130,6 +130,9 @@ def main(argv=None) -> dict:
                         help="the inventory in <think> (seg_shapes' data.thought): the four shapes in reading order, "
                              "each after its quadrant, or each up to the target's with a yes / no match")
     args = parser.parse_args(argv)
+    if args.extra_layers < 0 or (args.extra_layers and not args.init):
+        parser.error(f"--extra-layers {args.extra_layers}: give a count >= 0, appended to an --init model "
+                     "(a random model takes its depth from --layers)")
     torch.manual_seed(args.seed)
     if args.init:  # a trained model and its processor (e.g. the shipped vlm_shapes base)
         from transformers import AutoProcessor, Qwen2VLForConditionalGeneration

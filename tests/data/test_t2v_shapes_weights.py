@@ -46,9 +46,10 @@ def test_script_defaults_build_the_shipped_architecture(monkeypatch):
     script = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(script)
     args = script.parse_args(["--output", "unused"])
-    shipped = json.loads((Path(resolve_pretrained("mmgrpo:t2v_shapes")) / "metrics.json").read_text(encoding="utf-8"))
+    path = Path(resolve_pretrained("mmgrpo:t2v_shapes"))
+    shipped = json.loads((path / "metrics.json").read_text(encoding="utf-8"))
     assert (args.patch_t, args.patch_s) == (shipped["args"]["patch_t"], shipped["args"]["patch_s"]) == (3, 1)
     pipe = script.build_pipeline(args)
-    config = json.loads((Path(resolve_pretrained("mmgrpo:t2v_shapes")) / "transformer" / "config.json").read_text())
+    config = json.loads((path / "transformer" / "config.json").read_text(encoding="utf-8"))
     assert list(pipe.transformer.config.patch_size) == config["patch_size"] == [3, 1, 1]
     assert sum(p.numel() for p in pipe.transformer.parameters()) == shipped["parameters"]["transformer"]

@@ -6,6 +6,7 @@ import importlib.util
 import json
 from pathlib import Path
 
+import pytest
 import torch
 
 from mmgrpo.data.seg_shapes import SegShapes, SegShapesConfig
@@ -81,3 +82,10 @@ def test_deepen_appends_identity_layers_that_survive_save_and_reload(tmp_path):
     assert torch.count_nonzero(new_layer.self_attn.q_proj.weight) > 0  # trainable, not all zero
     with torch.no_grad():
         assert torch.equal(reloaded(input_ids=ids).logits, before)
+
+
+@pytest.mark.parametrize("argv", [["--extra-layers", "-1"], ["--extra-layers", "1", "--init", ""]])
+def test_extra_layers_are_refused_without_a_model_to_deepen(argv, capsys):
+    with pytest.raises(SystemExit):
+        _script().main(argv)
+    assert "--extra-layers" in capsys.readouterr().err
