@@ -104,13 +104,20 @@ def interior_points(mask: torch.Tensor, box: list[float]) -> list[list[int]]:
     return points
 
 
+def target_quadrant(metadata: dict) -> int:
+    """The index in `QUADRANTS` of the quadrant holding the centre of an item's target box (0: top left, 3: bottom
+    right)."""
+    box = [int(round(v)) for v in metadata["boxes"]]
+    width, height = metadata["image_size"]
+    centre_x, centre_y = (box[0] + box[2]) / 2, (box[1] + box[3]) / 2
+    return 2 * int(centre_y >= height / 2) + int(centre_x >= width / 2)
+
+
 def target_text(metadata: dict, shapes: list[dict], thought: str = "labelled") -> str:
     """The supervised completion of an item with `metadata` whose scene holds `shapes` (module docstring)."""
     by_cell = {s["cell"]: f"{s['colour']} {s['shape']}" for s in shapes}
     box = [int(round(v)) for v in metadata["boxes"]]
-    width, height = metadata["image_size"]
-    centre_x, centre_y = (box[0] + box[2]) / 2, (box[1] + box[3]) / 2
-    target = 2 * int(centre_y >= height / 2) + int(centre_x >= width / 2)
+    target = target_quadrant(metadata)
     if thought == "match":  # each quadrant up to the target's, answered "no" or "yes"
         thought_text = ", ".join(f"{QUADRANTS[c]} {by_cell.get(c, 'none')} {'yes' if c == target else 'no'}"
                                  for c in range(target + 1))

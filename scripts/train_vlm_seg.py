@@ -22,6 +22,10 @@ room::
 
     python scripts/train_vlm_seg.py --out data/weights/vlm_seg --sam data/weights/tiny_sam2
 
+``--prior-quadrant`` / ``--prior-share`` skew the supervised questions towards one quadrant (the held-out ones stay
+uniform), ``--final-lr-ratio`` lets the learning rate decay along a cosine; with ``--init data/weights/vlm_seg`` they
+continue the shipped base into the skewed bases of `docs/results/seg_shapes.md`.
+
 Writes the model, the processor and ``metrics.json`` (held-out gIoU / cIoU curve, steps, seconds) to ``--out``.
 """
 
@@ -29,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 import time
 from pathlib import Path
@@ -41,7 +46,7 @@ import torch  # noqa: E402
 
 from builders._tokenizers import QWEN_CORPUS, qwen_tokenizer  # noqa: E402
 from builders.qwen_vl import tiny_qwen_vl  # noqa: E402
-from mmgrpo.data.seg_shapes import QUADRANTS, THOUGHTS, SegShapes, SegShapesConfig  # noqa: E402
+from mmgrpo.data.seg_shapes import QUADRANTS, THOUGHTS, SegShapes, SegShapesConfig, target_quadrant  # noqa: E402
 from mmgrpo.data.vlm_shapes import COLOURS, SHAPES  # noqa: E402
 from train_vlm_shapes import supervised_step  # noqa: E402
 
@@ -81,6 +86,32 @@ def deepen(model, extra: int) -> None:
         text.layers.append(layer)
 
 
+def cosine_factor(done: int, total: int, final: float) -> float:
+    """The learning-rate factor after `done` of `total` updates: 1 at the start, `final` at the end, along a cosine."""
+    return final + (1 - final) * 0.5 * (1 + math.cos(math.pi * min(done, total) / max(total, 1)))
+
+
+class QuadrantPrior:
+    """Admits items so that a share `share` of those admitted name a shape in `quadrant`: an item is taken when its
+    side (in `quadrant` or not) is below its quota of the admitted items counting it, so after `n` admitted items the
+    count in `quadrant` is within 1 of ``share * n`` (deterministic; the others wait). With `quadrant` None, every
+    item."""
+
+    def __init__(self, quadrant: str | None, share: float | None):
+        self.quadrant = None if quadrant is None else QUADRANTS.index(quadrant)
+        self.share, self.taken, self.inside = share, 0, 0
+
+    def admits(self, item: dict) -> bool:
+        if self.quadrant is None:
+            return True
+        inside = target_quadrant(item["metadata"]) == self.quadrant
+        wanted = self.inside < self.share * (self.taken + 1) if inside else \
+            self.taken - self.inside < (1 - self.share) * (self.taken + 1)
+        if wanted:
+            self.taken, self.inside = self.taken + 1, self.inside + int(inside)
+        return wanted
+
+
 @torch.no_grad()
 def held_out(path: str, sam: str, items: list[dict], max_new_tokens: int) -> dict:
     """Greedy answers of the model at `path` to `items`, scored through the tiny SAM 2 at `sam`: gIoU, cIoU, and the
@@ -112,6 +143,9 @@ def main(argv=None) -> dict:
     parser.add_argument("--steps", type=int, default=1600)
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--lr", type=float, default=1.5e-3)
+    parser.add_argument("--final-lr-ratio", type=float, default=1.0,
+                        help="the learning rate follows a cosine from --lr to this fraction of it at --steps (1: "
+                             "constant; a decay ends the run at a settled model rather than wherever the noise is)")
     parser.add_argument("--template", default=TEMPLATE, help="seg_shapes' prompt_template (the RL config's too)")
     parser.add_argument("--init", default="data/weights/vlm_shapes",
                         help="start from this model folder ('': a random tiny model with its own tokenizer)")
@@ -126,6 +160,11 @@ def main(argv=None) -> dict:
     parser.add_argument("--n-eval", type=int, default=100)
     parser.add_argument("--stop-giou", type=float, default=0.55)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--prior-quadrant", choices=list(QUADRANTS), default=None,
+                        help="skew the supervised questions towards this quadrant (with --prior-share)")
+    parser.add_argument("--prior-share", type=float, default=None,
+                        help="the share of supervised questions whose named shape lies in --prior-quadrant (a "
+                             "uniform stream has about 0.25); the held-out questions stay uniform")
     parser.add_argument("--thought", choices=list(THOUGHTS), default="labelled",
                         help="the inventory in <think> (seg_shapes' data.thought): the four shapes in reading order, "
                              "each after its quadrant, or each up to the target's with a yes / no match")
@@ -133,6 +172,11 @@ def main(argv=None) -> dict:
     if args.extra_layers < 0 or (args.extra_layers and not args.init):
         parser.error(f"--extra-layers {args.extra_layers}: give a count >= 0, appended to an --init model "
                      "(a random model takes its depth from --layers)")
+    if not 0 < args.final_lr_ratio <= 1:
+        parser.error(f"--final-lr-ratio {args.final_lr_ratio}: give a fraction in (0, 1] (1: constant rate)")
+    if (args.prior_quadrant is None) != (args.prior_share is None) or not 0 < (args.prior_share or 0.5) < 1:
+        parser.error("--prior-quadrant and --prior-share go together, the share strictly between 0 and 1 (got "
+                     f"{args.prior_quadrant!r}, {args.prior_share!r})")
     torch.manual_seed(args.seed)
     if args.init:  # a trained model and its processor (e.g. the shipped vlm_shapes base)
         from transformers import AutoProcessor, Qwen2VLForConditionalGeneration
@@ -144,6 +188,8 @@ def main(argv=None) -> dict:
         model, processor = build(args.seed, args.hidden, args.layers, args.size, args.vocab)
     model.train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda done: cosine_factor(done, args.steps,
+                                                                                        args.final_lr_ratio))
     source = SegShapes(SegShapesConfig(n_train=0, n_eval=args.n_eval, size=args.size, prompt_template=args.template,
                                        with_targets=True, thought=args.thought))  # metadata["completion"]: the target
     evaluation = source.eval_items()
@@ -154,16 +200,18 @@ def main(argv=None) -> dict:
             longest = max(longest, len(processor.tokenizer(item["metadata"]["completion"])["input_ids"]))
     if longest + 2 > args.max_new_tokens:
         raise ValueError(f"--max-new-tokens {args.max_new_tokens} cannot hold a {longest}-token answer; raise it.")
+    prior = QuadrantPrior(args.prior_quadrant, args.prior_share)
     start, scores, history, index = time.time(), {"giou": 0.0}, [], SFT_FIRST  # never the RL / held-out scenes
     for step in range(1, args.steps + 1):
         items, targets = [], []
         while len(items) < args.batch:  # fresh scenes every step
             item = source.item(index)
-            if item is not None:
+            if item is not None and prior.admits(item):
                 items.append(item)
                 targets.append(item["metadata"]["completion"])
             index += 1
         loss = supervised_step(model, optimizer, processor, items, targets)
+        schedule.step()
         if step % args.eval_every == 0:
             model.save_pretrained(args.out)
             processor.save_pretrained(args.out)

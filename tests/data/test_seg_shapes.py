@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from mmgrpo.data.referring_jsonl import TEMPLATES
-from mmgrpo.data.seg_shapes import SegShapes, SegShapesConfig, target_text
+from mmgrpo.data.seg_shapes import QUADRANTS, SegShapes, SegShapesConfig, target_quadrant, target_text
 from mmgrpo.data.vlm_shapes import COLOURS
 
 
@@ -82,6 +82,14 @@ def test_target_text_by_hand():
         "<think>none, red circle, blue square, none: top right</think>" + answer)
     assert target_text(metadata, shapes, "match") == (
         "<think>top left none no, top right red circle yes</think>" + answer)
+    assert target_quadrant(metadata) == 1
+
+
+def test_target_quadrant_is_the_quadrant_the_thought_names():
+    items = SegShapes(SegShapesConfig(n_train=40, n_eval=0, with_targets=True)).train_items()
+    named = [item["metadata"]["completion"].split("</think>")[0].rsplit(": ", 1)[1] for item in items]
+    assert [QUADRANTS[target_quadrant(item["metadata"])] for item in items] == named
+    assert len(set(named)) == 4  # every quadrant occurs
 
 
 def test_with_targets_writes_the_completion_of_the_scene():

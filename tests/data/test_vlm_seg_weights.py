@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from mmgrpo.data.seg_shapes import SegShapes, SegShapesConfig
 from mmgrpo.hub import resolve_pretrained
@@ -89,3 +91,49 @@ def test_extra_layers_are_refused_without_a_model_to_deepen(argv, capsys):
     with pytest.raises(SystemExit):
         _script().main(argv)
     assert "--extra-layers" in capsys.readouterr().err
+
+
+def _item_in(quadrant: int) -> dict:
+    """A seg_shapes-like item whose target box lies in `quadrant` of a 56 x 56 image (0: top left ... 3: bottom right)."""
+    x, y = 28 * (quadrant % 2), 28 * (quadrant // 2)
+    return {"metadata": {"boxes": [x + 4, y + 4, x + 20, y + 20], "image_size": [56, 56]}}
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.floats(0.05, 0.95), st.lists(st.integers(0, 3), min_size=1, max_size=300))
+def test_quadrant_prior_keeps_the_admitted_share_within_one_item(share, quadrants):
+    prior = _script().QuadrantPrior("top left", share)
+    taken = inside = 0
+    for quadrant in quadrants:
+        if prior.admits(_item_in(quadrant)):
+            taken, inside = taken + 1, inside + int(quadrant == 0)
+            assert abs(inside - share * taken) < 1
+    assert (prior.taken, prior.inside) == (taken, inside)
+
+
+def test_quadrant_prior_reaches_its_share_on_a_uniform_stream_and_without_one_admits_all():
+    script = _script()
+    prior = script.QuadrantPrior("bottom right", 0.7)
+    admitted = [q for q in [0, 1, 2, 3] * 200 if prior.admits(_item_in(q))]
+    assert admitted.count(3) == round(0.7 * len(admitted)) and len(admitted) > 250
+    everything = script.QuadrantPrior(None, None)
+    assert all(everything.admits(_item_in(q)) for q in range(4))
+
+
+def test_cosine_factor_runs_from_one_to_the_final_ratio():
+    factor = _script().cosine_factor
+    values = [factor(done, 100, 0.1) for done in range(0, 121, 10)]
+    assert values[0] == 1.0 and abs(factor(100, 100, 0.1) - 0.1) < 1e-12 and values[-1] == values[-3]
+    assert all(a >= b for a, b in zip(values, values[1:]))  # never rises
+    assert factor(37, 100, 1.0) == 1.0  # ratio 1: a constant rate
+
+
+@pytest.mark.parametrize("argv, flag", [
+    (["--prior-share", "0.7"], "--prior-quadrant"),
+    (["--prior-quadrant", "top left", "--prior-share", "1.0"], "--prior-quadrant"),
+    (["--final-lr-ratio", "0"], "--final-lr-ratio"),
+])
+def test_bad_prior_or_schedule_flags_are_refused_before_training(argv, flag, capsys):
+    with pytest.raises(SystemExit):
+        _script().main(argv)
+    assert flag in capsys.readouterr().err
