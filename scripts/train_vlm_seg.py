@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
 import time
 from pathlib import Path
@@ -47,7 +46,9 @@ import torch  # noqa: E402
 from builders._tokenizers import QWEN_CORPUS, qwen_tokenizer  # noqa: E402
 from builders.qwen_vl import tiny_qwen_vl  # noqa: E402
 from mmgrpo.data.seg_shapes import QUADRANTS, THOUGHTS, SegShapes, SegShapesConfig, target_quadrant  # noqa: E402
+from mmgrpo.config import TrainConfig  # noqa: E402
 from mmgrpo.data.vlm_shapes import COLOURS, SHAPES  # noqa: E402
+from mmgrpo.optim import build_optimizer  # noqa: E402
 from train_vlm_shapes import supervised_step  # noqa: E402
 
 TEMPLATE = 'Find "{question}": the box and two points, as JSON.'  # short: the tiny model reads it in every step
@@ -86,9 +87,12 @@ def deepen(model, extra: int) -> None:
         text.layers.append(layer)
 
 
-def cosine_factor(done: int, total: int, final: float) -> float:
-    """The learning-rate factor after `done` of `total` updates: 1 at the start, `final` at the end, along a cosine."""
-    return final + (1 - final) * 0.5 * (1 + math.cos(math.pi * min(done, total) / max(total, 1)))
+def optimizer_config(args: argparse.Namespace) -> TrainConfig:
+    """The optimisation of the supervised run as the trainer's `TrainConfig`, for `mmgrpo.optim.build_optimizer`:
+    AdamW at ``--lr`` without weight decay, constant, or with ``--final-lr-ratio`` below 1 a cosine down to that
+    fraction of it at the last of the ``--steps`` updates."""
+    return TrainConfig(max_steps=args.steps, learning_rate=args.lr, weight_decay=0.0, min_lr_ratio=args.final_lr_ratio,
+                       lr_schedule="constant" if args.final_lr_ratio == 1 else "cosine")
 
 
 class QuadrantPrior:
@@ -144,8 +148,9 @@ def main(argv=None) -> dict:
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--lr", type=float, default=1.5e-3)
     parser.add_argument("--final-lr-ratio", type=float, default=1.0,
-                        help="the learning rate follows a cosine from --lr to this fraction of it at --steps (1: "
-                             "constant; a decay ends the run at a settled model rather than wherever the noise is)")
+                        help="the learning rate follows a cosine from --lr to this fraction of it at the last of "
+                             "--steps (1: constant; a decay ends the run at a settled model rather than wherever the "
+                             "noise is)")
     parser.add_argument("--template", default=TEMPLATE, help="seg_shapes' prompt_template (the RL config's too)")
     parser.add_argument("--init", default="data/weights/vlm_shapes",
                         help="start from this model folder ('': a random tiny model with its own tokenizer)")
@@ -174,7 +179,8 @@ def main(argv=None) -> dict:
                      "(a random model takes its depth from --layers)")
     if not 0 < args.final_lr_ratio <= 1:
         parser.error(f"--final-lr-ratio {args.final_lr_ratio}: give a fraction in (0, 1] (1: constant rate)")
-    if (args.prior_quadrant is None) != (args.prior_share is None) or not 0 < (args.prior_share or 0.5) < 1:
+    if (args.prior_quadrant is None) != (args.prior_share is None) or (
+            args.prior_share is not None and not 0 < args.prior_share < 1):
         parser.error("--prior-quadrant and --prior-share go together, the share strictly between 0 and 1 (got "
                      f"{args.prior_quadrant!r}, {args.prior_share!r})")
     torch.manual_seed(args.seed)
@@ -187,9 +193,7 @@ def main(argv=None) -> dict:
     else:
         model, processor = build(args.seed, args.hidden, args.layers, args.size, args.vocab)
     model.train()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
-    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda done: cosine_factor(done, args.steps,
-                                                                                        args.final_lr_ratio))
+    optimizer, schedule = build_optimizer(model.parameters(), optimizer_config(args))
     source = SegShapes(SegShapesConfig(n_train=0, n_eval=args.n_eval, size=args.size, prompt_template=args.template,
                                        with_targets=True, thought=args.thought))  # metadata["completion"]: the target
     evaluation = source.eval_items()

@@ -120,17 +120,34 @@ def test_quadrant_prior_reaches_its_share_on_a_uniform_stream_and_without_one_ad
     assert all(everything.admits(_item_in(q)) for q in range(4))
 
 
-def test_cosine_factor_runs_from_one_to_the_final_ratio():
-    factor = _script().cosine_factor
-    values = [factor(done, 100, 0.1) for done in range(0, 121, 10)]
-    assert values[0] == 1.0 and abs(factor(100, 100, 0.1) - 0.1) < 1e-12 and values[-1] == values[-3]
-    assert all(a >= b for a, b in zip(values, values[1:]))  # never rises
-    assert factor(37, 100, 1.0) == 1.0  # ratio 1: a constant rate
+def _learning_rates(ratio: float, steps: int = 100, lr: float = 1e-3, extra: int = 20) -> list[float]:
+    """The learning rate of each of `steps` + `extra` updates of the script's optimizer at ``--final-lr-ratio``."""
+    from argparse import Namespace
+
+    from mmgrpo.optim import build_optimizer
+
+    args = Namespace(steps=steps, lr=lr, final_lr_ratio=ratio)
+    optimizer, schedule = build_optimizer([torch.nn.Parameter(torch.zeros(1))], _script().optimizer_config(args))
+    assert optimizer.defaults["weight_decay"] == 0.0
+    rates = []
+    for _ in range(steps + extra):
+        rates.append(optimizer.param_groups[0]["lr"])
+        optimizer.step()
+        schedule.step()
+    return rates
+
+
+def test_learning_rate_runs_from_lr_to_the_final_ratio():
+    rates = _learning_rates(0.1)
+    assert rates[0] == 1e-3 and abs(rates[99] - 1e-4) < 1e-12 and rates[-1] == rates[99]  # the last of --steps on
+    assert all(a >= b for a, b in zip(rates, rates[1:]))  # never rises
+    assert set(_learning_rates(1.0)) == {1e-3}  # ratio 1: a constant rate
 
 
 @pytest.mark.parametrize("argv, flag", [
     (["--prior-share", "0.7"], "--prior-quadrant"),
     (["--prior-quadrant", "top left", "--prior-share", "1.0"], "--prior-quadrant"),
+    (["--prior-quadrant", "top left", "--prior-share", "0"], "--prior-quadrant"),
     (["--final-lr-ratio", "0"], "--final-lr-ratio"),
 ])
 def test_bad_prior_or_schedule_flags_are_refused_before_training(argv, flag, capsys):
