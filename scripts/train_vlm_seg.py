@@ -26,7 +26,9 @@ room::
 uniform), ``--final-lr-ratio`` lets the learning rate decay along a cosine; with ``--init data/weights/vlm_seg`` they
 continue the shipped base into the skewed bases of `docs/results/seg_shapes.md`.
 
-Writes the model, the processor and ``metrics.json`` (held-out gIoU / cIoU curve, steps, seconds) to ``--out``.
+Writes the model, the processor and ``metrics.json`` (held-out gIoU / cIoU curve, steps, seconds) to ``--out``;
+with ``--keep``, the model of every evaluation too, in ``OUT/checkpoint-STEP``. ``--eval-seed`` evaluates on other
+scenes than the RL configs' held-out ones, so that a base (a step, a skew) can be chosen on validation scenes.
 """
 
 from __future__ import annotations
@@ -116,6 +118,14 @@ class QuadrantPrior:
         return wanted
 
 
+def supervised_source(args: argparse.Namespace) -> SegShapes:
+    """The script's `seg_shapes` source: items with their supervised completion, whose held-out items are the scenes
+    of ``--eval-seed`` (the supervised stream itself is read by scene index from `SFT_FIRST` on, whatever the seed)."""
+    return SegShapes(SegShapesConfig(n_train=0, n_eval=args.n_eval, size=args.size, prompt_template=args.template,
+                                     with_targets=True, thought=args.thought,  # metadata["completion"]: the target
+                                     seed=args.eval_seed))
+
+
 @torch.no_grad()
 def held_out(path: str, sam: str, items: list[dict], max_new_tokens: int) -> dict:
     """Greedy answers of the model at `path` to `items`, scored through the tiny SAM 2 at `sam`: gIoU, cIoU, and the
@@ -163,6 +173,12 @@ def main(argv=None) -> dict:
     parser.add_argument("--max-new-tokens", type=int, default=144)
     parser.add_argument("--eval-every", type=int, default=100)
     parser.add_argument("--n-eval", type=int, default=100)
+    parser.add_argument("--eval-seed", type=int, default=0,
+                        help="seg_shapes' data.seed of the evaluated scenes: 0, the RL configs' held-out scenes; "
+                             "another seed, validation scenes that neither those configs nor the supervised stream use "
+                             "(to choose a base without looking at the held-out set)")
+    parser.add_argument("--keep", action="store_true",
+                        help="also keep the model of every evaluation in OUT/checkpoint-STEP (--out is overwritten)")
     parser.add_argument("--stop-giou", type=float, default=0.55)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--prior-quadrant", choices=list(QUADRANTS), default=None,
@@ -194,8 +210,7 @@ def main(argv=None) -> dict:
         model, processor = build(args.seed, args.hidden, args.layers, args.size, args.vocab)
     model.train()
     optimizer, schedule = build_optimizer(model.parameters(), optimizer_config(args))
-    source = SegShapes(SegShapesConfig(n_train=0, n_eval=args.n_eval, size=args.size, prompt_template=args.template,
-                                       with_targets=True, thought=args.thought))  # metadata["completion"]: the target
+    source = supervised_source(args)
     evaluation = source.eval_items()
     longest = 0
     for index in range(SFT_FIRST, SFT_FIRST + 200):
@@ -221,6 +236,9 @@ def main(argv=None) -> dict:
             processor.save_pretrained(args.out)
             scores = held_out(args.out, args.sam, evaluation, args.max_new_tokens)
             model.train()
+            if args.keep:
+                model.save_pretrained(Path(args.out, f"checkpoint-{step}"))
+                processor.save_pretrained(Path(args.out, f"checkpoint-{step}"))
             history.append({"step": step, "loss": round(loss.item(), 4), **scores,
                             "seconds": round(time.time() - start, 1)})
             print(json.dumps(history[-1]), flush=True)

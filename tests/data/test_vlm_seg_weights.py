@@ -154,3 +154,33 @@ def test_bad_prior_or_schedule_flags_are_refused_before_training(argv, flag, cap
     with pytest.raises(SystemExit):
         _script().main(argv)
     assert flag in capsys.readouterr().err
+
+
+def test_eval_seed_moves_the_evaluated_scenes_off_the_rl_held_out_set():
+    from argparse import Namespace
+
+    script = _script()
+    args = Namespace(n_eval=30, size=56, template=script.TEMPLATE, thought="labelled", eval_seed=0)
+    held_out = script.supervised_source(args).eval_items()
+    rl = SegShapes(SegShapesConfig(n_train=0, n_eval=30, prompt_template=script.TEMPLATE)).eval_items()
+    assert [i["prompt"] for i in held_out] == [i["prompt"] for i in rl]
+    assert all(torch.equal(a["metadata"]["mask"], b["metadata"]["mask"]) for a, b in zip(held_out, rl))
+    args.eval_seed = 3
+    validation = script.supervised_source(args).eval_items()
+    assert not any(torch.equal(a["metadata"]["mask"], b["metadata"]["mask"]) for a, b in zip(validation, rl))
+    assert all("completion" in i["metadata"] for i in validation)
+
+
+def test_keep_writes_each_evaluated_model_as_a_loadable_checkpoint(tmp_path):
+    from transformers import Qwen2VLForConditionalGeneration
+
+    out = tmp_path / "base"
+    metrics = _script().main(["--init", str(resolve_pretrained("mmgrpo:vlm_seg")), "--out", str(out), "--steps", "2",
+                              "--batch", "2", "--eval-every", "1", "--n-eval", "2", "--stop-giou", "1.0", "--keep",
+                              "--eval-seed", "3"])
+    assert [h["step"] for h in metrics["history"]] == [1, 2]
+    first = Qwen2VLForConditionalGeneration.from_pretrained(out / "checkpoint-1")
+    last = Qwen2VLForConditionalGeneration.from_pretrained(out / "checkpoint-2")
+    final = Qwen2VLForConditionalGeneration.from_pretrained(out)
+    assert all(torch.equal(a, b) for a, b in zip(last.state_dict().values(), final.state_dict().values()))
+    assert any(not torch.equal(a, b) for a, b in zip(first.state_dict().values(), last.state_dict().values()))
