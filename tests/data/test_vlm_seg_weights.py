@@ -45,15 +45,16 @@ def test_supervised_completions_give_the_true_box_and_points_inside_the_mask():
     assert checked >= 20
 
 
-def test_shipped_vlm_seg_base_is_imperfect_and_prompts_sam():
+@pytest.mark.parametrize("name", ["vlm_seg", "vlm_seg_skewed"])
+def test_shipped_vlm_seg_base_is_imperfect_and_prompts_sam(name):
     from mmgrpo.pipelines.qwen_vl import QwenVLConfig, QwenVLPolicy
     from mmgrpo.rewards.sam_mask import SamMask, SamMaskConfig
     from mmgrpo.types import TokenPlan
 
     script = _script()
-    metrics = json.loads(Path(resolve_pretrained("mmgrpo:vlm_seg"), "metrics.json").read_text(encoding="utf-8"))
-    assert 0.2 <= metrics["held_out_giou"] <= 0.6  # clearly imperfect: RL has room
-    policy = QwenVLPolicy(QwenVLConfig(pretrained="mmgrpo:vlm_seg", max_new_tokens=144, lora_rank=0,
+    metrics = json.loads(Path(resolve_pretrained(f"mmgrpo:{name}"), "metrics.json").read_text(encoding="utf-8"))
+    assert 0.25 <= metrics["held_out_giou"] <= 0.6  # clearly imperfect: RL has room
+    policy = QwenVLPolicy(QwenVLConfig(pretrained=f"mmgrpo:{name}", max_new_tokens=144, lora_rank=0,
                                        min_pixels=3136, max_pixels=3136))
     items = SegShapes(SegShapesConfig(n_train=0, n_eval=12, prompt_template=script.TEMPLATE)).eval_items()
     batch = items_to_batch(items)
@@ -184,3 +185,29 @@ def test_keep_writes_each_evaluated_model_as_a_loadable_checkpoint(tmp_path):
     final = Qwen2VLForConditionalGeneration.from_pretrained(out)
     assert all(torch.equal(a, b) for a, b in zip(last.state_dict().values(), final.state_dict().values()))
     assert any(not torch.equal(a, b) for a, b in zip(first.state_dict().values(), last.state_dict().values()))
+
+
+def test_skewed_base_was_chosen_on_validation_scenes_and_leans_on_the_top_left():
+    """``mmgrpo:vlm_seg_skewed`` (the default's base) ends a supervised run whose questions named a top-left shape
+    97% of the time, scored on validation scenes (``--eval-seed``), not the RL held-out ones; greedy, it answers "top
+    left" far more often than the held-out targets lie there, a prior RL has to undo."""
+    import re
+
+    from mmgrpo.data.seg_shapes import QUADRANTS, target_quadrant
+    from mmgrpo.pipelines.qwen_vl import QwenVLConfig, QwenVLPolicy
+    from mmgrpo.types import TokenPlan
+
+    script = _script()
+    metrics = json.loads(Path(resolve_pretrained("mmgrpo:vlm_seg_skewed"), "metrics.json").read_text(encoding="utf-8"))
+    assert metrics["args"]["eval_seed"] != 0
+    assert (metrics["args"]["prior_quadrant"], metrics["args"]["prior_share"]) == ("top left", 0.97)
+    policy = QwenVLPolicy(QwenVLConfig(pretrained="mmgrpo:vlm_seg_skewed", max_new_tokens=144, lora_rank=0,
+                                       min_pixels=3136, max_pixels=3136))
+    items = SegShapes(SegShapesConfig(n_train=0, n_eval=40, prompt_template=script.TEMPLATE)).eval_items()
+    batch = items_to_batch(items)
+    batch.group_ids = torch.arange(len(batch))
+    answers = policy.sample(batch, TokenPlan.deterministic(144)).outputs["texts"]
+    decided = [re.search(r": (top left|top right|bottom left|bottom right)</think>", text) for text in answers]
+    said_top_left = sum(m is not None and m.group(1) == "top left" for m in decided)
+    truly_top_left = sum(QUADRANTS[target_quadrant(item["metadata"])] == "top left" for item in items)
+    assert said_top_left >= truly_top_left + 6, (said_top_left, truly_top_left)
