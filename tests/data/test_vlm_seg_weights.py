@@ -45,22 +45,27 @@ def test_supervised_completions_give_the_true_box_and_points_inside_the_mask():
     assert checked >= 20
 
 
-@pytest.mark.parametrize("name", ["vlm_seg", "vlm_seg_skewed"])
-def test_shipped_vlm_seg_base_is_imperfect_and_prompts_sam(name):
+def _greedy_answers(name: str, n: int):
+    """The first `n` held-out items of the RL configs, their batch, and the greedy outputs of ``mmgrpo:<name>``."""
     from mmgrpo.pipelines.qwen_vl import QwenVLConfig, QwenVLPolicy
-    from mmgrpo.rewards.sam_mask import SamMask, SamMaskConfig
     from mmgrpo.types import TokenPlan
 
-    script = _script()
-    metrics = json.loads(Path(resolve_pretrained(f"mmgrpo:{name}"), "metrics.json").read_text(encoding="utf-8"))
-    assert 0.25 <= metrics["held_out_giou"] <= 0.6  # clearly imperfect: RL has room
     policy = QwenVLPolicy(QwenVLConfig(pretrained=f"mmgrpo:{name}", max_new_tokens=144, lora_rank=0,
                                        min_pixels=3136, max_pixels=3136))
-    items = SegShapes(SegShapesConfig(n_train=0, n_eval=12, prompt_template=script.TEMPLATE)).eval_items()
+    items = SegShapes(SegShapesConfig(n_train=0, n_eval=n, prompt_template=_script().TEMPLATE)).eval_items()
     batch = items_to_batch(items)
     batch.group_ids = torch.arange(len(batch))
-    rollout = policy.sample(batch, TokenPlan.deterministic(144))
-    result = SamMask(SamMaskConfig(model="mmgrpo:tiny_sam2", coords="original", device="cpu"))(rollout.outputs, batch)
+    return items, batch, policy.sample(batch, TokenPlan.deterministic(144)).outputs
+
+
+@pytest.mark.parametrize("name", ["vlm_seg", "vlm_seg_skewed"])
+def test_shipped_vlm_seg_base_is_imperfect_and_prompts_sam(name):
+    from mmgrpo.rewards.sam_mask import SamMask, SamMaskConfig
+
+    metrics = json.loads(Path(resolve_pretrained(f"mmgrpo:{name}"), "metrics.json").read_text(encoding="utf-8"))
+    assert 0.25 <= metrics["held_out_giou"] <= 0.6  # clearly imperfect: RL has room
+    _, batch, outputs = _greedy_answers(name, 12)
+    result = SamMask(SamMaskConfig(model="mmgrpo:tiny_sam2", coords="original", device="cpu"))(outputs, batch)
     assert float(result.components["no_box"].mean()) <= 0.25  # answers parse into boxes
     assert float(result.components["iou"].max()) > 0.5  # some answers find their shape
 
@@ -194,19 +199,12 @@ def test_skewed_base_was_chosen_on_validation_scenes_and_leans_on_the_top_left()
     import re
 
     from mmgrpo.data.seg_shapes import QUADRANTS, target_quadrant
-    from mmgrpo.pipelines.qwen_vl import QwenVLConfig, QwenVLPolicy
-    from mmgrpo.types import TokenPlan
 
-    script = _script()
     metrics = json.loads(Path(resolve_pretrained("mmgrpo:vlm_seg_skewed"), "metrics.json").read_text(encoding="utf-8"))
     assert metrics["args"]["eval_seed"] != 0
     assert (metrics["args"]["prior_quadrant"], metrics["args"]["prior_share"]) == ("top left", 0.97)
-    policy = QwenVLPolicy(QwenVLConfig(pretrained="mmgrpo:vlm_seg_skewed", max_new_tokens=144, lora_rank=0,
-                                       min_pixels=3136, max_pixels=3136))
-    items = SegShapes(SegShapesConfig(n_train=0, n_eval=40, prompt_template=script.TEMPLATE)).eval_items()
-    batch = items_to_batch(items)
-    batch.group_ids = torch.arange(len(batch))
-    answers = policy.sample(batch, TokenPlan.deterministic(144)).outputs["texts"]
+    items, _, outputs = _greedy_answers("vlm_seg_skewed", 40)
+    answers = outputs["texts"]
     decided = [re.search(r": (top left|top right|bottom left|bottom right)</think>", text) for text in answers]
     said_top_left = sum(m is not None and m.group(1) == "top left" for m in decided)
     truly_top_left = sum(QUADRANTS[target_quadrant(item["metadata"])] == "top left" for item in items)
