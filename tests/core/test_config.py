@@ -322,7 +322,8 @@ def test_check_prints_the_resolved_config_and_ok(capsys, monkeypatch):
 @pytest.mark.parametrize("changes, fragment", [
     ({"reward": {"name": "accuracy"}, "eval": {"every": 0}}, "reward.name: reward 'accuracy' scores ['text']"),
     ({"algorithm": {"name": "cj_grpo"}, "eval": {"every": 0}}, "algorithm.name: algorithm 'cj_grpo' emits 'masked'"),
-    ({"eval": {"every": 5}}, "eval.every: prompt source 'prompt_file' has no held-out items"),
+    ({"eval": {"every": 5}}, "eval.every: prompt source 'prompt_file' has no held-out items to evaluate: give it some "
+                             "(data.eval_file)"),
 ])
 def test_check_runs_the_compatibility_checks_before_any_model_loads(tmp_path, capsys, changes, fragment):
     from mmgrpo.cli import main
@@ -330,6 +331,16 @@ def test_check_runs_the_compatibility_checks_before_any_model_loads(tmp_path, ca
     path = write(tmp_path, yaml.safe_dump(base_config(tmp_path, **changes)))
     assert main(["check", str(path)]) == 2
     assert fragment in capsys.readouterr().err
+
+
+def test_missing_held_out_items_name_the_prompt_sources_own_option(capsys, monkeypatch):
+    """A Hugging Face dataset without its held-out split is refused naming ``data.eval_split``, the option to set."""
+    from mmgrpo.cli import main
+
+    monkeypatch.chdir(ROOT)
+    assert main(["check", "configs/qwen2_5_vl_3b_grpo_count_hf_dataset.yaml", "data.eval_split=null"]) == 2
+    err = capsys.readouterr().err
+    assert "has no held-out items to evaluate: give it some (data.eval_split)" in err, err
 
 
 @pytest.mark.parametrize("path", ALL_CONFIGS, ids=lambda p: p.name)
