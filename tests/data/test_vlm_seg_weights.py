@@ -58,7 +58,7 @@ def _greedy_answers(name: str, n: int):
     return items, batch, policy.sample(batch, TokenPlan.deterministic(144)).outputs
 
 
-@pytest.mark.parametrize("name", ["vlm_seg", "vlm_seg_skewed"])
+@pytest.mark.parametrize("name", ["vlm_seg", "vlm_seg_skewed", "vlm_seg_top_left"])
 def test_shipped_vlm_seg_base_is_imperfect_and_prompts_sam(name):
     from mmgrpo.rewards.sam_mask import SamMask, SamMaskConfig
 
@@ -192,18 +192,20 @@ def test_keep_writes_each_evaluated_model_as_a_loadable_checkpoint(tmp_path):
     assert any(not torch.equal(a, b) for a, b in zip(first.state_dict().values(), last.state_dict().values()))
 
 
-def test_skewed_base_was_chosen_on_validation_scenes_and_leans_on_the_top_left():
-    """``mmgrpo:vlm_seg_skewed`` (the default's base) ends a supervised run whose questions named a top-left shape
-    97% of the time, scored on validation scenes (``--eval-seed``), not the RL held-out ones; greedy, it answers "top
-    left" far more often than the held-out targets lie there, a prior RL has to undo."""
+@pytest.mark.parametrize(("name", "share"), [("vlm_seg_skewed", 0.97), ("vlm_seg_top_left", 0.99)])
+def test_skewed_base_was_chosen_on_validation_scenes_and_leans_on_the_top_left(name, share):
+    """``mmgrpo:vlm_seg_skewed`` and ``mmgrpo:vlm_seg_top_left`` (the default's base, which continues it) end
+    supervised runs whose questions named a top-left shape 97% / 99% of the time, scored on validation scenes
+    (``--eval-seed``), not the RL held-out ones; greedy, they answer "top left" far more often than the held-out targets
+    lie there, a prior RL has to undo."""
     import re
 
     from mmgrpo.data.seg_shapes import QUADRANTS, target_quadrant
 
-    metrics = json.loads(Path(resolve_pretrained("mmgrpo:vlm_seg_skewed"), "metrics.json").read_text(encoding="utf-8"))
+    metrics = json.loads(Path(resolve_pretrained(f"mmgrpo:{name}"), "metrics.json").read_text(encoding="utf-8"))
     assert metrics["args"]["eval_seed"] != 0
-    assert (metrics["args"]["prior_quadrant"], metrics["args"]["prior_share"]) == ("top left", 0.97)
-    items, _, outputs = _greedy_answers("vlm_seg_skewed", 40)
+    assert (metrics["args"]["prior_quadrant"], metrics["args"]["prior_share"]) == ("top left", share)
+    items, _, outputs = _greedy_answers(name, 40)
     answers = outputs["texts"]
     decided = [re.search(r": (top left|top right|bottom left|bottom right)</think>", text) for text in answers]
     said_top_left = sum(m is not None and m.group(1) == "top left" for m in decided)
