@@ -10,6 +10,14 @@ from .prompt_stream import items_to_batch
 from .types import RewardResult, SamplingPlan
 
 
+def evaluation_due(every: int, every_seconds: float, step: int, train_seconds: float, last_mark: float) -> bool:
+    """Whether `every` (``eval.every``) divides `step`, or the training time passed a multiple of `every_seconds`
+    (``eval.every_seconds``) since `last_mark`, the training time of the last evaluation (0 disables either)."""
+    if every and step % every == 0:
+        return True
+    return bool(every_seconds) and train_seconds // every_seconds > last_mark // every_seconds
+
+
 def process_share(items: list, world: int, rank: int) -> tuple[list, int]:
     """This process's equal share of `items` (the remainder that does not split over `world` processes is left out;
     one item at least is evaluated) and the index of its first item among all processes' shares."""

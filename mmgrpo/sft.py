@@ -19,8 +19,12 @@ https://arxiv.org/abs/2505.16854): with probability ``sft.thought_dropout`` the 
 ``<think>...</think>`` is replaced by an empty thought ``<think>\\n\\n</think>``, teaching a "skip thinking" mode that
 GRPO can then select. The draw is fixed per item: ``u = Random(mix_seed(seed, item index)).random() < p``.
 
+**Held-out loss**: with ``eval.every`` (or ``eval.every_seconds``), the same mean NLL on the targets of the first
+``eval.num_prompts`` held-out items, as they are (no thought dropout), at step 0, every ``eval.every`` steps and at the
+last step (``eval/loss``, ``eval/tokens``). Held-out items without a target are refused before any model loads.
+
 **Output**: ``metrics.jsonl`` (``train/loss``, ``train/tokens``, ``train/thought_dropped``, ``train/grad_norm``,
-``lr``...) and trackers, atomic pickle-free checkpoints (``checkpoints/step_*``, resumable with
+``lr``, ``eval/loss``...) and trackers, atomic pickle-free checkpoints (``checkpoints/step_*``, resumable with
 ``checkpoint.resume_from``), and at the end ``<output_dir>/model``: the whole model with any LoRA merged
 (``export_pretrained(..., merge_lora=True)``), which ``pipeline.pretrained: <output_dir>/model`` trains with RL.
 Pipelines: those with a ``teacher_rollout`` (``qwen_vl``); others are refused before any model loads.
@@ -41,9 +45,10 @@ from tqdm.auto import tqdm
 
 from . import checkpoint, registry, sharding
 from .config import ExperimentConfig
+from .evaluation import evaluation_due, process_share
 from .metrics_log import MetricsLog, read_records
 from .optim import build_optimizer
-from .prompt_stream import PromptStream
+from .prompt_stream import PromptStream, items_to_batch
 from .seeding import mix_seed
 from .stop_signals import StopSignals
 from .tracking import Trackers, accelerator_options
@@ -98,6 +103,31 @@ def check(config: ExperimentConfig) -> list[dict]:
                 f"{target!r}): give each row a {key!r} field, set sft.target_key to the field that holds the target, "
                 "or use a prompt source option that writes targets (vlm_shapes: with_targets: true)."
             )
+    if config.eval.every or config.eval.every_seconds:
+        held_out_targets(config)
+    return items
+
+
+def held_out_targets(config: ExperimentConfig) -> list[dict]:
+    """The first ``eval.num_prompts`` held-out items of the prompt source, each checked to hold a text target under
+    ``sft.target_key``: what the held-out loss of ``mmgrpo sft`` scores every ``eval.every`` steps."""
+    from .preflight import held_out_options
+
+    data = registry.get("data", config.data.name)(config.data.options)
+    items, key = data.eval_items()[: config.eval.num_prompts], config.sft.target_key
+    if not items:
+        raise ConfigError(
+            f"eval.every: mmgrpo sft scores the target loss of held-out items, and prompt source {config.data.name!r} "
+            f"has none: give it some ({held_out_options(data)}) or set eval.every=0 and eval.every_seconds=0."
+        )
+    for index, item in enumerate(items):
+        target = item.get("metadata", {}).get(key)
+        if not isinstance(target, str) or not target:
+            raise ConfigError(
+                f"eval.every: mmgrpo sft scores the target loss of held-out items, and held-out item {index} has no "
+                f"text target under metadata[{key!r}] (got {target!r}): give the held-out rows a {key!r} field too, "
+                "or set eval.every=0 and eval.every_seconds=0."
+            )
     return items
 
 
@@ -140,12 +170,15 @@ class SFTTrainer:
         self.optimizer, self.lr_scheduler = build_optimizer(self.policy.trainable_parameters(), self.train_config)
         self.optimizer, self.lr_scheduler = acc.prepare(self.optimizer, self.lr_scheduler)
         self.stream = PromptStream(items, seed=config.seed)
+        self.evaluating = bool(config.eval.every or config.eval.every_seconds)
+        self.eval_items = held_out_targets(config) if self.evaluating else []
         self.log = MetricsLog(self.output_dir, enabled=acc.is_main_process)
         self.step, self.skipped_updates, self.train_seconds = 0, 0, 0.0
+        self._eval_mark = 0.0  # train_seconds at the last held-out evaluation
         if resume:
             state = checkpoint.load(acc, resume, self.policy, self.optimizer, self.lr_scheduler, weights=False)
             self.step, self.skipped_updates = state["step"], state["skipped_updates"]
-            self.train_seconds = state["train_seconds"]
+            self.train_seconds = self._eval_mark = state["train_seconds"]
             self.stream.load_state_dict(state["prompt_stream"])
             self.log.truncate_after(self.step)
         self.log.trackers = Trackers(acc, config, self.step) if acc.is_main_process else None
@@ -212,6 +245,24 @@ class SFTTrainer:
             "samples_seen": self.step * self.config.train.prompts_per_step,
         }
 
+    @torch.no_grad()
+    def evaluate(self) -> dict[str, float]:
+        """The held-out loss: the mean NLL per target token of the first ``eval.num_prompts`` held-out items' targets
+        (as they are: no thought dropout), over every process's equal share (``eval/loss``, ``eval/tokens``)."""
+        mine, _ = process_share(self.eval_items, self.world, self.rank)
+        key, size = self.config.sft.target_key, self.config.train.minibatch_size
+        nll, tokens = 0.0, 0.0
+        for start in range(0, len(mine), size):
+            chunk = mine[start : start + size]
+            batch = items_to_batch(chunk)
+            batch.group_ids = torch.arange(len(batch))
+            rollout = self.policy.teacher_rollout(batch, [item["metadata"][key] for item in chunk])  # mask [m, T]
+            score = self.policy.log_prob(rollout, list(range(rollout.mask.shape[1])))  # log_prob [m, T]
+            nll -= float(score.log_prob.sum())
+            tokens += float(rollout.mask.sum())
+        nll, tokens = self._sum(nll), self._sum(tokens)
+        return {"eval/loss": nll / tokens, "eval/tokens": tokens}
+
     def _sum(self, value: float) -> float:
         """The sum of `value` over every process."""
         if self.world == 1:
@@ -219,10 +270,19 @@ class SFTTrainer:
         acc = self.accelerator
         return float(acc.gather(torch.tensor([value], device=acc.device, dtype=torch.float64)).sum())
 
+    def _max(self, value: float) -> float:
+        """The largest `value` over every process."""
+        if self.world == 1:
+            return value
+        acc = self.accelerator
+        return float(acc.gather(torch.tensor([value], device=acc.device, dtype=torch.float64)).max())
+
     def train(self) -> dict:
         """Runs the remaining steps, saves a checkpoint, writes ``model/`` and ``summary.json``; returns the summary.
         A SIGINT / SIGTERM finishes the step and saves (no ``model/``: resume to finish)."""
         cfg, main = self.config, self.accelerator.is_main_process
+        if self.step == 0 and self.evaluating:
+            self.log.write(0, self.evaluate())
         bar = tqdm(range(self.step, cfg.train.max_steps), disable=not main, desc="sft")
         stopped_by = None
         with StopSignals(announce=main) as stop:
@@ -230,11 +290,16 @@ class SFTTrainer:
                 self.step += 1
                 start = time.perf_counter()
                 metrics = self.train_step()
-                self.train_seconds += time.perf_counter() - start
+                # every process must agree on when the time budget is spent and when to evaluate: the slowest counts
+                self.train_seconds += self._max(time.perf_counter() - start)
                 metrics.update({"time/train_s": self.train_seconds})
                 out_of_time = 0 < cfg.train.max_seconds <= self.train_seconds
                 last = out_of_time or self.step == cfg.train.max_steps
-                if self.step % cfg.log_every == 0 or last:
+                if self.evaluating and (last or evaluation_due(cfg.eval.every, cfg.eval.every_seconds, self.step,
+                                                               self.train_seconds, self._eval_mark)):
+                    metrics.update(self.evaluate())
+                    self._eval_mark = self.train_seconds
+                if self.step % cfg.log_every == 0 or last or "eval/loss" in metrics:
                     self.log.write(self.step, metrics)
                 bar.set_postfix(loss=f"{metrics['train/loss']:.4f}")
                 if cfg.checkpoint.every and self.step % cfg.checkpoint.every == 0:
@@ -274,9 +339,11 @@ class SFTTrainer:
                    "train_seconds": round(self.train_seconds, 3), "processes": self.world}
         metrics_file = self.output_dir / "metrics.jsonl"
         if self.accelerator.is_main_process and metrics_file.is_file():
-            losses = [r["train/loss"] for r in read_records(metrics_file) if r.get("train/loss") is not None]
-            if losses:
-                summary.update({"loss_first": losses[0], "loss_last": losses[-1]})
+            records = read_records(metrics_file)
+            for name, key in (("loss", "train/loss"), ("eval_loss", "eval/loss")):
+                values = [r[key] for r in records if r.get(key) is not None]
+                if values:
+                    summary.update({f"{name}_first": values[0], f"{name}_last": values[-1]})
         if stopped_by:
             summary["stopped_by"] = stopped_by
         else:

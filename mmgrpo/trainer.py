@@ -41,7 +41,7 @@ from tqdm.auto import tqdm
 from . import checkpoint, registry, sharding
 from .advantages import groups_with_signal
 from .config import ExperimentConfig
-from .evaluation import process_share, sample_and_score
+from .evaluation import evaluation_due, process_share, sample_and_score
 from .metrics_log import MetricsLog, read_records
 from .optim import build_optimizer
 from .preflight import SCORING_METHODS, check_modalities, require_plan
@@ -184,7 +184,8 @@ class Trainer:
                 metrics = self.timed_train_step()
                 out_of_time = 0 < cfg.train.max_seconds <= self.train_seconds
                 last = out_of_time or self.step == cfg.train.max_steps
-                if evaluating and (last or self._eval_due()):
+                if evaluating and (last or evaluation_due(cfg.eval.every, cfg.eval.every_seconds, self.step,
+                                                          self.train_seconds, self._eval_mark)):
                     metrics.update(self.evaluate(self.step))
                     self._eval_mark = self.train_seconds
                 if self.step % cfg.log_every == 0 or last or any(k.startswith("eval/") for k in metrics):
@@ -214,14 +215,6 @@ class Trainer:
         metrics["time/step_s"] = elapsed
         metrics["time/train_s"] = self.train_seconds
         return metrics
-
-    def _eval_due(self) -> bool:
-        """Whether `eval.every` divides this step or the training time passed a multiple of `eval.every_seconds`
-        since the last evaluation."""
-        cfg = self.config.eval
-        if cfg.every and self.step % cfg.every == 0:
-            return True
-        return bool(cfg.every_seconds) and self.train_seconds // cfg.every_seconds > self._eval_mark // cfg.every_seconds
 
     def train_step(self) -> dict[str, float]:
         cfg = self.config

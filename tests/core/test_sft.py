@@ -2,6 +2,7 @@
 dropout, a falling training loss, exact resume, refusals before loading, and SFT -> RL from the written model."""
 
 import json
+import math
 import os
 import re
 import subprocess
@@ -147,6 +148,32 @@ def test_sft_lowers_the_loss_and_resumes_exactly(tmp_path, tiny_qwen2_vl_dir):
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
+def test_held_out_loss_is_the_target_nll_of_the_held_out_items_without_thought_dropout(tmp_path, tiny_qwen2_vl_dir):
+    raw = sft_raw(tmp_path, tiny_qwen2_vl_dir, minibatch_size=1)
+    raw["eval"] = {"every": 2, "num_prompts": 2}
+    raw["sft"] = {"thought_dropout": 1.0}  # every training target loses its thought; held-out targets keep theirs
+    trainer = SFTTrainer(config_mod.from_dict(raw))
+    items = trainer.eval_items
+    assert len(items) == 2 and all("<think></think>" not in item["metadata"]["completion"] for item in items)
+    with torch.no_grad():
+        parts = [hand_nll(trainer.policy, item["prompt"], item["images"], item["metadata"]["completion"])
+                 for item in items]
+    held_out = trainer.evaluate()
+    assert held_out["eval/tokens"] == sum(n for _, n in parts)
+    assert held_out["eval/loss"] == pytest.approx(float(sum(s for s, _ in parts)) / held_out["eval/tokens"], rel=1e-5)
+
+
+def test_held_out_loss_is_logged_at_the_start_every_n_steps_and_at_the_end(tmp_path, tiny_qwen2_vl_dir):
+    raw = sft_raw(tmp_path, tiny_qwen2_vl_dir, max_steps=5, learning_rate=5e-3)
+    raw["eval"] = {"every": 2, "num_prompts": 2}
+    summary = SFTTrainer(config_mod.from_dict(raw)).train()
+    records = [json.loads(line) for line in (tmp_path / "sft" / "metrics.jsonl").read_text().splitlines()]
+    held_out = [(r["step"], r["eval/loss"]) for r in records if "eval/loss" in r]
+    assert [step for step, _ in held_out] == [0, 2, 4, 5]
+    assert summary["eval_loss_first"] == held_out[0][1] and summary["eval_loss_last"] == held_out[-1][1]
+    assert all(math.isfinite(loss) and loss > 0 for _, loss in held_out)
+
+
 def test_refusals_before_any_model_loads(tmp_path, capsys):
     assert main(["sft", "mdlm_arith", f"output_dir={tmp_path / 'm'}"]) == 2
     err = capsys.readouterr().err
@@ -158,6 +185,9 @@ def test_refusals_before_any_model_loads(tmp_path, capsys):
     assert "sft.thought_dropout" in capsys.readouterr().err
     assert main(["sft", "vlm_count_sft", "sft.bogus=1"]) == 2
     assert "sft.bogus" in capsys.readouterr().err
+    assert main(["sft", "vlm_count_sft", "data.n_eval=0", "data.n_train=3"]) == 2
+    err = capsys.readouterr().err
+    assert "eval.every: mmgrpo sft scores the target loss of held-out items" in err and "(data.n_eval)" in err
 
 
 def test_jsonl_rows_give_targets_and_a_row_without_one_is_refused(tmp_path, tiny_qwen2_vl_dir):
@@ -174,6 +204,14 @@ def test_jsonl_rows_give_targets_and_a_row_without_one_is_refused(tmp_path, tiny
     raw["sft"] = {"target_key": "solution"}
     with pytest.raises(config_mod.ConfigError, match=r"item 0 has no text target under metadata\['solution'\]"):
         check(config_mod.from_dict(raw))
+    bare = [{key: value for key, value in row.items() if key != "completion"} for row in rows]
+    (tmp_path / "held_out.jsonl").write_text("".join(json.dumps(r) + "\n" for r in bare))
+    raw["sft"], raw["eval"] = {}, {"every": 1}
+    raw["data"]["eval_file"] = str(tmp_path / "held_out.jsonl")
+    with pytest.raises(config_mod.ConfigError, match=r"held-out item 0 has no text target under metadata\['completion'\]"):
+        check(config_mod.from_dict(raw))
+    raw["eval"] = {"every": 0}  # without the held-out loss, held-out rows need no targets
+    assert len(check(config_mod.from_dict(raw))) == 2
 
 
 def test_shipped_sft_config_has_r1_targets(monkeypatch):
@@ -225,7 +263,8 @@ def test_two_processes_match_one(tmp_path):
     """Under torchrun with 2 CPU processes (each scoring half of every batch, with different numbers of target
     tokens), the loss and gradient norm of each step and the final model equal those of one process."""
     args = ["sft", "vlm_count_sft", "data.n_train=8", "train.max_steps=2", "train.prompts_per_step=4",
-            "train.minibatch_size=2", "tracking.log_with=[]", "sft.thought_dropout=0.5", "checkpoint.every=0"]
+            "train.minibatch_size=2", "tracking.log_with=[]", "sft.thought_dropout=0.5", "checkpoint.every=0",
+            "data.n_eval=6", "eval.num_prompts=6"]
     env = dict(os.environ, ACCELERATE_USE_CPU="true", OMP_NUM_THREADS="1")
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
                            "-m", "mmgrpo.cli", *args, f"output_dir={tmp_path / 'two'}"],
@@ -241,9 +280,14 @@ def test_two_processes_match_one(tmp_path):
         runs[name] = (records, summary, load_file(str(tmp_path / name / "model" / "model.safetensors")))
     (one, one_summary, one_model), (two, two_summary, two_model) = runs["one"], runs["two"]
     assert one_summary["processes"] == 1 and two_summary["processes"] == 2
-    assert [r["train/tokens"] for r in one] == [r["train/tokens"] for r in two]
+    assert [r["step"] for r in one] == [r["step"] for r in two] == [0, 1, 2]  # held-out loss at 0 and the last step
     for a, b in zip(one, two):
-        assert b["train/loss"] == pytest.approx(a["train/loss"], rel=1e-5)
-        assert b["train/grad_norm"] == pytest.approx(a["train/grad_norm"], rel=1e-4)  # the global token mean's
+        assert set(a) - {"time/train_s"} == set(b) - {"time/train_s"}
+        for key in ("train/tokens", "eval/tokens"):
+            assert a.get(key) == b.get(key)
+        for key, rel in (("train/loss", 1e-5), ("eval/loss", 1e-5), ("train/grad_norm", 1e-4)):  # global means
+            if key in a:
+                assert b[key] == pytest.approx(a[key], rel=rel), key
+    assert one[0]["eval/tokens"] > 0 and "train/loss" not in one[0] and "eval/loss" in one[2]
     for key, value in one_model.items():
         torch.testing.assert_close(two_model[key], value, rtol=1e-4, atol=1e-6)
