@@ -82,17 +82,17 @@ def check_world(sharding: str, world: int, local_world: int | None = None) -> st
     return sharding if world > 1 else "none"
 
 
-def check_group_placement(train_config, world: int, algorithm_config) -> None:
+def check_group_placement(train_config, world: int, traits) -> None:
     """Refuses ``train.group_placement: contiguous`` where a process would not hold whole groups (``prompts_per_step``
-    not a multiple of `world`), or where the algorithm's advantages read the whole batch (``global_std: true`` or
-    ``scale_rewards: batch``: each process would normalise by its own share)."""
+    not a multiple of `world`), or where the algorithm's advantages read the whole batch (its [`AlgorithmTraits`]
+    `traits` say ``group_local_advantages=False``: each process would normalise by its own share)."""
     if train_config.group_placement != "contiguous":
         return
     if train_config.prompts_per_step % world:
         raise ValueError(f"train.group_placement: contiguous keeps every group on one process, but prompts_per_step "
                          f"{train_config.prompts_per_step} does not split over {world} processes: make it a multiple "
                          "of the number of processes, or use spread.")
-    if getattr(algorithm_config, "global_std", False) or getattr(algorithm_config, "scale_rewards", None) == "batch":
+    if world > 1 and not traits.group_local_advantages:
         raise ValueError("train.group_placement: contiguous computes advantages on each process's groups, but the "
                          "algorithm normalises them over the whole batch (global_std / scale_rewards: batch): use "
                          "spread, or normalise per group.")

@@ -149,7 +149,7 @@ class Trainer:
         set_seed(config.seed)  # LoRA initialisation and anything else drawn from global RNGs
         self.policy, self.algorithm, self.reward, self.data = build_components(config)
         self.group_stage = self.reward.group_stage  # the reward's stage after the gather, or None (see RewardFn)
-        sharding.check_group_placement(config.train, self.world, getattr(self.algorithm, "config", None))
+        sharding.check_group_placement(config.train, self.world, self.algorithm.traits)
         self.eval_items = self.data.eval_items()
         # the whole weights of a checkpoint to resume, on every process, before sharding splits them
         resume = checkpoint.preload(config.checkpoint.resume_from, self.output_dir / "checkpoints", self.policy)

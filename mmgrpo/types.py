@@ -220,6 +220,9 @@ class AlgorithmTraits:
               across the whole update: the loss reports its count in ``LossOutput.entries``; the trainer weights each
               pass by it and divides the update's gradient by the count over all passes and processes (DAPO's token
               mean over the update; GCPO's mean over the trained (sample, chunk) pairs).
+        group_local_advantages (`bool`): each sample's advantage depends on its own group's scores only, so a process
+            holding whole groups can compute them alone (``train.group_placement: contiguous``); `False` when they
+            read the whole batch (a batch standard deviation: ``global_std``, ``scale_rewards: batch``).
     """
 
     reads: frozenset[str] = frozenset({"log_prob"})
@@ -229,6 +232,7 @@ class AlgorithmTraits:
     after_update: bool = False
     old_source: Literal["rollout", "old_model", "current"] = "rollout"
     update_mean: Literal["samples", "entries"] = "samples"
+    group_local_advantages: bool = True
 
     def __post_init__(self):
         if self.update_mean not in ("samples", "entries"):

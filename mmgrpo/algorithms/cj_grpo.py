@@ -67,7 +67,8 @@ class CJGRPO:
     def __init__(self, config: CJGRPOConfig):
         self.config = config
         token_ratio = {"old_token_log_prob"} if config.ratio_level == "token" else set()
-        self.traits = AlgorithmTraits(reads=TOKEN_STEP_READS | token_ratio, needs_reference=config.kl_beta > 0)
+        self.traits = AlgorithmTraits(reads=TOKEN_STEP_READS | token_ratio, needs_reference=config.kl_beta > 0,
+                                      group_local_advantages=config.scale_rewards != "batch")
 
     def schedule(self, num_steps: int, generator: torch.Generator | None = None) -> MaskedPlan:
         """Every decoding step samples and is trained, one step per unit."""

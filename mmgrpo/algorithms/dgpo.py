@@ -121,6 +121,7 @@ class DGPO:
         kl_reads = {"velocity"} if config.kl_beta > 0 else set()  # the KL term is in velocity space
         self.traits = AlgorithmTraits(
             reads=frozenset({"log_prob", "group_ids"} | kl_reads),
+            group_local_advantages=not config.global_std,
             needs_reference=config.kl_beta > 0 or not config.use_ema_ref,
             # without the KL, a sample with advantage 0 adds exactly nothing to the loss: the trainer need not score it
             zero_advantage_is_inert=config.kl_beta == 0,

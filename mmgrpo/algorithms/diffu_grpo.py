@@ -63,7 +63,8 @@ class DiffuGRPO:
     def __init__(self, config: DiffuGRPOConfig):
         self.config = config
         reads = TOKEN_STEP_READS | {"old_token_log_prob"}  # the ratio is per token
-        self.traits = AlgorithmTraits(reads=reads, needs_reference=config.kl_beta > 0)
+        self.traits = AlgorithmTraits(reads=reads, needs_reference=config.kl_beta > 0,
+                                      group_local_advantages=config.scale_rewards != "batch")
 
     def schedule(self, num_steps: int, generator: torch.Generator | None = None) -> MaskedPlan:
         """Every decoding step samples; the units are the likelihood draws ``[[0], [1], ...]``."""

@@ -91,7 +91,8 @@ class EGRPO:
 
     def __init__(self, config: EGRPOConfig):
         self.config = config
-        self.traits = AlgorithmTraits(reads=frozenset({"log_prob", "mask"}))  # mask: each sample's own SDE step
+        self.traits = AlgorithmTraits(reads=frozenset({"log_prob", "mask"}),  # mask: each sample's own SDE step
+                                      group_local_advantages=not config.global_std)
 
     def schedule(self, num_steps: int, generator: torch.Generator | None = None) -> FlowPlan:
         """A branching plan: ODE anchor per group, one SDE step per sample, all SDE steps trained as one unit (each

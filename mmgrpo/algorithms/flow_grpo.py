@@ -88,7 +88,8 @@ class FlowGRPO:
         # the KL term reads the transitions' means and the scale its convention divides by
         scale_field = {"transition": "std", "flow_grpo": "noise_scale"}[config.kl_convention]
         kl_reads = {"mean", scale_field} if config.kl_beta > 0 else set()
-        self.traits = AlgorithmTraits(reads=frozenset({"log_prob"} | kl_reads), needs_reference=config.kl_beta > 0)
+        self.traits = AlgorithmTraits(reads=frozenset({"log_prob"} | kl_reads), needs_reference=config.kl_beta > 0,
+                                      group_local_advantages=not config.global_std)
 
     def schedule(self, num_steps: int, generator: torch.Generator | None = None) -> FlowPlan:
         """All steps SDE (training the first `timestep_fraction`), or a random window of SDE steps."""

@@ -76,7 +76,8 @@ class GDPO:
     def __init__(self, config: GDPOConfig):
         self.config = config
         self.traits = AlgorithmTraits(reads=frozenset({"log_prob", "mask", "token_mask"}),
-                                      needs_reference=config.kl_beta > 0, zero_advantage_is_inert=config.kl_beta == 0)
+                                      needs_reference=config.kl_beta > 0, zero_advantage_is_inert=config.kl_beta == 0,
+                                      group_local_advantages=config.scale_rewards != "batch")
 
     def schedule(self, num_steps: int, generator: torch.Generator | None = None) -> MaskedPlan:
         """Every decoding step samples; the units are the ELBO draws ``[[0], [1], ...]``, scored by the ELBO."""

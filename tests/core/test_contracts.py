@@ -247,6 +247,39 @@ def test_algorithm_contract(name):
         assert callable(algorithm.old_policy)
 
 
+def _advantage_variants(name: str) -> list[tuple[dict, bool]]:
+    """The algorithm's tested options, and each option that normalises over the batch, with whether the advantages
+    should be group-local."""
+    import dataclasses
+
+    options = dict(ALGORITHM_OPTIONS.get(name, {}))
+    fields = {f.name for f in dataclasses.fields(registry.get("algorithm", name).Config)}
+    variants = [(options, True)]
+    if "global_std" in fields:
+        variants.append(({**options, "global_std": True}, False))
+    if "scale_rewards" in fields:
+        variants.append(({**options, "scale_rewards": "batch"}, False))
+    return variants
+
+
+@pytest.mark.parametrize("name", sorted(registry.available("algorithm")))
+def test_group_local_advantages_are_declared_truthfully(name):
+    """``traits.group_local_advantages`` (what ``group_placement: contiguous`` relies on) is true exactly when each
+    group's advantages computed alone equal those computed in the whole batch."""
+    cls = registry.get("algorithm", name)
+    scores = torch.tensor([1.0, 0.0, 0.5, 0.25, 4.0, -2.0, 3.0, 0.0])  # [8] two groups of 4, different spreads
+    groups = torch.tensor([0, 0, 0, 0, 1, 1, 1, 1])
+    for options, local in _advantage_variants(name):
+        algorithm = cls(cls.Config(**options))
+        assert algorithm.traits.group_local_advantages == local, options
+        joint = algorithm.advantages(scores, groups)  # [8]
+        alone = torch.cat([algorithm.advantages(scores[groups == g], groups[groups == g]) for g in (0, 1)])  # [8]
+        if local:
+            torch.testing.assert_close(joint, alone)
+        else:
+            assert not torch.allclose(joint, alone), options  # the batch statistic changes them
+
+
 @pytest.mark.parametrize("name", sorted(registry.available("reward")))
 def test_reward_contract(name, request):
     cls = registry.get("reward", name)

@@ -7,11 +7,12 @@ import os
 import subprocess
 import sys
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 
-from mmgrpo import sharding
+from mmgrpo import registry, sharding
+from mmgrpo.algorithms.flow_grpo import FlowGRPOConfig
+from mmgrpo.algorithms.grpo import GRPOConfig
 from mmgrpo.config import TrainConfig
 from mmgrpo.validation import ConfigError
 
@@ -49,11 +50,14 @@ def test_contiguous_placement_is_refused_where_it_cannot_hold():
     with pytest.raises(ConfigError, match="group_placement must be 'spread' or 'contiguous'"):
         TrainConfig(group_placement="local")
     contiguous = TrainConfig(group_placement="contiguous", prompts_per_step=3)
-    sharding.check_group_placement(contiguous, 1, None)  # one process holds every group
-    sharding.check_group_placement(contiguous, 3, SimpleNamespace(global_std=False))
+    local = registry.get("algorithm", "flow_grpo")(FlowGRPOConfig()).traits
+    batch_std = [registry.get("algorithm", "flow_grpo")(FlowGRPOConfig(global_std=True)).traits,
+                 registry.get("algorithm", "grpo")(GRPOConfig(scale_rewards="batch")).traits]
+    sharding.check_group_placement(contiguous, 1, batch_std[0])  # one process holds every group
+    sharding.check_group_placement(contiguous, 3, local)
     with pytest.raises(ValueError, match="prompts_per_step 3 does not split over 2 processes"):
-        sharding.check_group_placement(contiguous, 2, None)
-    for algorithm in (SimpleNamespace(global_std=True), SimpleNamespace(scale_rewards="batch")):
+        sharding.check_group_placement(contiguous, 2, local)
+    for traits in batch_std:
         with pytest.raises(ValueError, match="normalises them over the whole batch"):
-            sharding.check_group_placement(contiguous, 3, algorithm)
-    sharding.check_group_placement(TrainConfig(prompts_per_step=3), 2, SimpleNamespace(global_std=True))  # spread
+            sharding.check_group_placement(contiguous, 3, traits)
+    sharding.check_group_placement(TrainConfig(prompts_per_step=3), 2, batch_std[0])  # spread
