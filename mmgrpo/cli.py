@@ -199,6 +199,9 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:  # a second Ctrl-C during training, or one during set-up or evaluation
         print("mmgrpo: stopped at once (no checkpoint written for the current step)", file=sys.stderr)
         return 130
+    from .sharding import end_processes
+
+    end_processes()  # under torchrun: every process has finished before any closes its connections
     if summary:
         print(json.dumps(summary, indent=2))
     if summary and summary.get("stopped_by"):  # stopped by SIGINT / SIGTERM after saving: the shell's convention

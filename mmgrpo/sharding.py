@@ -82,6 +82,16 @@ def check_world(sharding: str, world: int, local_world: int | None = None) -> st
     return sharding if world > 1 else "none"
 
 
+def end_processes() -> None:
+    """Ends a multi-process run cleanly: every process waits for the others, then the process group is destroyed.
+    Without it, a process that exits first closes its gloo / NCCL connections while a peer's transport still holds
+    them, which can abort that peer (SIGABRT) after a run that succeeded. Call it only where every process arrives
+    (after a finished run, not on an error path, where the barrier would wait for a process that is gone)."""
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
 def check_group_placement(train_config, world: int, traits) -> None:
     """Refuses ``train.group_placement: contiguous`` where a process would not hold whole groups (``prompts_per_step``
     not a multiple of `world`), or where the algorithm's advantages read the whole batch (its [`AlgorithmTraits`]

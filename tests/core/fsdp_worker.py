@@ -101,6 +101,9 @@ def main(spec_file: str, out_dir: str) -> None:
         results[name] = run_case(name, case, out, spec["tag"])
         if not dist.is_initialized() or dist.get_rank() == 0:  # after each case: a later case may fail on purpose
             (out / f"result_{spec['tag']}.json").write_text(json.dumps(results, indent=1))
+    from mmgrpo.sharding import end_processes
+
+    end_processes()  # no process tears down its connections while another still uses them
 
 
 if __name__ == "__main__":

@@ -58,6 +58,9 @@ def main(tiny_sd3_dir: str, out_dir: str) -> None:
     if dist.get_rank() == 0:
         with open(f"{out_dir}/result.json", "w") as f:
             json.dump(result, f)
+    from mmgrpo.sharding import end_processes
+
+    end_processes()  # no process tears down its connections while another still uses them
 
 
 if __name__ == "__main__":
