@@ -64,7 +64,9 @@ def run_case(name: str, case: dict, out: Path, tag: str) -> dict:
     if sharded:  # the device mesh FSDP2 shards over: 1-D (fsdp) or 2-D replicate x shard (hybrid)
         mesh = sharded[0].device_mesh
         record["mesh"] = {"shape": list(mesh.shape), "names": list(mesh.mesh_dim_names or [])}
-    switch = getattr(trainer.policy, "switch", None) or trainer.policy.trainable.switch  # its ReferenceSwitch
+    policy = trainer.policy  # its ReferenceSwitch (wan: one per expert, the first here)
+    switch = getattr(policy, "switch", None) or (policy.experts[0] if hasattr(policy, "experts") else
+                                                 policy.trainable).switch
     if switch.frozen is not None:  # full fine-tuning: is the frozen reference copy sharded too?
         record["reference_sharded"] = all(sharding.is_sharded(p) for p in switch.frozen.parameters())
     before, initial = None, gathered_weights(trainer)

@@ -1,15 +1,15 @@
 """FSDP2 (``train.sharding: fsdp``) on two CPU processes under torchrun and gloo against one process, on the same
 rollouts and advantages (see `fsdp_worker.py`): the same losses and, within fp32 tolerance, the same weights after
-several updates, for a flow pipeline (sd3), `qwen_vl` and `mdlm`, LoRA and full fine-tuning (the full ones with
-gradient checkpointing: diffusers' checkpointed blocks rerun FSDP2's hooks, transformers' do not); with the reference
-policy (adapter off / frozen copy, through a KL term), DGPO's fast-EMA old model, global gradient clipping (an
-active clip: a per-process norm would scale differently) and the NaN-skip rule; evaluation and sample writing on
+several updates, for the flow pipelines (sd3, flux, wan), `qwen_vl` and `mdlm`, LoRA and full fine-tuning (the full
+ones with gradient checkpointing: diffusers' checkpointed blocks rerun FSDP2's hooks, transformers' do not); with the
+reference policy (adapter off / frozen copy, through a KL term), DGPO's fast-EMA old model, global gradient clipping
+(an active clip: a per-process norm would scale differently) and the NaN-skip rule; evaluation and sample writing on
 rank 0; checkpoints resumed at the other world size (2 -> 1 and 1 -> 2) whose weights load in stock diffusers; a
 launch as two nodes of one process (two torchrun invocations, localhost rendezvous), ``train.sharding: hybrid`` on
 them (a 2 x 1 replicate x shard mesh), and a process of it dying; and, marked slow, hybrid on two nodes of two
 processes (a 2 x 2 mesh).
-Four launches shared by the tests (one process, two, one, two nodes): about 3 minutes on two cores; the slow test's
-launch of four processes adds about 40 s (measured: 12 tests in 176 s).
+Four launches shared by the tests (one process, two, one, two nodes) and the slow test's launch of four processes:
+measured: 14 tests in 70 s on two otherwise idle cores.
 
 fp32 tolerance: the sharded run reduces gradients in another order (reduce-scatter of per-process sums), so
 weights agree to ``atol=5e-5`` after the updates (measured: at most 1.9e-5, while Adam moved them by 4e-3 to
@@ -48,6 +48,22 @@ def sd3_config(root: Path, pretrained: str, world: int, *, lora: bool, algorithm
         "eval": {"every": 0, "num_prompts": 2, "metric": "jpeg_kb"},
         "checkpoint": {"every": 0},
     }
+
+
+def flux_config(root: Path, pretrained: str, world: int, *, lora: bool, checkpointing: bool = False) -> dict:
+    config = sd3_config(root, pretrained, world, lora=lora, algorithm=flow_grpo(), checkpointing=checkpointing)
+    config["pipeline"].update(name="flux")
+    config["pipeline"].pop("guidance_scale")
+    return config
+
+
+def wan_config(root: Path, pretrained: str, world: int, *, lora: bool, checkpointing: bool = False) -> dict:
+    config = sd3_config(root, pretrained, world, lora=lora, algorithm=flow_grpo(), checkpointing=checkpointing)
+    config["pipeline"] = {"name": "wan", "pretrained": pretrained, "height": 32, "width": 32, "num_frames": 5,
+                          "num_steps": 3, "guidance_scale": 1.0, "lora_rank": 4 if lora else 0, "lora_alpha": 8,
+                          "max_sequence_length": 16, "gradient_checkpointing": checkpointing}
+    config["reward"], config["eval"]["metric"] = {"name": "temporal_flicker"}, "temporal_flicker"
+    return config
 
 
 def qwen_vl_config(root: Path, pretrained: str, world: int, *, lora: bool) -> dict:
@@ -120,6 +136,8 @@ CASES = {  # name -> (builder, its fixture, options): each trains 2 steps of 2 i
     # reference: the frozen copy; blocks checkpointed (diffusers checkpoints the block's __call__, FSDP2 hooks included)
     "sd3_full": (sd3_config, "tiny_sd3_dir", {"lora": False, "algorithm": flow_grpo(), "checkpointing": True}),
     "sd3_dgpo": (sd3_config, "tiny_sd3_dir", {"lora": True, "algorithm": DGPO}),  # the fast-EMA old model
+    "flux_lora": (flux_config, "tiny_flux_dir", {"lora": True}),  # reference: the adapter off
+    "wan_full": (wan_config, "tiny_wan_dir", {"lora": False, "checkpointing": True}),  # video latents, blocks checkpointed
     "qwen_vl_lora": (qwen_vl_config, "tiny_qwen2_vl_dir", {"lora": True}),  # prefix-shared group forward, KL
     "qwen_vl_full": (qwen_vl_config, "tiny_qwen2_vl_dir", {"lora": False}),
     "mdlm_lora": (mdlm_config, "tiny_mdlm_dir", {"lora": True}),  # step-by-step masked-diffusion backward, KL
