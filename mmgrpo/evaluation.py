@@ -4,10 +4,13 @@ the results, applies the reward's group stage and writes the scores and samples.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 
 from .prompt_stream import items_to_batch
-from .types import RewardResult, SamplingPlan
+from .seeding import mix_seed
+from .types import RewardResult, SamplingPlan, deterministic_plan
 
 
 def evaluation_due(every: int, every_seconds: float, step: int, train_seconds: float, last_mark: float) -> bool:
@@ -58,3 +61,67 @@ def sample_and_score(policy, reward, items: list, plan: SamplingPlan, generator:
     bar.close()
     return RewardResult(scores=torch.cat(scores), components={k: torch.cat(v) for k, v in components.items()},
                         features=torch.cat(features) if features else None), prompts
+
+
+def finite_mean(values: torch.Tensor) -> float:
+    """The mean of the finite entries of `values` (NaN when there is none)."""
+    values = values[torch.isfinite(values)]
+    return values.float().mean().item() if values.numel() else float("nan")
+
+
+def gather_rewards(accelerator, result: RewardResult, group_ids: torch.Tensor,
+                   group_stage=None) -> tuple[RewardResult, torch.Tensor]:
+    """Gathers this process's reward `result` (``scores`` `[n]`, ``components`` each `[n]`, ``features`` `[n, ...]`)
+    and `group_ids` `[n]` from every process (a group may span processes), then applies the reward's `group_stage`
+    (see [`mmgrpo.protocols.RewardFn`]) to the whole batch. Returns ``(result [N], groups [N])``: the final scores, in
+    the dtype the reward gave, and the global groups."""
+
+    def gather(values: torch.Tensor) -> torch.Tensor:  # [n, ...] on every process -> [N, ...], rank order
+        return accelerator.gather(values.to(accelerator.device)).cpu()
+
+    groups = gather(group_ids)  # [N]
+    whole = RewardResult(
+        scores=gather(result.scores),  # [N]
+        components={name: gather(values) for name, values in result.components.items()},
+        features=None if result.features is None else gather(result.features),
+    )
+    return (whole if group_stage is None else group_stage(whole, groups)), groups
+
+
+@torch.no_grad()
+def evaluate_held_out(policy, reward, items: list, eval_config, accelerator, output_dir, step: int, trackers=None,
+                      batch_size: int = 64) -> dict[str, float]:
+    """Deterministic samples of the first ``eval_config.num_prompts`` held-out `items` (same noise every time), each its
+    own group, scored by `reward`: the reward means (after its group stage, on every process's items) as
+    ``eval/score`` and ``eval/<component>``, the scores per prompt (``<output_dir>/eval/step_*.json``) and the samples,
+    written by the writers of the policy's output modalities ([`mmgrpo.sample_writers`]) on the main process and
+    handed to `trackers`."""
+    from accelerate.utils import gather_object
+
+    from .sample_writers import writers_for
+    from .visualize import write_per_prompt_scores
+
+    world, rank = accelerator.num_processes, accelerator.process_index
+    writers = writers_for(policy.modalities, eval_config.grid_size)
+    mine, first = process_share(items[: eval_config.num_prompts], world, rank)
+    plan = deterministic_plan(policy.plan_families[0], policy.eval_num_steps)  # the pipeline's own family
+    generator = torch.Generator()
+    generator.manual_seed(mix_seed(eval_config.seed, rank))
+    local, prompts = sample_and_score(policy, reward, mine, plan, generator, writers, first, batch_size,
+                                      progress=accelerator.is_main_process)
+    whole, _ = gather_rewards(accelerator, local, torch.arange(len(prompts)) + first, reward.group_stage)  # [N]
+    out = {"eval/score": finite_mean(whole.scores.float())}
+    for name, values in whole.components.items():
+        out[f"eval/{name}"] = finite_mean(values.float())
+    n = len(prompts)
+    scores = whole.scores[rank * n : (rank + 1) * n]  # [n] this process's
+    metric = whole.components.get(eval_config.metric, whole.scores)[rank * n : (rank + 1) * n]  # [n] headline
+    per_item = list(zip(prompts, scores.tolist(), metric.tolist()))
+    per_item = gather_object(per_item) if world > 1 else per_item
+    if accelerator.is_main_process:
+        write_per_prompt_scores(per_item, Path(output_dir) / "eval" / f"step_{step:05d}.json", eval_config.metric)
+        for writer in writers:  # this process's first samples
+            paths = writer.write(Path(output_dir) / "samples", step, scores[: eval_config.grid_size].tolist())
+            if trackers:
+                trackers.log_samples(paths, step)
+    return out

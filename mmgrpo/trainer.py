@@ -35,24 +35,22 @@ import time
 from pathlib import Path
 
 import torch
-from accelerate.utils import gather_object
 from tqdm.auto import tqdm
 
 from . import checkpoint, registry, sharding
 from .advantages import groups_with_signal
 from .config import ExperimentConfig
-from .evaluation import evaluation_due, process_share, sample_and_score
+from .evaluation import evaluate_held_out, evaluation_due, finite_mean, gather_rewards
 from .metrics_log import MetricsLog, read_records
 from .optim import build_optimizer
 from .preflight import SCORING_METHODS, check_modalities, require_plan
 from .prompt_stream import PromptStream
-from .sample_writers import writers_for
-from .types import RewardResult, SamplingPlan, Score, deterministic_plan
+from .types import RewardResult, SamplingPlan, Score
 from .reference import reference_needed
 from .seeding import mix_seed
 from .tracking import Trackers, accelerator_options
 from .stop_signals import StopSignals
-from .visualize import plot_reward_curve, write_per_prompt_scores
+from .visualize import plot_reward_curve
 
 
 def build_components(config: ExperimentConfig):
@@ -114,11 +112,6 @@ def make_accelerator(config: ExperimentConfig):
         step_scheduler_with_optimizer=False,
         **accelerator_options(config, Path(config.output_dir)),  # trackers (tracking.log_with) and their folder
     )
-
-
-def _finite_mean(values: torch.Tensor) -> float:
-    values = values[torch.isfinite(values)]
-    return values.float().mean().item() if values.numel() else float("nan")
 
 
 class Trainer:
@@ -233,7 +226,7 @@ class Trainer:
         local_adv = self._this_process(advantages, len(local))
         metrics = self._reward_metrics(all_scores, all_groups, whole.components)
         if "ground_truth_member" in plan.features():  # TempSamp: the reward of the policy's own answers alone
-            metrics["reward/sampled_mean"] = _finite_mean(all_scores[batch.member_ids != 0])
+            metrics["reward/sampled_mean"] = finite_mean(all_scores[batch.member_ids != 0])
         with_signal, rewarded = groups_with_signal(advantages, all_groups), torch.isfinite(all_scores)  # [N], [N]
         metrics.update(self._update(rollout, plan, local_adv, with_signal, generator, rewarded))
         metrics["lr"] = self.lr_scheduler.get_last_lr()[0]
@@ -241,22 +234,9 @@ class Trainer:
         return metrics
 
     def gather_rewards(self, result: RewardResult, group_ids: torch.Tensor) -> tuple[RewardResult, torch.Tensor]:
-        """Gathers this process's reward `result` (``scores`` `[n]`, ``components`` each `[n]`, ``features`` `[n, ...]`)
-        and `group_ids` `[n]` from every process (a group may span processes), then applies the reward's group stage
-        (``group_stage``, see [`mmgrpo.protocols.RewardFn`]) to the whole batch. Returns ``(result [N], groups [N])``:
-        the final scores, in the dtype the reward gave, and the global groups."""
-        acc = self.accelerator
-
-        def gather(values: torch.Tensor) -> torch.Tensor:  # [n, ...] on every process -> [N, ...], rank order
-            return acc.gather(values.to(acc.device)).cpu()
-
-        groups = gather(group_ids)  # [N]
-        whole = RewardResult(
-            scores=gather(result.scores),  # [N]
-            components={name: gather(values) for name, values in result.components.items()},
-            features=None if result.features is None else gather(result.features),
-        )
-        return (whole if self.group_stage is None else self.group_stage(whole, groups)), groups
+        """[`~mmgrpo.evaluation.gather_rewards`] over this run's processes with the reward's group stage: returns
+        ``(result [N], groups [N])``."""
+        return gather_rewards(self.accelerator, result, group_ids, self.group_stage)
 
     def global_advantages(self, result: RewardResult, group_ids: torch.Tensor):
         """[`gather_rewards`] of this process's reward `result` and `group_ids` `[n]`, then ``algorithm.advantages``
@@ -405,44 +385,23 @@ class Trainer:
         groups = [scores[(group_ids == g) & finite] for g in torch.unique(group_ids)]
         stds = torch.tensor([float(g.std(unbiased=False)) for g in groups if g.numel()])  # [groups with valid scores]
         metrics = {
-            "reward/mean": _finite_mean(scores),
+            "reward/mean": finite_mean(scores),
             "reward/std": scores[finite].std().item() if finite.sum() > 1 else 0.0,
             "reward/invalid": float((~finite).sum()),
             "reward/zero_std_groups": float((stds < 1e-8).float().mean()) if stds.numel() else 0.0,
         }
         for name, values in components.items():
-            metrics[f"reward/{name}"] = _finite_mean(values.float().cpu())
+            metrics[f"reward/{name}"] = finite_mean(values.float().cpu())
         return metrics
 
     # --------------------------------------------------------------------------------------------- evaluation
-    @torch.no_grad()
     def evaluate(self, step: int, batch_size: int = 64) -> dict[str, float]:
         """Deterministic samples of the held-out prompts (same noise every time), each its own group: the reward
         means (after the reward's group stage, on every process's items), the scores per prompt (``eval/step_*.json``)
-        and the samples, written by the writers of the pipeline's output modalities ([`mmgrpo.sample_writers`])."""
-        cfg, acc = self.config.eval, self.accelerator
-        writers = writers_for(self.policy.modalities, cfg.grid_size)
-        mine, first = process_share(self.eval_items[: cfg.num_prompts], self.world, self.rank)
-        plan = deterministic_plan(self.policy.plan_families[0], self.policy.eval_num_steps)  # the pipeline's own family
-        generator = torch.Generator()
-        generator.manual_seed(mix_seed(cfg.seed, self.rank))
-        local, prompts = sample_and_score(self.policy, self.reward, mine, plan, generator, writers, first, batch_size,
-                                          progress=acc.is_main_process)
-        whole, _ = self.gather_rewards(local, torch.arange(len(prompts)) + first)  # [N] every process's final scores
-        out = {"eval/score": _finite_mean(whole.scores.float())}
-        for name, values in whole.components.items():
-            out[f"eval/{name}"] = _finite_mean(values.float())
-        scores = self._this_process(whole.scores, len(prompts))  # [n]
-        metric = self._this_process(whole.components.get(cfg.metric, whole.scores), len(prompts))  # [n] headline
-        per_item = list(zip(prompts, scores.tolist(), metric.tolist()))
-        per_item = gather_object(per_item) if self.world > 1 else per_item
-        if acc.is_main_process:
-            write_per_prompt_scores(per_item, self.output_dir / "eval" / f"step_{step:05d}.json", cfg.metric)
-            for writer in writers:  # this process's first samples
-                paths = writer.write(self.output_dir / "samples", step, scores[: cfg.grid_size].tolist())
-                if self.log.trackers:
-                    self.log.trackers.log_samples(paths, step)
-        return out
+        and the samples, written by the writers of the pipeline's output modalities ([`mmgrpo.sample_writers`]); see
+        [`~mmgrpo.evaluation.evaluate_held_out`]."""
+        return evaluate_held_out(self.policy, self.reward, self.eval_items, self.config.eval, self.accelerator,
+                                 self.output_dir, step, self.log.trackers, batch_size)
 
     # ------------------------------------------------------------------------------------------- checkpoints
     def save(self) -> Path:
