@@ -191,10 +191,14 @@ class SFTConfig:
             ``"completion"`` field; ``vlm_shapes`` writes it with ``with_targets: true``).
         thought_dropout (`float`): TON's thought dropout: the probability that a target's ``<think>...</think>``
             content is replaced by an empty thought, drawn once per item from the run's seed.
+        eval_reward (`bool`): at each held-out evaluation (``eval.every``), also sample the held-out prompts
+            greedily and score them with the config's reward, as ``mmgrpo train`` evaluates (``eval/score``,
+            ``eval/<component>``, per-prompt scores and samples); otherwise only the held-out target loss.
     """
 
     target_key: str = "completion"
     thought_dropout: float = 0.0
+    eval_reward: bool = False
 
     def __post_init__(self):
         check_fields(self)

@@ -21,7 +21,9 @@ GRPO can then select. The draw is fixed per item: ``u = Random(mix_seed(seed, it
 
 **Held-out loss**: with ``eval.every`` (or ``eval.every_seconds``), the same mean NLL on the targets of the first
 ``eval.num_prompts`` held-out items, as they are (no thought dropout), at step 0, every ``eval.every`` steps and at the
-last step (``eval/loss``, ``eval/tokens``). Held-out items without a target are refused before any model loads.
+last step (``eval/loss``, ``eval/tokens``). Held-out items without a target are refused before any model loads. With
+``sft.eval_reward`` the same evaluations also sample the held-out prompts greedily and score them with the config's
+reward, exactly as ``mmgrpo train`` evaluates (``eval/score``, ``eval/<component>``, ``eval/step_*.json``, samples).
 
 **Output**: ``metrics.jsonl`` (``train/loss``, ``train/tokens``, ``train/thought_dropped``, ``train/grad_norm``,
 ``lr``, ``eval/loss``...) and trackers, atomic pickle-free checkpoints (``checkpoints/step_*``, resumable with
@@ -45,7 +47,7 @@ from tqdm.auto import tqdm
 
 from . import checkpoint, registry, sharding
 from .config import ExperimentConfig
-from .evaluation import evaluation_due, process_share
+from .evaluation import evaluate_held_out, evaluation_due, process_share
 from .metrics_log import MetricsLog, read_records
 from .optim import build_optimizer
 from .prompt_stream import PromptStream, items_to_batch
@@ -105,6 +107,10 @@ def check(config: ExperimentConfig) -> list[dict]:
             )
     if config.eval.every or config.eval.every_seconds:
         held_out_targets(config)
+        if config.sft.eval_reward:
+            from .preflight import check_modalities
+
+            check_modalities(config)  # the reward scores what the pipeline writes
     return items
 
 
@@ -172,6 +178,8 @@ class SFTTrainer:
         self.stream = PromptStream(items, seed=config.seed)
         self.evaluating = bool(config.eval.every or config.eval.every_seconds)
         self.eval_items = held_out_targets(config) if self.evaluating else []
+        reward_cls = registry.get("reward", config.reward.name) if self.evaluating and config.sft.eval_reward else None
+        self.reward = reward_cls(config.reward.options) if reward_cls else None
         self.log = MetricsLog(self.output_dir, enabled=acc.is_main_process)
         self.step, self.skipped_updates, self.train_seconds = 0, 0, 0.0
         self._eval_mark = 0.0  # train_seconds at the last held-out evaluation
@@ -245,8 +253,17 @@ class SFTTrainer:
             "samples_seen": self.step * self.config.train.prompts_per_step,
         }
 
+    def evaluate(self, step: int) -> dict[str, float]:
+        """The held-out loss ([`held_out_loss`]) and, with ``sft.eval_reward``, the held-out reward of greedy samples
+        as ``mmgrpo train`` evaluates them ([`~mmgrpo.evaluation.evaluate_held_out`], files named after `step`)."""
+        metrics = self.held_out_loss()
+        if self.reward is not None:
+            metrics.update(evaluate_held_out(self.policy, self.reward, self.eval_items, self.config.eval,
+                                             self.accelerator, self.output_dir, step, self.log.trackers))
+        return metrics
+
     @torch.no_grad()
-    def evaluate(self) -> dict[str, float]:
+    def held_out_loss(self) -> dict[str, float]:
         """The held-out loss: the mean NLL per target token of the first ``eval.num_prompts`` held-out items' targets
         (as they are: no thought dropout), over every process's equal share (``eval/loss``, ``eval/tokens``)."""
         mine, _ = process_share(self.eval_items, self.world, self.rank)
@@ -282,7 +299,7 @@ class SFTTrainer:
         A SIGINT / SIGTERM finishes the step and saves (no ``model/``: resume to finish)."""
         cfg, main = self.config, self.accelerator.is_main_process
         if self.step == 0 and self.evaluating:
-            self.log.write(0, self.evaluate())
+            self.log.write(0, self.evaluate(0))
         bar = tqdm(range(self.step, cfg.train.max_steps), disable=not main, desc="sft")
         stopped_by = None
         with StopSignals(announce=main) as stop:
@@ -297,7 +314,7 @@ class SFTTrainer:
                 last = out_of_time or self.step == cfg.train.max_steps
                 if self.evaluating and (last or evaluation_due(cfg.eval.every, cfg.eval.every_seconds, self.step,
                                                                self.train_seconds, self._eval_mark)):
-                    metrics.update(self.evaluate())
+                    metrics.update(self.evaluate(self.step))
                     self._eval_mark = self.train_seconds
                 if self.step % cfg.log_every == 0 or last or "eval/loss" in metrics:
                     self.log.write(self.step, metrics)
@@ -340,7 +357,8 @@ class SFTTrainer:
         metrics_file = self.output_dir / "metrics.jsonl"
         if self.accelerator.is_main_process and metrics_file.is_file():
             records = read_records(metrics_file)
-            for name, key in (("loss", "train/loss"), ("eval_loss", "eval/loss")):
+            metric = self.config.eval.metric
+            for name, key in (("loss", "train/loss"), ("eval_loss", "eval/loss"), (f"eval_{metric}", f"eval/{metric}")):
                 values = [r[key] for r in records if r.get(key) is not None]
                 if values:
                     summary.update({f"{name}_first": values[0], f"{name}_last": values[-1]})

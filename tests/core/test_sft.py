@@ -158,7 +158,7 @@ def test_held_out_loss_is_the_target_nll_of_the_held_out_items_without_thought_d
     with torch.no_grad():
         parts = [hand_nll(trainer.policy, item["prompt"], item["images"], item["metadata"]["completion"])
                  for item in items]
-    held_out = trainer.evaluate()
+    held_out = trainer.evaluate(0)
     assert held_out["eval/tokens"] == sum(n for _, n in parts)
     assert held_out["eval/loss"] == pytest.approx(float(sum(s for s, _ in parts)) / held_out["eval/tokens"], rel=1e-5)
 
@@ -172,6 +172,29 @@ def test_held_out_loss_is_logged_at_the_start_every_n_steps_and_at_the_end(tmp_p
     assert [step for step, _ in held_out] == [0, 2, 4, 5]
     assert summary["eval_loss_first"] == held_out[0][1] and summary["eval_loss_last"] == held_out[-1][1]
     assert all(math.isfinite(loss) and loss > 0 for _, loss in held_out)
+
+
+def test_sft_reward_evaluation_equals_mmgrpo_eval_of_the_written_model(tmp_path):
+    """With ``sft.eval_reward`` the held-out evaluation also samples greedily and scores with the config's reward, as
+    ``mmgrpo train`` evaluates: at the last step it gives the per-prompt scores that ``mmgrpo eval`` gives for the
+    written model."""
+    held_out = ["data.n_eval=12", "eval.num_prompts=12", "data.n_train=8", "tracking.log_with=[]"]
+    sft_dir, eval_dir = tmp_path / "sft", tmp_path / "eval"
+    assert main(["sft", "vlm_count_sft", "sft.eval_reward=true", "eval.every=2", "train.max_steps=2",
+                 "train.prompts_per_step=4", "train.minibatch_size=4", "train.learning_rate=1e-3",
+                 "checkpoint.every=0", f"output_dir={sft_dir}", *held_out]) == 0
+    records = [json.loads(line) for line in (sft_dir / "metrics.jsonl").read_text().splitlines()]
+    evaluated = [r for r in records if "eval/score" in r]
+    assert [r["step"] for r in evaluated] == [0, 2] and all("eval/loss" in r and "eval/accuracy" in r for r in evaluated)
+    assert sorted(p.name for p in (sft_dir / "samples").glob("step_00002*"))  # the samples of the last evaluation
+    summary = json.loads((sft_dir / "summary.json").read_text())
+    assert [summary["eval_accuracy_first"], summary["eval_accuracy_last"]] == [r["eval/accuracy"] for r in evaluated]
+    assert main(["eval", "vlm_count", f"pipeline.pretrained={sft_dir / 'model'}", f"output_dir={eval_dir}",
+                 *held_out]) == 0
+    sft_scores = json.loads((sft_dir / "eval" / "step_00002.json").read_text())
+    eval_scores = json.loads((eval_dir / "eval" / "step_00000.json").read_text())
+    assert sft_scores == eval_scores
+    assert len({round(r["reward"], 6) for r in sft_scores}) > 1  # not vacuous: the prompts score apart
 
 
 def test_refusals_before_any_model_loads(tmp_path, capsys):
