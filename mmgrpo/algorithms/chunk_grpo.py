@@ -91,8 +91,8 @@ class ChunkGRPO:
     def __init__(self, config: ChunkGRPOConfig):
         self.config = config
         self.traits = AlgorithmTraits(
-            reads=frozenset({"log_prob", "mask"}),
-            group_local_advantages=not config.global_std,  # mask: the chunks each sample trains
+            reads=frozenset({"log_prob", "mask"}),  # mask: the chunks each sample trains
+            group_local_advantages=not config.global_std,
             # each trained (sample, chunk) pair weighs the same (with every chunk trained, the same as per sample)
             update_mean="entries" if config.timestep_fraction < 1 else "samples",
         )
