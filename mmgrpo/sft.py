@@ -91,22 +91,22 @@ def check(config: ExperimentConfig) -> list[dict]:
             f"{sft_pipelines()}."
         )
     try:
-        items = registry.get("data", config.data.name)(config.data.options).train_items()
+        data = registry.get("data", config.data.name)(config.data.options)
+        items = data.train_items()
     except ValueError as err:
         raise ConfigError(f"data: {' '.join(str(err).split())}") from None
     if not items:
         raise ConfigError(f"data: prompt source {config.data.name!r} has no training items.")
     key = config.sft.target_key
-    for index, item in enumerate(items):
-        target = item.get("metadata", {}).get(key)
-        if not isinstance(target, str) or not target:
-            raise ConfigError(
-                f"sft.target_key: training item {index} has no text target under metadata[{key!r}] (got "
-                f"{target!r}): give each row a {key!r} field, set sft.target_key to the field that holds the target, "
-                "or use a prompt source option that writes targets (vlm_shapes: with_targets: true)."
-            )
+    missing = first_without_target(items, key)
+    if missing:
+        raise ConfigError(
+            f"sft.target_key: training item {missing[0]} has no text target under metadata[{key!r}] (got "
+            f"{missing[1]!r}): give each row a {key!r} field, set sft.target_key to the field that holds the target, "
+            "or use a prompt source option that writes targets (vlm_shapes: with_targets: true)."
+        )
     if config.eval.every or config.eval.every_seconds:
-        held_out_targets(config)
+        held_out_targets(config, data)
         if config.sft.eval_reward:
             from .preflight import check_modalities
 
@@ -114,26 +114,36 @@ def check(config: ExperimentConfig) -> list[dict]:
     return items
 
 
-def held_out_targets(config: ExperimentConfig) -> list[dict]:
-    """The first ``eval.num_prompts`` held-out items of the prompt source, each checked to hold a text target under
-    ``sft.target_key``: what the held-out loss of ``mmgrpo sft`` scores every ``eval.every`` steps."""
+def first_without_target(items: list[dict], key: str) -> tuple[int, object] | None:
+    """``(index, value)`` of the first of `items` whose ``metadata[key]`` is not a non-empty text, or None."""
+    for index, item in enumerate(items):
+        target = item.get("metadata", {}).get(key)
+        if not isinstance(target, str) or not target:
+            return index, target
+    return None
+
+
+def held_out_targets(config: ExperimentConfig, data=None) -> list[dict]:
+    """The first ``eval.num_prompts`` held-out items of the prompt source (`data`, built from the config when not
+    given), each checked to hold a text target under ``sft.target_key``: what the held-out loss of ``mmgrpo sft``
+    scores every ``eval.every`` steps."""
     from .preflight import held_out_options
 
-    data = registry.get("data", config.data.name)(config.data.options)
+    if data is None:
+        data = registry.get("data", config.data.name)(config.data.options)
     items, key = data.eval_items()[: config.eval.num_prompts], config.sft.target_key
     if not items:
         raise ConfigError(
             f"eval.every: mmgrpo sft scores the target loss of held-out items, and prompt source {config.data.name!r} "
             f"has none: give it some ({held_out_options(data)}) or set eval.every=0 and eval.every_seconds=0."
         )
-    for index, item in enumerate(items):
-        target = item.get("metadata", {}).get(key)
-        if not isinstance(target, str) or not target:
-            raise ConfigError(
-                f"eval.every: mmgrpo sft scores the target loss of held-out items, and held-out item {index} has no "
-                f"text target under metadata[{key!r}] (got {target!r}): give the held-out rows a {key!r} field too, "
-                "or set eval.every=0 and eval.every_seconds=0."
-            )
+    missing = first_without_target(items, key)
+    if missing:
+        raise ConfigError(
+            f"eval.every: mmgrpo sft scores the target loss of held-out items, and held-out item {missing[0]} has no "
+            f"text target under metadata[{key!r}] (got {missing[1]!r}): give the held-out rows a {key!r} field too, "
+            "or set eval.every=0 and eval.every_seconds=0."
+        )
     return items
 
 
@@ -282,17 +292,17 @@ class SFTTrainer:
 
     def _sum(self, value: float) -> float:
         """The sum of `value` over every process."""
-        if self.world == 1:
-            return value
-        acc = self.accelerator
-        return float(acc.gather(torch.tensor([value], device=acc.device, dtype=torch.float64)).sum())
+        return float(self._gathered(value).sum())
 
     def _max(self, value: float) -> float:
         """The largest `value` over every process."""
-        if self.world == 1:
-            return value
+        return float(self._gathered(value).max())
+
+    def _gathered(self, value: float) -> torch.Tensor:
+        """`value` of every process `[world]` (float64)."""
         acc = self.accelerator
-        return float(acc.gather(torch.tensor([value], device=acc.device, dtype=torch.float64)).max())
+        value = torch.tensor([value], dtype=torch.float64)
+        return value if self.world == 1 else acc.gather(value.to(acc.device))
 
     def train(self) -> dict:
         """Runs the remaining steps, saves a checkpoint, writes ``model/`` and ``summary.json``; returns the summary.
