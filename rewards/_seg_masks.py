@@ -151,6 +151,27 @@ def load_mask(value: Any, size: tuple[int, int] | None = None, root: str | Path 
     return mask != 0
 
 
+def predicted_mask(value: Any, size: tuple[int, int]) -> torch.Tensor | None:
+    """A policy's predicted mask as a float mask `[H, W]` in [0, 1] at `size` ``(height, width)`` (resized with
+    nearest-neighbour interpolation), or None when it is malformed: missing, not a numeric 2-D array (a string, a list
+    of strings, a mapping...), empty or not finite. Rewards score a malformed mask 0 and count it."""
+    if value is None or isinstance(value, (str, bytes, dict)):
+        return None
+    try:
+        mask = torch.as_tensor(value).detach().cpu()
+    except (TypeError, ValueError, RuntimeError, OverflowError):  # strings, ragged or nested non-numbers
+        return None
+    if mask.dtype not in (torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64) and \
+            not mask.is_floating_point():
+        return None  # complex numbers, quantised types
+    if mask.dim() != 2 or mask.numel() == 0 or not torch.isfinite(mask.float()).all():
+        return None
+    mask = mask.float().clamp(0, 1)  # [h, w]
+    if tuple(mask.shape) != tuple(size):
+        mask = torch.nn.functional.interpolate(mask[None, None], size=tuple(size), mode="nearest")[0, 0]  # [H, W]
+    return mask
+
+
 def intersection_union(pred: torch.Tensor, truth: torch.Tensor) -> tuple[float, float]:
     """Pixel counts of the intersection and the union of two bool masks `[H, W]`."""
     return float((pred & truth).sum()), float((pred | truth).sum())

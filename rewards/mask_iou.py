@@ -9,8 +9,8 @@ list of `N` tensors `[H_i, W_i]` (None for a sample without a mask). The truth i
 ``"mask"``), `[H, W]` in the original image's pixels (tensor, numpy array or nested lists; non-zero is foreground,
 binarised once: a 0/255 mask works). A prediction of another
 size (e.g. the processor's resized frame) is resized to the truth's with nearest-neighbour interpolation. Both masks
-empty (no target, nothing predicted) scores IoU 1. A missing, non-finite or non-2-D prediction scores 0 and sets
-``malformed`` = 1; a sample without ground truth is not applicable (NaN).
+empty (no target, nothing predicted) scores IoU 1. A missing, non-finite, non-numeric (a string, a list of strings) or
+non-2-D prediction scores 0 and sets ``malformed`` = 1; a sample without ground truth is not applicable (NaN).
 """
 
 from __future__ import annotations
@@ -19,9 +19,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 from mmgrpo.rewards._common import nans
+from mmgrpo.rewards._seg_masks import predicted_mask
 from mmgrpo.types import PromptBatch, RewardResult
 from mmgrpo.validation import check_fields, check_range, check_text
 
@@ -110,18 +110,6 @@ class MaskIoU:
     def __init__(self, config: MaskIoUConfig | None = None):
         self.config = config or MaskIoUConfig()
 
-    def _prediction(self, value: Any, size: tuple[int, int]) -> torch.Tensor | None:
-        """A prediction as a float mask `[H, W]` in [0, 1] at the truth's size, or None when malformed."""
-        if value is None:
-            return None
-        value = torch.as_tensor(value).detach().cpu()
-        if value.dim() != 2 or value.numel() == 0 or not torch.isfinite(value.float()).all():
-            return None
-        value = value.float().clamp(0, 1)  # [h, w]
-        if tuple(value.shape) != size:
-            value = F.interpolate(value[None, None], size=size, mode="nearest")[0, 0]
-        return value
-
     def __call__(self, outputs: dict[str, Any], batch: PromptBatch) -> RewardResult:
         """Returns `scores` `[N]` and `components` ``iou``, ``s_measure`` and ``malformed``, each `[N]`."""
         n = len(batch)
@@ -134,7 +122,7 @@ class MaskIoU:
             if self.config.gt_key not in metadata:
                 continue
             gt = torch.as_tensor(metadata[self.config.gt_key]).detach().cpu().bool()  # [H, W]
-            pred = self._prediction(masks[i], tuple(gt.shape))
+            pred = predicted_mask(masks[i], tuple(gt.shape))  # [H, W] in [0, 1], or None
             if pred is None:
                 columns["score"][i], columns["iou"][i], columns["s_measure"][i], columns["malformed"][i] = 0, 0, 0, 1
                 continue

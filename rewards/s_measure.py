@@ -31,8 +31,8 @@ from typing import Any
 import torch
 
 from mmgrpo.rewards._common import nans
-from mmgrpo.rewards._seg_masks import load_mask
-from mmgrpo.rewards.mask_iou import MaskIoU, s_measure
+from mmgrpo.rewards._seg_masks import load_mask, predicted_mask
+from mmgrpo.rewards.mask_iou import s_measure
 from mmgrpo.types import PromptBatch, RewardResult
 from mmgrpo.validation import check_fields, check_range, check_text
 
@@ -64,7 +64,6 @@ class SMeasure:
 
     def __init__(self, config: SMeasureConfig | None = None):
         self.config = config or SMeasureConfig()
-        self._resize = MaskIoU(MaskIoU.Config(gt_key=self.config.gt_key))._prediction  # the same reading of masks
 
     def __call__(self, outputs: dict[str, Any], batch: PromptBatch) -> RewardResult:
         """Returns `scores` `[N]` (the S-measure) and `components` ``malformed`` `[N]`."""
@@ -78,7 +77,7 @@ class SMeasure:
             if self.config.gt_key not in metadata:
                 continue
             truth = load_mask(metadata[self.config.gt_key]).cpu()  # [H, W]
-            pred = self._resize(masks[i], tuple(truth.shape))  # [H, W] in [0, 1], or None
+            pred = predicted_mask(masks[i], tuple(truth.shape))  # [H, W] in [0, 1], or None
             malformed[i] = float(pred is None)
             scores[i] = 0.0 if pred is None else s_measure(pred, truth, self.config.alpha)
         return RewardResult(scores=scores, components={"malformed": malformed})

@@ -4,6 +4,8 @@ import math
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from mmgrpo.rewards.mask_iou import MaskIoU, s_measure
 from mmgrpo.types import PromptBatch
@@ -60,6 +62,34 @@ def test_empty_truth_malformed_predictions_and_not_applicable():
     assert result.scores[:3].tolist() == [0.0, 0.0, 0.0]
     assert result.components["malformed"][:3].tolist() == [1.0, 1.0, 1.0]
     assert math.isnan(result.scores[3])  # no ground truth: not applicable
+
+
+WRONG_TYPES = ["abc", ["a", "b"], [["a", "b"], ["c", "d"]], {"mask": 1}, b"\x00\x01", [[1, 0], [0]],
+               torch.zeros(4, 4, dtype=torch.complex64), 3, 2.5, True]
+
+
+@pytest.mark.parametrize("reward_name", ["mask_iou", "s_measure"])
+@pytest.mark.parametrize("wrong", WRONG_TYPES, ids=lambda v: type(v).__name__)
+def test_a_mask_of_the_wrong_type_scores_zero_and_counts_as_malformed(reward_name, wrong):
+    from mmgrpo import registry
+
+    reward = registry.get("reward", reward_name)()
+    gt = square(8, 0, 0, 4)
+    result = reward({"masks": [wrong, gt]}, PromptBatch(["p", "q"], metadata=[{"mask": gt}, {"mask": gt}]))
+    assert result.scores.tolist()[0] == 0.0 and result.components["malformed"].tolist() == [1.0, 0.0]
+    assert result.scores[1] > 0.9  # the well-formed mask beside it is still scored
+
+
+@settings(max_examples=60, deadline=None, derandomize=True)
+@given(value=st.recursive(st.one_of(st.none(), st.booleans(), st.integers(-3, 3), st.floats(), st.text(max_size=3),
+                                    st.binary(max_size=3)),
+                          lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=2), inner,
+                                                                                     max_size=2), max_leaves=10))
+def test_any_value_as_a_mask_gives_a_finite_score_or_malformed(value):
+    gt = square(4, 0, 0, 2)
+    result = run([value], [gt])
+    assert math.isfinite(result.scores[0]) and 0 <= result.scores[0] <= 1
+    assert result.components["malformed"][0] in (0.0, 1.0)
 
 
 @pytest.mark.parametrize(
