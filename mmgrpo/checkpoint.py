@@ -22,6 +22,7 @@ safetensors already, so ``mmgrpo eval --checkpoint`` (weights only, [`load_weigh
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
@@ -31,8 +32,10 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from safetensors import SafetensorError, safe_open
 
 from . import sharding, state_io
+from .errors import RunError
 from .state_io import load_state, save_state
 
 STATE_FILE = "trainer_state.json"
@@ -42,6 +45,62 @@ OPTIMIZER_FILE, SCHEDULER_FILE = "optimizer.safetensors", "lr_scheduler.safetens
 ALGORITHM_FILE = "algorithm.safetensors"
 PREFIX = "step_"
 _NAME = re.compile(rf"{PREFIX}(\d+)")
+
+
+class CheckpointError(RunError):
+    """A checkpoint that cannot be written (a full disk) or read back (a missing or broken file); the message names
+    the file and what to do, and the command line prints it on one line."""
+
+
+def _reason(err: BaseException) -> str:
+    """The first line of an I/O error, with the file it names."""
+    if isinstance(err, OSError) and err.strerror:
+        return err.strerror + (f": {err.filename}" if err.filename else "")
+    lines = [line.strip() for line in str(err).splitlines() if line.strip()] or [type(err).__name__]
+    text = " ".join(lines[:2])  # e.g. torch's "Error(s) in loading state_dict for ...:" and its first mismatch
+    return text if len(text) <= 300 else text[:297] + "..."
+
+
+def _instead(path: Path) -> str:
+    """What to do about broken checkpoint `path`: resume from the newest complete checkpoint before it, if any."""
+    earlier = [p for p in complete_checkpoints(path.parent) if p.name < path.name]
+    if earlier:
+        return f"use the checkpoint before it ({earlier[-1]}) or delete {path}"
+    return f"delete {path} (the run has no earlier complete checkpoint)"
+
+
+def verify(path: Path, state: bool = True) -> None:
+    """Checks, without loading any model, that checkpoint `path` holds its weights and (with `state`: a resume)
+    its optimizer and schedule state, and that every safetensors file among them has a readable, complete header
+    (a truncated or garbled file fails here).
+
+    Raises:
+        [`CheckpointError`]: naming the missing or broken file and what to do.
+    """
+    weights = sorted((path / WEIGHTS).glob("*.safetensors")) if (path / WEIGHTS).is_dir() else []
+    if not weights:
+        raise CheckpointError(f"checkpoint {path} has no weights ({WEIGHTS}/*.safetensors): {_instead(path)}.")
+    files = weights
+    if state:
+        for name in (OPTIMIZER_FILE, SCHEDULER_FILE):
+            if not (path / name).is_file():
+                raise CheckpointError(f"checkpoint {path} has no {name}: {_instead(path)}.")
+        files = files + [path / OPTIMIZER_FILE, path / SCHEDULER_FILE, *sorted(path.glob("rng_rank*.safetensors"))]
+        files += [path / ALGORITHM_FILE] if (path / ALGORITHM_FILE).is_file() else []
+    for file in files:
+        try:
+            with safe_open(str(file), framework="pt"):
+                pass
+        except (OSError, SafetensorError) as err:
+            raise CheckpointError(f"{file} is unreadable ({_reason(err)}): {_instead(path)}.") from None
+
+
+def _read_state(path: Path, name: str):
+    """[`~mmgrpo.state_io.load_state`] of file `name` of checkpoint `path`, a broken file reported as such."""
+    try:
+        return load_state(path / name)
+    except (OSError, ValueError, SafetensorError) as err:
+        raise CheckpointError(f"{path / name} is unreadable ({_reason(err)}): {_instead(path)}.") from None
 
 
 def rng_file(rank: int) -> str:
@@ -90,6 +149,31 @@ def save(
     root = Path(root)
     final = root / f"{PREFIX}{step:07d}"
     tmp = root / f"{PREFIX}{step:07d}.tmp"
+    try:
+        _write(accelerator, tmp, policy, optimizer, lr_scheduler, {"step": step, "format": FORMAT, **state}, algorithm,
+               modules)
+    except (OSError, SafetensorError) as err:  # a full disk, a quota, a vanished folder: nothing half-written stays
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise CheckpointError(
+            f"could not write checkpoint {final} ({_reason(err)}); "
+            f"its temporary folder was removed and earlier checkpoints are intact: free space under {root} (or lower "
+            "checkpoint.keep_last), then run again (checkpoint.resume_from=latest continues from the last complete one)."
+        ) from None
+    accelerator.wait_for_everyone()
+    if accelerator.is_main_process:
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        for old in complete_checkpoints(root)[: -max(1, keep_last)]:
+            if old != final:
+                shutil.rmtree(old, ignore_errors=True)
+    accelerator.wait_for_everyone()
+    return final
+
+
+def _write(accelerator, tmp: Path, policy, optimizer, lr_scheduler, meta: dict, algorithm, modules) -> None:
+    """Writes every file of a checkpoint into the temporary folder `tmp` (see [`save`]); `meta` is its
+    ``trainer_state.json``, written last."""
     if accelerator.is_main_process:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
@@ -107,17 +191,26 @@ def save(
         save_state(lr_scheduler.state_dict(), tmp / SCHEDULER_FILE)
         if has_state:
             save_state(sharding.full_tensors(algorithm_state), tmp / ALGORITHM_FILE)
-        _write_json(tmp / STATE_FILE, {"step": step, "format": FORMAT, **state})
-    accelerator.wait_for_everyone()
-    if accelerator.is_main_process:
-        if final.exists():
-            shutil.rmtree(final)
-        os.replace(tmp, final)
-        for old in complete_checkpoints(root)[: -max(1, keep_last)]:
-            if old != final:
-                shutil.rmtree(old, ignore_errors=True)
-    accelerator.wait_for_everyone()
-    return final
+        _write_json(tmp / STATE_FILE, meta)
+
+
+@contextlib.contextmanager
+def atomic_folder(final: Path, what: str):
+    """Yields a temporary folder beside `final` to write `what` (e.g. ``"the exported model"``) into, and renames it
+    to `final` (replacing any folder there) once the block completes. If a write fails (a full disk, a quota), the
+    temporary folder is removed, `final` is left as it was, and a [`CheckpointError`] says so."""
+    final = Path(final)
+    tmp = final.with_name(final.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        yield tmp
+    except (OSError, SafetensorError) as err:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise CheckpointError(f"could not write {what} to {final} ({_reason(err)}); nothing was left there: free "
+                              f"space under {final.parent} and try again.") from None
+    if final.exists():
+        shutil.rmtree(final)
+    os.replace(tmp, final)
 
 
 def _write_json(path: Path, record: dict) -> None:
@@ -191,15 +284,24 @@ def load(accelerator, path: Path, policy, optimizer, lr_scheduler, algorithm=Non
     if has_state and not (path / ALGORITHM_FILE).is_file():
         raise FileNotFoundError(f"{path} has no {ALGORITHM_FILE}: it was written by a run of another algorithm.")
     if weights:
-        policy.load_trainable(str(path / WEIGHTS))
+        _load_trainable(policy, path)
     if has_state:
-        algorithm.load_state_dict(load_state(path / ALGORITHM_FILE))
-    optimizer.load_state_dict(sharding.optimizer_to_layout(load_state(path / OPTIMIZER_FILE), optimizer))
-    lr_scheduler.load_state_dict(load_state(path / SCHEDULER_FILE))
-    rng = path / rng_file(accelerator.process_index)
-    if rng.is_file():
-        set_rng_state(load_state(rng))
+        algorithm.load_state_dict(_read_state(path, ALGORITHM_FILE))
+    optimizer.load_state_dict(sharding.optimizer_to_layout(_read_state(path, OPTIMIZER_FILE), optimizer))
+    lr_scheduler.load_state_dict(_read_state(path, SCHEDULER_FILE))
+    if (path / rng_file(accelerator.process_index)).is_file():
+        set_rng_state(_read_state(path, rng_file(accelerator.process_index)))
     return meta
+
+
+def _load_trainable(policy, path: Path) -> None:
+    """``policy.load_trainable`` of checkpoint `path`'s weights, a missing, broken or mismatched file reported as a
+    [`CheckpointError`]."""
+    try:
+        policy.load_trainable(str(path / WEIGHTS))
+    except (OSError, ValueError, KeyError, RuntimeError, SafetensorError) as err:  # missing, broken, another shape
+        raise CheckpointError(f"the weights of checkpoint {path} could not be loaded into this model "
+                              f"({_reason(err)}): check that the config is the run's own, or {_instead(path)}.") from None
 
 
 def load_weights(path: Path, policy, modules: list | None = None, check: bool = False) -> dict:
@@ -211,7 +313,7 @@ def load_weights(path: Path, policy, modules: list | None = None, check: bool = 
     if meta is None:
         raise ValueError(f"checkpoint {path} is incomplete: {STATE_FILE} is missing or torn.")
     sharding.check_unsharded(modules or [], "load_weights")
-    policy.load_trainable(str(path / WEIGHTS))
+    _load_trainable(policy, path)
     return meta
 
 

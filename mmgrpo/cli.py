@@ -16,7 +16,7 @@ from . import plugin_help, registry
 from .config import ConfigError, load
 from .config_yaml import dump_yaml
 from .hub import resolve_config
-from .preflight import preflight
+from .preflight import check_remote_code, preflight
 
 
 class _PrintVersion(argparse.Action):
@@ -76,11 +76,13 @@ def _evaluate(config, split: str) -> dict:
 
 def _export(args) -> int:
     """``mmgrpo export``: a self-contained model folder with its model card, optionally pushed to the hub."""
+    from .errors import RunError
     from .export import export_checkpoint, push_to_hub
 
     try:
-        folder = export_checkpoint(args.checkpoint, args.output, merge_lora=args.merge_lora)
-    except (OSError, ValueError) as err:
+        folder = export_checkpoint(args.checkpoint, args.output, merge_lora=args.merge_lora,
+                                   trust_remote_code=args.trust_remote_code)
+    except (OSError, ValueError, RunError) as err:  # RunError: the folder could not be written (a full disk)
         print(f"mmgrpo: export: {' '.join(str(err).split())}", file=sys.stderr)
         return 2
     print(f"exported {args.checkpoint} -> {folder}")
@@ -130,6 +132,11 @@ def main(argv: list[str] | None = None) -> int:
     p_export.add_argument("--merge-lora", action="store_true", help="fold a LoRA into the weights (default: lora/)")
     p_export.add_argument("--push-to-hub", metavar="REPO", help="then upload the folder to this hub repository")
     p_export.add_argument("--private", action="store_true", help="create the hub repository as private")
+    for command in (p_check, p_train, p_sft, p_eval, p_export):
+        command.add_argument("--trust-remote-code", action="store_true",
+                             help="allow a config's trust_remote_code: true to run the model's own Python code (from "
+                             "its folder or the hub); without this flag such a config is refused, whatever its file "
+                             "says")
     p_serve = sub.add_parser("serve-reward", help="serve the config's reward over HTTP (for the `remote` reward)",
                              allow_abbrev=False)  # `--token SECRET` must not pass for `--token-file`
     p_serve.add_argument("config", help="an experiment YAML (its reward section) or a YAML with the reward's name")
@@ -169,6 +176,7 @@ def main(argv: list[str] | None = None) -> int:
         overrides.append(f"checkpoint.resume_from={args.checkpoint}")  # checked with the config; eval reads weights
     try:
         config = load(resolve_config(args.config), overrides)  # every key, type, range and local path checked
+        check_remote_code(config, args.trust_remote_code)  # a model's own code runs only if the command line says so
         if args.command == "sft":
             from .sft import check as check_sft
 
@@ -184,6 +192,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     from .checkpoint import LegacyCheckpointError
+    from .errors import RunError
     from .trainer import train
 
     try:
@@ -196,6 +205,9 @@ def main(argv: list[str] | None = None) -> int:
     except LegacyCheckpointError as err:  # resuming from a checkpoint of an older version: say how to convert it
         print(f"mmgrpo: {' '.join(str(err).split())}", file=sys.stderr)
         return 2
+    except RunError as err:  # e.g. the reward server stopped answering: the message says what to do
+        print(f"mmgrpo: {' '.join(str(err).split())}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:  # a second Ctrl-C during training, or one during set-up or evaluation
         print("mmgrpo: stopped at once (no checkpoint written for the current step)", file=sys.stderr)
         return 130

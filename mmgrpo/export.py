@@ -163,15 +163,20 @@ def model_card(config: dict, step: int, evaluation: dict, lora: bool, merged: bo
     ])
 
 
-def export_checkpoint(source: str | Path, output: str | Path, merge_lora: bool = False) -> Path:
+def export_checkpoint(source: str | Path, output: str | Path, merge_lora: bool = False,
+                      trust_remote_code: bool = False) -> Path:
     """Builds the run's policy (no reward, no optimizer), loads the checkpoint's weights only, and writes the
-    self-contained folder with its model card. Returns the output folder.
+    self-contained folder with its model card. Returns the output folder. A run folder's config that asks to run
+    the model's own code (``trust_remote_code: true``) is refused unless `trust_remote_code` (the command line's
+    ``--trust-remote-code``) allows it: the folder may have been written by someone else.
 
     Raises:
         `FileNotFoundError`: no checkpoint or no ``config.json`` of its run.
         `FileExistsError`: `output` exists and is not empty (nothing is overwritten).
+        [`~mmgrpo.validation.ConfigError`]: the run's config asks for remote code that was not allowed.
     """
     from .config import from_dict
+    from .preflight import check_remote_code
 
     ckpt, run = _run_folder(Path(source))
     config_file = run / "config.json"
@@ -182,22 +187,20 @@ def export_checkpoint(source: str | Path, output: str | Path, merge_lora: bool =
         raise FileExistsError(f"{output} exists and is not empty: choose a new folder (nothing is overwritten)")
     raw = json.loads(config_file.read_text(encoding="utf-8"))
     config = from_dict(raw)
+    check_remote_code(config, trust_remote_code)  # before anything loads
     policy = registry.get("pipeline", config.pipeline.name)(config.pipeline.options)
     meta = checkpoint.load_weights(ckpt, policy)
     lora = config.pipeline.options.lora_rank > 0
-    tmp = output.with_name(output.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    policy.export_pretrained(str(tmp), merge_lora=merge_lora)
-    index = tmp / "model_index.json"
-    if index.is_file():  # diffusers records the folder it loaded from: name the configured base model instead
-        entries = json.loads(index.read_text(encoding="utf-8"))
-        entries["_name_or_path"] = raw["pipeline"].get("pretrained", "")
-        index.write_text(json.dumps(entries, indent=2) + "\n", encoding="utf-8")
-    card = model_card(raw, int(meta["step"]), _final_evaluation(run), lora, merge_lora, _loading_call(tmp))
-    (tmp / "README.md").write_text(card, encoding="utf-8")
-    if output.exists():
-        output.rmdir()
-    tmp.rename(output)  # all or nothing: a failed export leaves no half-written folder under the requested name
+    # all or nothing: a failed export (a full disk...) leaves no half-written folder under the requested name
+    with checkpoint.atomic_folder(output, "the exported model") as tmp:
+        policy.export_pretrained(str(tmp), merge_lora=merge_lora)
+        index = tmp / "model_index.json"
+        if index.is_file():  # diffusers records the folder it loaded from: name the configured base model instead
+            entries = json.loads(index.read_text(encoding="utf-8"))
+            entries["_name_or_path"] = raw["pipeline"].get("pretrained", "")
+            index.write_text(json.dumps(entries, indent=2) + "\n", encoding="utf-8")
+        card = model_card(raw, int(meta["step"]), _final_evaluation(run), lora, merge_lora, _loading_call(tmp))
+        (tmp / "README.md").write_text(card, encoding="utf-8")
     return output
 
 

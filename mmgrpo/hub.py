@@ -55,6 +55,25 @@ _LOCAL_FOLDERS = {
 }
 
 
+PICKLE_WEIGHTS = ("*.bin", "*.pt", "*.pth", "*.ckpt", "*.pkl")  # weight files that are pickles
+NOT_WEIGHTS = {"training_args.bin"}  # a trainer's pickle that from_pretrained never reads
+
+
+def refuse_pickle_weights(folder: Path, key: str) -> None:
+    """Refuses a local model folder (or a component folder one level below it, as in a diffusers pipeline) whose
+    weights are pickles only (``pytorch_model.bin``, ``*.pt``...): loading a pickle can run code, so mmgrpo loads
+    safetensors weights only (``use_safetensors=True``). Raises `ValueError` naming the file and the conversion."""
+    for where in [folder, *sorted(p for p in folder.iterdir() if p.is_dir())]:
+        pickles = sorted(f for pattern in PICKLE_WEIGHTS for f in where.glob(pattern) if f.name not in NOT_WEIGHTS)
+        if pickles and not any(where.glob("*.safetensors")):
+            raise ValueError(
+                f"{key}: {pickles[0]} is a pickle weights file and {where} has no *.safetensors weights; mmgrpo loads "
+                "safetensors only (a pickle can run code when loaded). Convert the model once where you trust it "
+                "(load it with transformers / diffusers and save_pretrained(folder, safe_serialization=True)) and "
+                f"point {key} at the converted folder."
+            )
+
+
 def resolve_pretrained(location: str, key: str = "pretrained", what: str = "model") -> str:
     """Turns a config's model (or dataset) location into what ``from_pretrained`` accepts, or raises a clear error.
 
@@ -72,7 +91,14 @@ def resolve_pretrained(location: str, key: str = "pretrained", what: str = "mode
         return str(path)
     expanded = os.path.expanduser(location)
     if os.path.isdir(expanded):
+        if what == "model":
+            refuse_pickle_weights(Path(expanded), key)
         return expanded
+    if os.path.isfile(expanded):
+        raise ValueError(
+            f"{key}: {location!r} is a file; point {key} at the folder holding the model ({_LOCAL_FOLDERS[what]})"
+            + (", whose weights are safetensors" if what == "model" else "") + "."
+        )
     looks_local = location.startswith(("/", ".", "~")) or os.sep in location.strip("/").replace("/", "", 1)
     if looks_local or not _HUB_ID.match(location):
         raise ValueError(
@@ -95,4 +121,4 @@ def load_diffusers_pipeline(pipeline_cls, location: str, **kwargs):
         for name, value in index.items():
             if isinstance(value, list) and value and value[0] is None:
                 kwargs.setdefault(name, None)
-    return pipeline_cls.from_pretrained(location, **kwargs)
+    return pipeline_cls.from_pretrained(location, use_safetensors=True, **kwargs)  # never a pickle

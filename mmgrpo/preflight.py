@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from . import registry
-from .config import ExperimentConfig
+from .config import PLUGIN_KINDS, ExperimentConfig
 from .types import FlowPlan, SamplingPlan
 from .validation import ConfigError
 
@@ -31,6 +31,36 @@ def _named(section: str, context: str = ""):
         message = " ".join(str(err).split()).rstrip(".")
         head = message if message.startswith(f"{section}.") else f"{section}: {message}"
         raise ConfigError(f"{head}{context}.") from None
+
+
+REMOTE_CODE_KEY = "trust_remote_code"  # the option, in any plugin's config, that lets a model's own code run
+
+
+def remote_code_keys(config: ExperimentConfig) -> list[str]:
+    """The keys of `config` that ask to run a model's own code (``trust_remote_code: true`` in a plugin's options)."""
+    found = []
+
+    def walk(node, prefix: str) -> None:
+        for key, value in node.items():
+            if isinstance(value, dict):
+                walk(value, f"{prefix}{key}.")
+            elif key == REMOTE_CODE_KEY and value is True:
+                found.append(f"{prefix}{key}")
+
+    walk({kind: config.to_dict()[kind] for kind in PLUGIN_KINDS}, "")
+    return found
+
+
+def check_remote_code(config: ExperimentConfig, allowed: bool) -> None:
+    """Refuses a config that asks to run a model's own code (see [`remote_code_keys`]) unless the user allowed it on
+    the command line (`allowed`: ``--trust-remote-code``): a config may come from a run folder someone else wrote, so
+    a file alone never lets code run."""
+    keys = remote_code_keys(config)
+    if keys and not allowed:
+        raise ConfigError(
+            f"{keys[0]} is true: loading would run the model's own Python code (from its folder or the hub). If you "
+            "trust that code, pass --trust-remote-code on the command line; a config file alone cannot allow it."
+        )
 
 
 def reward_modalities(name: str, options) -> frozenset[str]:
@@ -166,18 +196,20 @@ def check_output_dir(config: ExperimentConfig) -> None:
         raise ConfigError(f"output_dir: {config.output_dir!r} is a file, not a folder; choose another output_dir.")
 
 
-def check_resumable(config: ExperimentConfig) -> None:
-    """A run that resumes (``checkpoint.resume_from``) names a checkpoint whose training state this version reads:
-    an older one (pickled state) is refused with the conversion command, before any model loads. Evaluation reads
-    only weights and does not need this."""
+def check_checkpoint(config: ExperimentConfig, resuming: bool) -> None:
+    """The checkpoint ``checkpoint.resume_from`` names holds readable weights and, when `resuming` training, training
+    state that this version reads (an older one, with pickled state, is refused with the conversion command) and whose
+    files are all present and readable; checked before any model loads. An evaluation reads only the weights."""
     from . import checkpoint
 
     if not config.checkpoint.resume_from:
         return
     path = checkpoint.resolve(config.checkpoint.resume_from, Path(config.output_dir) / "checkpoints")
     try:
-        checkpoint.check_format(path)
-    except checkpoint.LegacyCheckpointError as err:
+        if resuming:
+            checkpoint.check_format(path)
+        checkpoint.verify(path, state=resuming)
+    except (checkpoint.LegacyCheckpointError, checkpoint.CheckpointError) as err:
         raise ConfigError(f"checkpoint.resume_from: {err}") from None
 
 
@@ -189,5 +221,4 @@ def preflight(config: ExperimentConfig, split: str | None = None) -> None:
     check_modalities(config)
     check_plan(config)
     check_items(config, split or "eval")
-    if split is None:
-        check_resumable(config)
+    check_checkpoint(config, resuming=split is None)

@@ -38,7 +38,6 @@ import dataclasses
 import json
 import random
 import re
-import shutil
 import time
 from pathlib import Path
 
@@ -80,9 +79,10 @@ def sft_pipelines() -> list[str]:
 def check(config: ExperimentConfig) -> list[dict]:
     """What ``mmgrpo sft`` checks before any model loads: the pipeline can build teacher-forced rollouts and every
     training item holds a text target under ``sft.target_key``. Returns the training items."""
-    from .preflight import check_output_dir
+    from .preflight import check_checkpoint, check_output_dir
 
     check_output_dir(config)
+    check_checkpoint(config, resuming=True)
     name = config.pipeline.name
     if not hasattr(registry.get("pipeline", name), "teacher_rollout"):
         raise ConfigError(
@@ -354,11 +354,8 @@ class SFTTrainer:
         """Writes the fine-tuned model, any LoRA merged, to `folder` (under a temporary name, then renamed)."""
         with sharding.full_parameters(self.wrapped, here=self.accelerator.is_main_process):
             if self.accelerator.is_main_process:
-                tmp = folder.with_name(folder.name + ".tmp")
-                shutil.rmtree(tmp, ignore_errors=True)
-                self.policy.export_pretrained(str(tmp), merge_lora=True)
-                shutil.rmtree(folder, ignore_errors=True)
-                tmp.rename(folder)
+                with checkpoint.atomic_folder(folder, "the fine-tuned model") as tmp:
+                    self.policy.export_pretrained(str(tmp), merge_lora=True)
         self.accelerator.wait_for_everyone()
 
     def _finish(self, stopped_by: str | None) -> dict:

@@ -171,11 +171,12 @@ def _load(config: MDLMConfig):
     dtype = DTYPES[config.weights_dtype]
     tokenizer = AutoTokenizer.from_pretrained(location, **kwargs)
     if family in ("llada", "dream"):
-        model = AutoModel.from_pretrained(location, dtype=dtype, **kwargs)
+        model = AutoModel.from_pretrained(location, dtype=dtype, use_safetensors=True, **kwargs)
     elif any("MaskedLM" in a for a in getattr(model_config, "architectures", None) or []):
-        model = AutoModelForMaskedLM.from_pretrained(location, dtype=dtype, **kwargs)
+        model = AutoModelForMaskedLM.from_pretrained(location, dtype=dtype, use_safetensors=True, **kwargs)
     else:
-        model = make_bidirectional(AutoModelForCausalLM.from_pretrained(location, dtype=dtype, **kwargs))
+        model = AutoModelForCausalLM.from_pretrained(location, dtype=dtype, use_safetensors=True, **kwargs)
+        model = make_bidirectional(model)
     return model.requires_grad_(False).eval(), tokenizer, family
 
 

@@ -178,7 +178,8 @@ class QwenVLPolicy:
         self.inputs = PromptEncoder(self.processor, config)  # resolves the pixel budgets before the weights load
         model_cls = getattr(transformers, MODEL_CLASSES[model_type])
         self.model = model_cls.from_pretrained(
-            location, dtype=DTYPES[config.weights_dtype], attn_implementation=config.attn_implementation
+            location, dtype=DTYPES[config.weights_dtype], attn_implementation=config.attn_implementation,
+            use_safetensors=True,  # never a pickle
         ).eval()
         tok = self.processor.tokenizer
         self.pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id

@@ -76,7 +76,8 @@ class PickScore:
         sources = {"pickscore.model": self.config.model, "pickscore.processor": self.config.processor or self.config.model}
         try:
             self.processor = CLIPProcessor.from_pretrained(resolve_pretrained(sources["pickscore.processor"]))
-            self.model = CLIPModel.from_pretrained(resolve_pretrained(sources["pickscore.model"])).to(self.device)
+            self.model = CLIPModel.from_pretrained(resolve_pretrained(sources["pickscore.model"]),
+                                                   use_safetensors=True).to(self.device)
         except OSError as err:
             raise RuntimeError(
                 f"pickscore: could not load the model or processor from {sources} ({err}). Without network access, "

@@ -125,7 +125,8 @@ class SamMask:
         self.device = ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device
         self.dtype = DTYPES[config.dtype]
         location = resolve_pretrained(config.model, "reward.model")
-        self.model = AutoModel.from_pretrained(location, dtype=self.dtype).to(self.device).eval().requires_grad_(False)
+        model = AutoModel.from_pretrained(location, dtype=self.dtype, use_safetensors=True)  # never a pickle
+        self.model = model.to(self.device).eval().requires_grad_(False)
         if type(self.model).__name__ != "Sam2Model":
             raise ValueError(
                 f"sam_mask: reward.model {config.model!r} is a {type(self.model).__name__}; it runs SAM 2 / 2.1 "

@@ -13,6 +13,8 @@ for _key, _value in {
     "TRANSFORMERS_VERBOSITY": "error",
 }.items():
     os.environ.setdefault(_key, _value)
+# model code that a test allows to run (--trust-remote-code) is copied here, not into the user's cache
+os.environ.setdefault("HF_MODULES_CACHE", __import__("tempfile").mkdtemp(prefix="mmgrpo-test-modules-"))
 
 from pathlib import Path  # noqa: E402
 
