@@ -187,4 +187,6 @@ def test_video_composite_of_per_frame_clip_consistency_and_diversity(tiny_clip_d
     gathered = RewardResult(scores=torch.cat([p.scores for p in parts]),
                             components={k: torch.cat([p.components[k] for p in parts]) for k in parts[0].components},
                             features=torch.cat([p.features for p in parts]))
-    torch.testing.assert_close(reward.group_stage(gathered, VIDEO_GROUPS).scores, whole.scores, rtol=0, atol=1e-6)
+    # CLIP runs on batches of other sizes here, so its float32 sums may differ in the last bits at 2+ threads (seen:
+    # 2.4e-6 after the group normalisation divides by a std of ~0.1): the same tolerance as against the hand sum
+    torch.testing.assert_close(reward.group_stage(gathered, VIDEO_GROUPS).scores, whole.scores, rtol=0, atol=1e-5)
