@@ -1,3 +1,4 @@
 """mmgrpo: group-relative RL for multimodal generative models."""
 
-__version__ = "0.1.0"
+# the one version number: pyproject.toml reads it, `mmgrpo --version` prints it, checkpoints record it
+__version__ = "0.2.0"

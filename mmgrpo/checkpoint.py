@@ -3,7 +3,8 @@
 A checkpoint is a folder ``<output_dir>/checkpoints/step_XXXXXXX`` holding the trainable weights (``weights/``,
 written by the policy's ``save_pretrained`` as safetensors), ``optimizer.safetensors``, ``lr_scheduler.safetensors``,
 one ``rng_rank{r}.safetensors`` per process, ``algorithm.safetensors`` when the algorithm has state of its own
-(``state_dict`` / ``load_state_dict``, e.g. DGPO's fast-EMA old model) and ``trainer_state.json``. Each state file is
+(``state_dict`` / ``load_state_dict``, e.g. DGPO's fast-EMA old model) and ``trainer_state.json`` (the step, the
+format of the state files and the mmgrpo version that wrote them). Each state file is
 written by [`~mmgrpo.state_io.save_state`]: tensors as safetensors, everything else as JSON, nothing that can carry
 code. The folder is written under a temporary name and renamed when complete, so a crash while saving leaves the
 previous checkpoint intact and loadable; a folder whose ``trainer_state.json`` is missing or not valid JSON is
@@ -34,13 +35,13 @@ import numpy as np
 import torch
 from safetensors import SafetensorError, safe_open
 
-from . import sharding, state_io
+from . import __version__, sharding, state_io
 from .errors import RunError
 from .state_io import load_state, save_state
 
 STATE_FILE = "trainer_state.json"
 WEIGHTS = "weights"
-FORMAT = 2  # trainer_state.json's "format": 2 = pickle-free state files; absent = the older pickle layout
+FORMAT = 2  # trainer_state.json's "format": 2 = pickle-free state files (mmgrpo 0.2); absent = the older pickle layout
 OPTIMIZER_FILE, SCHEDULER_FILE = "optimizer.safetensors", "lr_scheduler.safetensors"
 ALGORITHM_FILE = "algorithm.safetensors"
 PREFIX = "step_"
@@ -150,7 +151,7 @@ def save(
     final = root / f"{PREFIX}{step:07d}"
     tmp = root / f"{PREFIX}{step:07d}.tmp"
     try:
-        _write(accelerator, tmp, policy, optimizer, lr_scheduler, {"step": step, "format": FORMAT, **state}, algorithm,
+        _write(accelerator, tmp, policy, optimizer, lr_scheduler, {"step": step, "format": FORMAT, "mmgrpo_version": __version__, **state}, algorithm,
                modules)
     except (OSError, SafetensorError) as err:  # a full disk, a quota, a vanished folder: nothing half-written stays
         shutil.rmtree(tmp, ignore_errors=True)

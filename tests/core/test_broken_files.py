@@ -154,6 +154,13 @@ def test_a_full_disk_during_an_export_leaves_nothing_behind(finished_run, tmp_pa
     assert not (disk / "exported").exists()
 
 
+def test_a_checkpoint_records_the_version_that_wrote_it(finished_run):
+    from mmgrpo import __version__
+
+    meta = checkpoint.read_metadata(finished_run[1] / "checkpoints" / "step_0000002")
+    assert meta["mmgrpo_version"] == __version__ and meta["format"] == checkpoint.FORMAT
+
+
 def test_atomic_folder_replaces_the_target_only_when_complete(tmp_path):
     target = tmp_path / "out"
     target.mkdir()

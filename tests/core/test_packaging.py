@@ -102,3 +102,14 @@ def test_wheel_ships_every_config_so_an_installed_mmgrpo_runs_them_by_name(wheel
     configs = {f"mmgrpo/configs/{p.relative_to(ROOT / 'configs').as_posix()}" for p in (ROOT / "configs").rglob("*.yaml")}
     assert "mmgrpo/configs/tiny/t2i_shapes.yaml" in configs
     assert configs <= names, f"configs missing from the wheel: {sorted(configs - names)}"
+
+
+def test_one_version_number_for_the_package_the_readme_and_checkpoints(wheel):
+    """pyproject.toml reads the version from `mmgrpo.__version__` (no second number to forget), the wheel carries it
+    and the README names it (checkpoints record it: `test_broken_files`)."""
+    from mmgrpo import __version__, checkpoint
+
+    assert "version =" not in (ROOT / "pyproject.toml").read_text().split("[project]")[1].split("\n[")[0]
+    assert wheel.name.startswith(f"mmgrpo-{__version__}-")
+    assert f"mmgrpo {__version__}" in (ROOT / "README.md").read_text()
+    assert checkpoint.FORMAT == 2  # the pickle-free format that 0.2 introduced (the README's conversion note)
