@@ -40,25 +40,25 @@ def sample_and_score(policy, reward, items: list, plan: SamplingPlan, generator:
     from tqdm.auto import tqdm
 
     scores, components, features, prompts = [], {}, [], []
-    bar = tqdm(total=len(items), desc="eval", unit="sample", disable=not progress, leave=False)
-    for start in range(0, len(items), batch_size):
-        batch = items_to_batch(items[start : start + batch_size])
-        batch.group_ids = torch.arange(len(batch)) + first_group + start
-        rollout = policy.sample(batch, plan, generator=generator)
-        result = reward(rollout.outputs, batch)
-        scores.append(result.scores.cpu())
-        for name, value in result.components.items():
-            components.setdefault(name, []).append(value.cpu())
-        tokens = rollout.outputs.get("num_tokens")  # [n] text policies: completion lengths (e.g. think or not)
-        if isinstance(tokens, torch.Tensor) and "completion_tokens" not in result.components:
-            components.setdefault("completion_tokens", []).append(tokens.float().cpu())
-        if result.features is not None:
-            features.append(result.features.cpu())
-        prompts += batch.prompts
-        for writer in writers:
-            writer.add(rollout.outputs, batch)
-        bar.update(len(batch))
-    bar.close()
+    # a bar closed on errors too: a run's last line is its error, not a half-drawn bar
+    with tqdm(total=len(items), desc="eval", unit="sample", disable=not progress, leave=False) as bar:
+        for start in range(0, len(items), batch_size):
+            batch = items_to_batch(items[start : start + batch_size])
+            batch.group_ids = torch.arange(len(batch)) + first_group + start
+            rollout = policy.sample(batch, plan, generator=generator)
+            result = reward(rollout.outputs, batch)
+            scores.append(result.scores.cpu())
+            for name, value in result.components.items():
+                components.setdefault(name, []).append(value.cpu())
+            tokens = rollout.outputs.get("num_tokens")  # [n] text policies: completion lengths (e.g. think or not)
+            if isinstance(tokens, torch.Tensor) and "completion_tokens" not in result.components:
+                components.setdefault("completion_tokens", []).append(tokens.float().cpu())
+            if result.features is not None:
+                features.append(result.features.cpu())
+            prompts += batch.prompts
+            for writer in writers:
+                writer.add(rollout.outputs, batch)
+            bar.update(len(batch))
     return RewardResult(scores=torch.cat(scores), components={k: torch.cat(v) for k, v in components.items()},
                         features=torch.cat(features) if features else None), prompts
 

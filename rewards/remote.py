@@ -27,10 +27,12 @@ from typing import Any, Literal
 
 from mmgrpo.reward_codec import TOKEN_ENV, TOKEN_HINT, decode_result, encode_request, is_loopback, read_token
 from mmgrpo.types import PromptBatch, RewardResult
+from mmgrpo.errors import RunError
 
 
-class RemoteRewardError(RuntimeError):
-    """The reward server could not be reached, timed out, or reported an error."""
+class RemoteRewardError(RunError):
+    """The reward server could not be reached, timed out, or reported an error (``mmgrpo train`` prints it on one line
+    and exits with status 1)."""
 
 
 def _check_url(url: Any) -> str:
