@@ -144,9 +144,19 @@ def main(argv: list[str] | None = None) -> int:
     p_serve.add_argument("--port", type=int, default=8000, help="port (0: any free port, printed at start)")
     p_serve.add_argument("--token-file", help="file holding the shared secret (default: $MMGRPO_REWARD_TOKEN); "
                          "required off loopback")
-    p_serve.add_argument("--max-body-mb", type=float, default=256.0, help="largest request body in MiB (413 beyond)")
-    p_serve.add_argument("--channel-timeout", type=int, default=60, help="seconds before an inactive connection closes")
-    p_serve.add_argument("--threads", type=int, default=4, help="worker threads (batches are scored one at a time)")
+    for flag, kind, text in (  # ServerLimits fields, defaults there (mmgrpo.reward_server)
+        ("--max-body-mb", float, "largest request body in MiB, 413 beyond (default 256)"),
+        ("--max-decoded-mpixels", float, "millions of pixels the images and tensors of one request may decode to, "
+         "read from their headers before decoding, 413 beyond (default 64: 64 images of 1024x1024)"),
+        ("--header-timeout", int, "seconds a request's headers may take, however slowly they arrive (default 10)"),
+        ("--idle-timeout", int, "seconds a connection may stay open between requests (default 30)"),
+        ("--channel-timeout", int, "seconds a request body or an unread answer may make no progress (default 60)"),
+        ("--connection-limit", int, "open connections in total; a newcomer replaces the connection waiting longest "
+         "without a request being served (default 32)"),
+        ("--max-connections-per-client", int, "open connections per client address (default 16)"),
+        ("--threads", int, "worker threads; batches are scored one at a time (default 4)"),
+    ):
+        p_serve.add_argument(flag, type=kind, default=argparse.SUPPRESS, help=text)
     p_serve.add_argument("overrides", nargs="*")
     args, extra = parser.parse_known_args(argv)
     unknown = [item for item in extra if "=" not in item or item.startswith("-")]
@@ -168,10 +178,12 @@ def main(argv: list[str] | None = None) -> int:
         return _convert_checkpoints(args.folders, args.trust_pickles)
     overrides = list(args.overrides) + extra  # key=value overrides may also follow --checkpoint DIR
     if args.command == "serve-reward":
-        from .reward_server import serve
+        from dataclasses import fields
 
-        return serve(args.config, overrides, args.host, args.port, args.token_file, max_body_mb=args.max_body_mb,
-                     channel_timeout=args.channel_timeout, threads=args.threads)
+        from .reward_server import ServerLimits, serve
+
+        given = {f.name: vars(args)[f.name] for f in fields(ServerLimits) if f.name in vars(args)}  # flags passed
+        return serve(args.config, overrides, args.host, args.port, args.token_file, **given)
     if args.command == "eval" and args.checkpoint:
         overrides.append(f"checkpoint.resume_from={args.checkpoint}")  # checked with the config; eval reads weights
     try:

@@ -4,8 +4,9 @@ reward): the JSON payload codec and the shared-secret token.
 Values are JSON, with three tagged forms: a tensor ``{"__tensor__": {"dtype", "shape", "data"}}`` (raw little-endian
 bytes, base64: exact; booleans, integers, floats and complex numbers only), images ``{"__png__": {"shape", "frames"}}``
 (a float tensor `[..., 3, H, W]` in [0, 1] as 8-bit PNGs, base64: ~10x smaller, quantised to 1/255) and a PIL image
-``{"__pil__": base64 PNG}``. A decoded PNG may hold at most `MAX_PNG_PIXELS` pixels (a few bytes of PNG can claim a
-gigapixel image).
+``{"__pil__": base64 PNG}``. A few bytes of PNG can claim a gigapixel image, so sizes are read before decoding: one
+PNG may hold at most `MAX_PNG_PIXELS` pixels, and [`decode_request`] refuses a request whose images and tensors would
+decode to more than the server's limit ([`decoded_pixels`], raising [`DecodedSizeError`]) before decoding any of them.
 
 The token is read from an environment variable (`TOKEN_ENV` by default) or a file, never from a command line or a
 config (configs are logged); it must be at least `MIN_TOKEN_LENGTH` printable ASCII characters without spaces, and is
@@ -43,6 +44,19 @@ TOKEN_HINT = (
 # ------------------------------------------------------------------------------------------------------- payload codec
 
 
+class DecodedSizeError(ValueError):
+    """A request whose images and tensors would decode to more pixels than the server accepts (answered 413).
+
+    Args:
+        pixels (`int`): what the request would decode to ([`decoded_pixels`]).
+        limit (`int`): the server's limit.
+    """
+
+    def __init__(self, pixels: int, limit: int):
+        super().__init__(f"the request's images and tensors decode to {pixels / 1e6:.1f} million pixels")
+        self.pixels, self.limit = pixels, limit
+
+
 def _png_frames(tensor: torch.Tensor) -> dict:
     pixels = (tensor.detach().float().nan_to_num(0.0).clamp(0, 1) * 255).round().to(torch.uint8).cpu()
     flat = pixels.reshape(-1, *pixels.shape[-3:]).permute(0, 2, 3, 1).numpy()  # [M, H, W, 3]
@@ -54,12 +68,42 @@ def _png_frames(tensor: torch.Tensor) -> dict:
     return {"__png__": {"shape": list(tensor.shape), "frames": encoded}}
 
 
+def _png_header(data: str) -> Image.Image:
+    """A PNG from base64, opened lazily: PIL reads its header (size, mode) and decodes nothing yet."""
+    if not isinstance(data, str):
+        raise ValueError(f"a PNG frame must be a base64 string, got {type(data).__name__}")
+    return Image.open(io.BytesIO(base64.b64decode(data, validate=True)), formats=["PNG"])
+
+
 def _open_png(data: str) -> Image.Image:
     """A PNG from base64, refused before decoding when it is not a PNG or claims more than `MAX_PNG_PIXELS`."""
-    image = Image.open(io.BytesIO(base64.b64decode(data, validate=True)), formats=["PNG"])  # reads the header only
+    image = _png_header(data)
     if image.width * image.height > MAX_PNG_PIXELS:
         raise ValueError(f"a PNG of {image.width}x{image.height} exceeds the limit of {MAX_PNG_PIXELS} pixels")
     return image
+
+
+def decoded_pixels(value: Any) -> int:
+    """How many pixels a JSON payload (the output of [`encode`]) decodes to, from PNG headers and tensor shapes only:
+    each PNG frame or PIL image counts width x height, a raw tensor a third of its elements rounded up (three values
+    make an RGB pixel, so a batch counts alike in either encoding). Raises `ValueError` on a malformed shape."""
+    if isinstance(value, list):
+        return sum(decoded_pixels(v) for v in value)
+    if not isinstance(value, dict):
+        return 0
+    if "__tensor__" in value:
+        shape = value["__tensor__"]["shape"]
+        if not isinstance(shape, list) or not all(type(n) is int and n >= 0 for n in shape):
+            raise ValueError(f"tensor shape must be a list of sizes >= 0, got {shape!r}")
+        return -(-math.prod(shape) // 3)
+    if "__png__" in value:
+        frames = value["__png__"]["frames"]
+        if not isinstance(frames, list):
+            raise ValueError("__png__ frames must be a list of base64 PNGs")
+        return sum(math.prod(_png_header(frame).size) for frame in frames)
+    if "__pil__" in value:
+        return math.prod(_png_header(value["__pil__"]).size)
+    return sum(decoded_pixels(v) for v in value.values())
 
 
 def encode(value: Any, png_keys: tuple[str, ...] = (), key: str | None = None) -> Any:
@@ -95,16 +139,28 @@ def _decode_tensor(spec: dict) -> torch.Tensor:
     return torch.from_numpy(array.astype(dtype).reshape(spec["shape"]))
 
 
+def _decode_png(spec: dict) -> torch.Tensor:
+    """Frames of one size decoded one at a time into a float tensor, reshaped to the sent shape `[..., 3, H, W]`."""
+    frames = spec["frames"]
+    if not isinstance(frames, list) or not frames:
+        raise ValueError("__png__ frames must be a non-empty list of base64 PNGs")
+    width, height = _open_png(frames[0]).size  # checked against MAX_PNG_PIXELS before anything is allocated
+    stacked = torch.empty(len(frames), 3, height, width)  # [M, 3, H, W]
+    for index, frame in enumerate(frames):
+        pixels = np.asarray(_open_png(frame).convert("RGB"))  # [H, W, 3] uint8
+        if pixels.shape[:2] != (height, width):
+            raise ValueError(f"PNG frames differ in size: {pixels.shape[1]}x{pixels.shape[0]} after {width}x{height}")
+        stacked[index].numpy()[:] = pixels.transpose(2, 0, 1)  # [3, H, W], uint8 to float in place
+    return stacked.div_(255).reshape(spec["shape"])
+
+
 def decode(value: Any) -> Any:
     """Inverse of [`encode`]: tensors come back as CPU tensors, PNG images as float tensors in [0, 1]."""
     if isinstance(value, dict):
         if "__tensor__" in value:
             return _decode_tensor(value["__tensor__"])
         if "__png__" in value:
-            spec = value["__png__"]
-            frames = [np.asarray(_open_png(f).convert("RGB")) for f in spec["frames"]]
-            stacked = torch.from_numpy(np.stack(frames)).permute(0, 3, 1, 2).float() / 255  # [M, 3, H, W]
-            return stacked.reshape(spec["shape"])
+            return _decode_png(value["__png__"])
         if "__pil__" in value:
             return _open_png(value["__pil__"]).copy()
         return {k: decode(v) for k, v in value.items()}
@@ -128,11 +184,17 @@ def encode_request(outputs: dict[str, Any], batch: PromptBatch, png: bool) -> by
     return json.dumps(payload).encode("utf-8")
 
 
-def decode_request(body: bytes) -> tuple[dict[str, Any], PromptBatch]:
-    """Inverse of [`encode_request`]; raises `ValueError`, `KeyError` or `TypeError` on a malformed body."""
+def decode_request(body: bytes, max_pixels: int | None = None) -> tuple[dict[str, Any], PromptBatch]:
+    """Inverse of [`encode_request`]; raises `ValueError`, `KeyError` or `TypeError` on a malformed body, and
+    [`DecodedSizeError`] before decoding anything when its images and tensors would decode to more than `max_pixels`
+    pixels ([`decoded_pixels`]; `None`: no limit but `MAX_PNG_PIXELS` per PNG)."""
     payload = json.loads(body.decode("utf-8"))
     if not isinstance(payload, dict) or not isinstance(payload.get("batch"), dict) or "outputs" not in payload:
         raise ValueError('expected a JSON object {"outputs": ..., "batch": {"prompts": [...], ...}}')
+    if max_pixels is not None:
+        pixels = decoded_pixels(payload)
+        if pixels > max_pixels:
+            raise DecodedSizeError(pixels, max_pixels)
     raw = payload["batch"]
     batch = PromptBatch(
         prompts=list(raw["prompts"]),

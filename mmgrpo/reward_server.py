@@ -2,10 +2,20 @@
 
 A reward model with heavy or conflicting dependencies (GenEval's detector, an OCR stack, a large VLM judge) runs in its
 own process, as the diffusion-RL peers serve GenEval and OCR; training talks to it through `mmgrpo.rewards.remote`.
-The HTTP layer is [waitress](https://docs.pylonsproject.org/projects/waitress/) (a pure-Python production WSGI server):
-it parses requests, buffers bodies up to `max_body_mb` (a larger ``Content-Length`` or body gets 413, a malformed one
-400, before the reward sees it), closes connections idle for `channel_timeout` seconds (a client that stalls halfway
-through a request) and serves on `threads` worker threads; batches are still scored one at a time.
+The HTTP layer is [waitress](https://docs.pylonsproject.org/projects/waitress/) (a pure-Python production WSGI server)
+with the connection policy of `mmgrpo.reward_guard`; batches are scored one at a time on `threads` worker threads.
+
+Limits ([`ServerLimits`], each a ``serve-reward`` flag):
+
+- a request body is buffered up to `max_body_mb` (a larger ``Content-Length`` or body gets 413, a malformed one 400,
+  before the reward sees it);
+- the images and tensors of one request may decode to at most `max_decoded_mpixels` million pixels in total, read
+  from the PNG headers and tensor shapes before anything is decoded (beyond: 413), and one PNG frame to at most
+  `mmgrpo.reward_codec.MAX_PNG_PIXELS`;
+- connections: at most `max_connections_per_client` per client and `connection_limit` in total, where a newcomer
+  replaces the connection that has waited longest without a request being served; headers must arrive within
+  `header_timeout` seconds, a connection between requests closes after `idle_timeout`, a body or an answer making no
+  progress after `channel_timeout` (details in `mmgrpo.reward_guard`).
 
 Authentication: with a token (see `mmgrpo.reward_codec.read_token`), every request needs
 ``Authorization: Bearer <token>`` (compared in constant time) or gets 401. Off loopback the server refuses to start
@@ -14,12 +24,14 @@ TLS-terminating proxy (the client accepts ``https://`` addresses).
 
 Protocol (payload codec in `mmgrpo.reward_codec`):
 
-- ``GET /info`` -> ``{"reward": name, "modalities": [...], "config": {...}, "max_body_bytes": n}``.
+- ``GET /info`` -> ``{"reward": name, "modalities": [...], "config": {...}, "max_body_bytes": n,
+  "max_decoded_pixels": n}``.
 - ``POST /score`` with ``{"outputs": ..., "batch": {"prompts", "metadata", "group_ids", "member_ids", "conditions"}}``
   -> ``{"scores": [...], "components": {name: [...]}}`` (NaN written as null).
 - Errors: ``{"error": message}`` with status 400 (undecodable request), 401 (missing or wrong token), 404 (unknown
-  path), 405 (wrong method) or 500 (the reward raised); waitress itself answers 400 (malformed HTTP, e.g. a bad
-  ``Content-Length``) and 413 (body over the limit) in plain text.
+  path), 405 (wrong method), 413 (decoded size over `max_decoded_mpixels`, with ``"limit": "max_decoded_mpixels"``)
+  or 500 (the reward raised); waitress itself answers 400 (malformed HTTP, e.g. a bad ``Content-Length``) and 413
+  (body over the limit) in plain text.
 """
 
 from __future__ import annotations
@@ -34,14 +46,16 @@ from http import HTTPStatus
 from pathlib import Path
 from typing import Any
 
-import waitress
 from waitress import wasyncore
+from waitress.adjustments import Adjustments
 
 from . import registry
 from .config import ConfigError, apply_overrides, plugin_spec
 from .config_yaml import read_yaml
-from .reward_codec import (TOKEN_ENV, TOKEN_HINT, check_token, decode_request, encode_result, is_loopback,
-                           read_token)
+from .reward_codec import (TOKEN_ENV, TOKEN_HINT, DecodedSizeError, check_token, decode_request, encode_result,
+                           is_loopback, read_token)
+from .reward_guard import ConnectionPolicy, GuardedServer
+from .validation import check_fields, check_range
 
 ROUTES = {"/info": "GET", "/score": "POST"}
 
@@ -76,37 +90,57 @@ def require_token_off_loopback(host: str, token: str | None) -> None:
         )
 
 
+# each limit's range: (low, high, low excluded); a real server stays well inside
+LIMIT_RANGES = {"max_body_mb": (0, 2**20, True), "max_decoded_mpixels": (0, 4096, True),
+                "channel_timeout": (1, 86400, False), "header_timeout": (1, 3600, False),
+                "idle_timeout": (1, 86400, False), "threads": (1, 256, False), "connection_limit": (1, 1000, False),
+                "max_connections_per_client": (1, 1000, False)}
+
+
 @dataclasses.dataclass
 class ServerLimits:
-    """What the server accepts.
+    """What the server accepts; each field is a ``mmgrpo serve-reward`` flag (``--max-body-mb``...).
 
     Args:
         max_body_mb (`float`, defaults to 256): largest request body in MiB (about 120 PNG-encoded 1024x1024 images,
-            ~2 MiB each in base64).
-        channel_timeout (`int`, defaults to 60): seconds after which a connection with no activity (a client that
-            stalled halfway through a request, or an idle one) is closed. Not applied while a batch is being scored.
+            ~2 MiB each in base64); beyond it, 413.
+        max_decoded_mpixels (`float`, defaults to 64): millions of pixels the images and tensors of one request may
+            decode to, together (64 images of 1024x1024; a raw tensor counts a third of its elements, as three values
+            make an RGB pixel); read from PNG headers and tensor shapes before decoding, beyond it 413. At most 4096.
+        channel_timeout (`int`, defaults to 60): seconds after which a request body, or an answer the client does not
+            read, that makes no progress closes its connection. Not applied while a batch is being scored.
+        header_timeout (`int`, defaults to 10): seconds a request's headers may take, however slowly they arrive
+            (from the connection's start for its first request).
+        idle_timeout (`int`, defaults to 30): seconds a connection may stay open between requests.
         threads (`int`, defaults to 4): worker threads (``/info`` and refusals are answered while a batch is scored).
-        connection_limit (`int`, defaults to 32): open connections beyond which new ones wait in the backlog.
+        connection_limit (`int`, defaults to 32): open connections in total; a newcomer replaces the one that has
+            waited longest without a request being served (see `mmgrpo.reward_guard`). At most 1000.
+        max_connections_per_client (`int`, defaults to 16): open connections per client address (an IPv6 /64);
+            beyond `connection_limit`, the total limit is the bound.
     """
 
     max_body_mb: float = 256.0
+    max_decoded_mpixels: float = 64.0
     channel_timeout: int = 60
+    header_timeout: int = 10
+    idle_timeout: int = 30
     threads: int = 4
     connection_limit: int = 32
+    max_connections_per_client: int = 16
 
     def __post_init__(self):
-        mb = self.max_body_mb
-        if isinstance(mb, bool) or not isinstance(mb, (int, float)) or not 0 < mb < 2**20:
-            raise ValueError(f"max_body_mb must be a number of MiB in (0, 1048576), got {mb!r} (e.g. --max-body-mb 256)"
-                             ".")
-        for key in ("channel_timeout", "threads", "connection_limit"):
-            value = getattr(self, key)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{key} must be an integer >= 1, got {value!r}.")
+        check_fields(self)
+        for key, (low, high, low_open) in LIMIT_RANGES.items():
+            check_range(key, getattr(self, key), low, high, low_open=low_open,
+                        fix=f"set --{key.replace('_', '-')} (mmgrpo serve-reward --help)")
 
     @property
     def max_body_bytes(self) -> int:
         return int(self.max_body_mb * 2**20)
+
+    @property
+    def max_decoded_pixels(self) -> int:
+        return int(self.max_decoded_mpixels * 1e6)
 
 
 class RewardServer:
@@ -117,7 +151,7 @@ class RewardServer:
         name (`str`): its registry name, reported by ``/info``.
         host (`str`, defaults to `"127.0.0.1"`), port (`int`, defaults to 0: a free port).
         token (`str`, *optional*): the shared secret every request must carry; required off loopback.
-        limits ([`ServerLimits`], *optional*): body size, timeout, threads.
+        limits ([`ServerLimits`], *optional*): body and decoded sizes, connections and their timeouts, threads.
     """
 
     def __init__(self, reward, name: str, host: str = "127.0.0.1", port: int = 0, token: str | None = None,
@@ -127,18 +161,18 @@ class RewardServer:
         self._token = None if token is None else check_token(token, "the token argument").encode("ascii")
         self.lock = threading.Lock()
         self._map: dict = {}  # waitress's socket map: closing everything in it stops the server
-        self.server = waitress.create_server(
-            self._app, map=self._map, host="127.0.0.1" if host == "localhost" else host, port=port,
-            threads=self.limits.threads, channel_timeout=self.limits.channel_timeout,
-            cleanup_interval=max(1, min(30, self.limits.channel_timeout // 2)),
+        adjustments = Adjustments(
+            host="127.0.0.1" if host == "localhost" else host, port=port, threads=self.limits.threads,
+            channel_timeout=self.limits.channel_timeout, cleanup_interval=1,  # the deadlines are checked every second
             max_request_body_size=self.limits.max_body_bytes, connection_limit=self.limits.connection_limit,
             ident="mmgrpo-reward", expose_tracebacks=False,
         )
-        if not hasattr(self.server, "effective_port"):  # a name that resolves to several addresses: one socket each
-            wasyncore.close_all(self._map)
-            self.server.task_dispatcher.shutdown(timeout=5)
+        if len(adjustments.listen) != 1:  # a name that resolves to several addresses: one socket each
             raise ValueError(f"host {host!r} resolves to several addresses; pass one address (e.g. 0.0.0.0 for every "
                              f"IPv4 interface, or this machine's address on the training network).")
+        policy = ConnectionPolicy(self.limits.max_connections_per_client, self.limits.header_timeout,
+                                  self.limits.idle_timeout, self._trusted)
+        self.server = GuardedServer(self._app, policy, map=self._map, adj=adjustments, sockinfo=adjustments.listen[0])
         self.thread: threading.Thread | None = None
 
     @property
@@ -150,12 +184,16 @@ class RewardServer:
         config = getattr(self.reward, "config", None)
         options = dataclasses.asdict(config) if dataclasses.is_dataclass(config) else {}
         return {"reward": self.name, "modalities": sorted(self.reward.modalities), "config": options,
-                "max_body_bytes": self.limits.max_body_bytes}
+                "max_body_bytes": self.limits.max_body_bytes, "max_decoded_pixels": self.limits.max_decoded_pixels}
 
     def _authorized(self, header: str) -> bool:
         scheme, _, value = header.strip().partition(" ")
         given = value.strip().encode("latin-1")  # WSGI headers are latin-1 strings
         return scheme.lower() == "bearer" and hmac.compare_digest(given, self._token)
+
+    def _trusted(self, headers: dict) -> bool:
+        """Whether a request's headers (waitress's parsed mapping) carry the token (any request without a token)."""
+        return self._token is None or self._authorized(headers.get("AUTHORIZATION", ""))
 
     def _respond(self, environ: dict) -> tuple[int, Any, list[tuple[str, str]]]:
         """Status, JSON-ready body and extra headers for one request."""
@@ -172,7 +210,11 @@ class RewardServer:
             return 200, self.info(), []
         body = environ["wsgi.input"].read(int(environ.get("CONTENT_LENGTH") or 0))  # waitress checked the length
         try:
-            outputs, batch = decode_request(body)
+            outputs, batch = decode_request(body, self.limits.max_decoded_pixels)
+        except DecodedSizeError as err:
+            return 413, {"error": f"{err}, over this server's limit of {self.limits.max_decoded_mpixels:g} million "
+                                  f"(--max-decoded-mpixels): restart it with a larger --max-decoded-mpixels, or send "
+                                  f"fewer or smaller images per request", "limit": "max_decoded_mpixels"}, []
         except Exception as err:  # a malformed request: the client's fault
             return 400, {"error": f"undecodable request: {err!r}"}, []
         try:

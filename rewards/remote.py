@@ -4,7 +4,9 @@ The server runs any registered reward with its own dependencies (and GPU); this 
 HTTP (protocol in `mmgrpo.reward_server`), waits at most `timeout` seconds per attempt and retries a refused, dropped or
 timed-out request `retries` more times, `retry_wait * 2^k` seconds apart. It then raises an error naming the address
 and how to start the server. An error reported by the server (a bad request, a missing or wrong token, a body over the
-server's limit, the reward raising) is raised at once, with what to change.
+server's ``--max-body-mb``, images decoding to more than its ``--max-decoded-mpixels``, the reward raising) is raised
+at once, with what to change. These errors are `RemoteRewardError`s, a `mmgrpo.errors.RunError`: ``mmgrpo train``
+ends with their one-line message and exit status 1.
 
 Authentication: the server's shared secret is read from the environment variable `token_env` (default
 ``MMGRPO_REWARD_TOKEN``) or the file `token_file`, never from the config itself (configs are logged), and sent as
@@ -25,9 +27,9 @@ import urllib.request
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from mmgrpo.errors import RunError
 from mmgrpo.reward_codec import TOKEN_ENV, TOKEN_HINT, decode_result, encode_request, is_loopback, read_token
 from mmgrpo.types import PromptBatch, RewardResult
-from mmgrpo.errors import RunError
 
 
 class RemoteRewardError(RunError):
@@ -150,9 +152,10 @@ class RemoteReward:
 
     def _explain(self, err: urllib.error.HTTPError, body: bytes) -> RemoteRewardError:
         """A clear error for a 4xx / 5xx answer: what the server said and what to change."""
-        detail = err.read().decode("utf-8", "replace")
+        detail, limit = err.read().decode("utf-8", "replace"), None
         try:
-            detail = json.loads(detail).get("error", detail)
+            answer = json.loads(detail)
+            detail, limit = answer.get("error", detail), answer.get("limit")
         except (ValueError, AttributeError):
             pass
         detail = " ".join(str(detail).split())  # waitress's own plain-text answers span lines
@@ -163,7 +166,13 @@ class RemoteReward:
             hint = f"it requires a token and none was sent: set {source} to the token the server was started with"
         elif err.code == 401:
             hint = f"the token from {source} is not the server's: use the token the server was started with"
-        elif err.code == 413:
+        elif err.code == 413 and limit == "max_decoded_mpixels":  # the server's JSON refusal, before decoding
+            return RemoteRewardError(
+                f"{where}: the batch's images decode to more pixels than it accepts ({detail}). Restart the server "
+                f"with a larger --max-decoded-mpixels, or send fewer images per request (fewer prompts per step or "
+                f"per process, or smaller images)."
+            )
+        elif err.code == 413:  # waitress's plain-text refusal of the body
             return self._too_large(len(body), detail)
         else:
             return RemoteRewardError(f"{where}: {detail}")
