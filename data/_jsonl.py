@@ -1,10 +1,14 @@
-"""Reading JSONL prompt files, shared by the JSONL prompt sources (`vlm_jsonl`, `referring_jsonl`)."""
+"""Reading JSONL prompt files, shared by the JSONL prompt sources (`vlm_jsonl`, `referring_jsonl`): rows, media
+paths, and the header check of every local image a row names (`mmgrpo.image_files.open_image`: at most
+`max_image_pixels` pixels, refused before decoding)."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
 from typing import Callable
+
+from mmgrpo.image_files import open_image
 
 
 def read_items(file: str, image_root: str | None, item: Callable[[dict, Path], dict]) -> list[dict]:
@@ -41,3 +45,12 @@ def resolve_media(location: str, root: Path) -> str:
     if not path.exists():
         raise ValueError(f"image or video {location!r} not found (looked at {path}); set data.image_root.")
     return str(path)
+
+
+def image_size(location: str, max_pixels: int) -> tuple[int, int] | None:
+    """``(width, height)`` of a local image read from its header, refused (naming the file) beyond `max_pixels`
+    pixels before anything is decoded; `None` for a URI (``http://...``, ``data:``), which the pipeline reads."""
+    if "://" in location or location.startswith("data:"):
+        return None
+    with open_image(location, max_pixels) as image:
+        return image.size

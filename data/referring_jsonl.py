@@ -18,7 +18,8 @@ Each row becomes an item: the prompt (`prompt_template`: ``"seg_zero"``, ``"seg_
 ``{question}``), ``images`` ``[path]`` (relative paths from `image_root`, default the JSONL file's folder), and metadata
 ``mask`` (bool tensor `[H, W]`, decoded once here), ``boxes`` (``[x1, y1, x2, y2]``), ``image_size`` (``[W, H]``, so
 `sam_mask` / `seg_zero` map the model's resized frame back, see `rewards/box_iou.py`) and ``question``. A mask of
-another size than its image is refused, naming the file and line.
+another size than its image is refused, naming the file and line, and so is an image or mask PNG of more than
+`max_image_pixels` pixels, from its header, before it is decoded.
 """
 
 from __future__ import annotations
@@ -29,9 +30,10 @@ from typing import Literal
 
 import torch
 
-from mmgrpo.data._jsonl import read_items, resolve_media
+from mmgrpo.data._jsonl import image_size, read_items, resolve_media
+from mmgrpo.image_files import DEFAULT_MAX_IMAGE_PIXELS, MAX_IMAGE_PIXELS_LIMIT
 from mmgrpo.rewards._seg_masks import load_mask
-from mmgrpo.validation import check_fields, check_template, check_text
+from mmgrpo.validation import check_fields, check_range, check_template, check_text
 
 TEMPLATES = {
     "seg_zero": (
@@ -61,6 +63,8 @@ class ReferringJsonlConfig:
             ``{question}``.
         mask_key (`str`, defaults to `"mask"`): the mask's key (COCO's ``"segmentation"`` is read when it is absent).
         box_format (`str`, defaults to `"xyxy"`): ``"xyxy"`` or COCO's ``"xywh"``.
+        max_image_pixels (`int`, defaults to 67108864): the most pixels (width x height) of an image or mask PNG,
+            read from its header; a larger one is refused before decoding. At most 134217728.
     """
 
     train_file: str
@@ -70,9 +74,12 @@ class ReferringJsonlConfig:
     prompt_template: str = "seg_zero"
     mask_key: str = "mask"
     box_format: Literal["xyxy", "xywh"] = "xyxy"
+    max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS
 
     def __post_init__(self):
         check_fields(self)
+        check_range("max_image_pixels", self.max_image_pixels, 1, MAX_IMAGE_PIXELS_LIMIT,
+                    fix="the default 67108864 is 8192 x 8192")
         check_text("question_key", self.question_key)
         check_text("mask_key", self.mask_key)
         template = TEMPLATES.get(self.prompt_template, self.prompt_template)
@@ -119,21 +126,21 @@ class ReferringJsonl:
 
     def item(self, row: dict, root: Path) -> dict:
         """One prompt item of a row (see the module docstring)."""
-        from PIL import Image
-
         c = self.config
         question = next((row[k] for k in (c.question_key, *QUESTION_KEYS) if k in row), None)
         if not isinstance(question, str):
             raise KeyError(f"the row has no {c.question_key!r} (or {', '.join(QUESTION_KEYS)}) text")
         image = resolve_media(row["image"], root)
-        with Image.open(image) as opened:
-            width, height = opened.size
+        size = image_size(image, c.max_image_pixels)  # from the header, refused beyond the limit
+        if size is None:
+            raise ValueError(f"the image must be a local file (its size and mask are read here), got {image!r}")
+        width, height = size
         encoded = row.get(c.mask_key, row.get("segmentation"))
         if encoded is None:
             raise KeyError(f"the row has no {c.mask_key!r} (or 'segmentation') mask")
         if isinstance(encoded, list):  # COCO's segmentation list: polygons
             encoded = {"polygons": encoded}
-        mask = load_mask(encoded, size=(height, width), root=root)  # [H, W]
+        mask = load_mask(encoded, size=(height, width), root=root, max_pixels=c.max_image_pixels)  # [H, W]
         if tuple(mask.shape) != (height, width):
             raise ValueError(f"the mask is {mask.shape[1]}x{mask.shape[0]} but the image {image} is {width}x{height}")
         box = row.get("bbox", row.get("boxes"))

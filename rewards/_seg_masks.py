@@ -28,6 +28,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from mmgrpo.image_files import DEFAULT_MAX_IMAGE_PIXELS, open_image
+
 
 def rle_counts_from_string(text: str) -> list[int]:
     """COCO's compressed RLE text -> run lengths (the inverse of [`rle_counts_to_string`])."""
@@ -113,25 +115,26 @@ def polygons_to_mask(polygons: list, height: int, width: int) -> torch.Tensor:
     return mask
 
 
-def load_mask(value: Any, size: tuple[int, int] | None = None, root: str | Path | None = None) -> torch.Tensor:
+def load_mask(value: Any, size: tuple[int, int] | None = None, root: str | Path | None = None,
+              max_pixels: int = DEFAULT_MAX_IMAGE_PIXELS) -> torch.Tensor:
     """A ground-truth mask in any encoding of the module docstring -> a bool tensor `[H, W]`.
 
     Args:
         value: the encoded mask.
         size (`tuple[int, int]`, *optional*): ``(height, width)`` of the image, for polygons without a ``"size"``.
         root (`str`, *optional*): folder of relative PNG paths.
+        max_pixels (`int`, defaults to 67108864): the most pixels of a mask image, read from its header before it is
+            decoded (the prompt source's ``max_image_pixels``).
 
     Raises:
-        ValueError: an encoding it cannot read, naming the accepted ones.
+        ValueError: an encoding it cannot read, naming the accepted ones, or a mask image over `max_pixels`.
     """
     if isinstance(value, str):
-        from PIL import Image
-
         path = Path(value).expanduser()
         path = path if path.is_absolute() or root is None else Path(root) / path
         if not path.is_file():
             raise ValueError(f"mask image {value!r} not found (looked at {path})")
-        with Image.open(path) as image:
+        with open_image(path, max_pixels) as image:
             pixels = np.asarray(image)
         return torch.from_numpy(pixels.reshape(*pixels.shape[:2], -1).any(axis=-1))
     if isinstance(value, dict) and "counts" in value:
