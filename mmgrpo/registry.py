@@ -27,17 +27,26 @@ def _package_dirs(kind: str) -> list[Path]:
     return [Path(p) for p in (spec.submodule_search_locations or [])]
 
 
+_SUMMARIES: dict[Path, tuple[tuple[int, int], str | None]] = {}  # path -> ((mtime_ns, size), summary)
+
+
 def _plugin_summary(path: Path) -> str | None:
-    """First docstring line if the module assigns ``PLUGIN`` at top level, else None (helper modules)."""
+    """First docstring line if the module assigns ``PLUGIN`` at top level, else None (helper modules). Parsed once
+    per version of the file (a config check asks for every plugin's summary several times)."""
+    stat = path.stat()
+    version = (stat.st_mtime_ns, stat.st_size)
+    cached = _SUMMARIES.get(path)
+    if cached is not None and cached[0] == version:
+        return cached[1]
     tree = ast.parse(path.read_text(encoding="utf-8"))
     defines_plugin = any(
         isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "PLUGIN" for t in node.targets)
         for node in tree.body
     )
-    if not defines_plugin:
-        return None
     doc = ast.get_docstring(tree) or ""
-    return doc.strip().splitlines()[0] if doc.strip() else ""
+    summary = (doc.strip().splitlines()[0] if doc.strip() else "") if defines_plugin else None
+    _SUMMARIES[path] = (version, summary)
+    return summary
 
 
 def available(kind: str) -> dict[str, str]:
