@@ -73,7 +73,7 @@ class HFDatasetConfig:
         check_template("prompt_template", self.prompt_template, question="q")
         for key in ("max_train_rows", "max_eval_rows"):
             if getattr(self, key) is not None:
-                check_range(key, getattr(self, key), 1, fix="unset it to use the whole split")
+                check_range(key, getattr(self, key), 1, 10**9, fix="unset it to use the whole split")
         try:
             import datasets  # noqa: F401
         except ImportError as err:

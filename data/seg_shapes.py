@@ -76,7 +76,7 @@ class SegShapesConfig:
         check_range("n_train", self.n_train, 0, 10**5, fix="items are built in memory; training needs some")
         check_range("n_eval", self.n_eval, 0, 10**5, fix="0: no held-out items (then set eval.every=0)")
         check_range("size", self.size, 28, 1024)
-        check_range("min_margin", self.min_margin, 0)
+        check_range("min_margin", self.min_margin, 0, self.size**2, fix="an area margin in pixels, at most the image's")
         check_template("prompt_template", TEMPLATES.get(self.prompt_template, self.prompt_template), question="q")
         if not self.questions or set(self.questions) - set(QUESTIONS):
             raise ValueError(f"data.questions must be a non-empty subset of {list(QUESTIONS)}, got {self.questions}.")

@@ -275,8 +275,7 @@ class ShapesPromptsConfig:
             )
         if self.n_train < 0 or self.n_eval < 0:
             raise ValueError(f"n_train ({self.n_train}) and n_eval ({self.n_eval}) must be >= 0.")
-        if self.image_size < 24:
-            raise ValueError(f"data.image_size must be >= 24 pixels, got {self.image_size}.")
+        check_range("image_size", self.image_size, 24, 1024, fix="three objects need at least 24 pixels")
 
 
 class ShapesPrompts:

@@ -80,10 +80,11 @@ class TemporalShapesConfig:
         check_range("n_train", self.n_train, 0, 10**5, fix="items are built in memory; training needs some")
         check_range("n_eval", self.n_eval, 0, 10**5, fix="0: no held-out items (then set eval.every=0)")
         check_range("size", self.size, 56, 1024, fix="qwen-vl-utils resizes frame lists on a 56-pixel grid")
-        check_range("fps", self.fps, 0, 120, low_open=True)
+        check_range("fps", self.fps, 0.01, 120, fix="frames per second; 2.0 as Qwen-VL's video default")
         check_range("frame_step", self.frame_step, 1, 16, fix="2 matches Qwen2-VL's temporal patch")
         check_range("distractors", self.distractors, 0, 2, fix="each shape needs its own lane")
         check_range("speed", self.speed, 1, 16)
+        check_range("num_frames", self.num_frames, 2, 1024, fix="Qwen-VL samples a few frames per second")
         check_template("prompt_template", self.prompt_template, question="q")
         if self.event not in EVENTS:
             raise ValueError(f"data.event must be one of {tuple(EVENTS)}, got {self.event!r}.")
@@ -102,8 +103,10 @@ class TemporalShapesConfig:
             )
         if self.shape_size + self.speed * (self.num_frames - self.frame_step) >= self.size:
             raise ValueError(
-                f"a shape sliding data.speed={self.speed} pixels per frame for up to "
-                f"{self.num_frames - self.frame_step} frames leaves a {self.size}-pixel frame; lower data.speed."
+                f"a shape of data.shape_size={self.shape_size} pixels sliding data.speed={self.speed} pixels per frame "
+                f"for up to data.num_frames - data.frame_step = {self.num_frames - self.frame_step} frames leaves a "
+                f"{self.size}-pixel frame (data.size); lower data.speed, data.num_frames or data.shape_size, or raise "
+                "data.size."
             )
 
 

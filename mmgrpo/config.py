@@ -27,6 +27,16 @@ from .validation import (  # noqa: F401 (ConfigError and build_dataclass are imp
     takes_text,
 )
 
+STEPS_LIMIT = 10**9  # trainer steps (and the step counts of warm-up, evaluation, checkpoints, logging)
+SECONDS_LIMIT = 10**8  # a time budget in seconds (three years)
+SAMPLES_LIMIT = 2**20  # samples per step (prompts x group size), and held-out prompts per evaluation
+# the sizes of one step: a refusal beyond these limits, which no real run reaches
+SIZE_LIMITS = {"max_steps": STEPS_LIMIT, "prompts_per_step": 2**16, "group_size": 1024, "minibatch_size": 2**16,
+               "updates_per_step": 1024, "inner_epochs": 1024}
+SIZE_FIXES = {"prompts_per_step": "real runs use 8 to ~1024 prompts per step",
+              "group_size": "real runs use 4 to ~64 samples per prompt",
+              "minibatch_size": "samples per backward pass; gradients accumulate over minibatches"}
+
 
 @dataclass
 class TrainConfig:
@@ -98,23 +108,34 @@ class TrainConfig:
             raise ConfigError(f"train.mixed_precision: fp16 does not combine with train.sharding: {self.sharding} "
                               "(sharded fp16 needs a sharded loss scaler): use bf16 (bf16 compute, fp32 reductions) "
                               "or no.")
-        for name in ("max_steps", "prompts_per_step", "group_size", "minibatch_size", "updates_per_step", "inner_epochs"):
-            check_range(f"train.{name}", getattr(self, name), 1)
-        check_range("train.max_seconds", self.max_seconds, 0, fix="0: no time limit")
+        for name, high in SIZE_LIMITS.items():
+            check_range(f"train.{name}", getattr(self, name), 1, high, fix=SIZE_FIXES.get(name, ""))
+        check_range("train.max_seconds", self.max_seconds, 0, SECONDS_LIMIT, fix="0: no time limit")
         if self.group_size < 2:
             raise ConfigError("train.group_size must be >= 2: group-relative advantages need at least two samples.")
-        check_range("train.learning_rate", self.learning_rate, 0, low_open=True)
-        check_range("train.weight_decay", self.weight_decay, 0)
+        samples = self.prompts_per_step * self.group_size
+        if samples > SAMPLES_LIMIT:
+            raise ConfigError(f"train.prompts_per_step x train.group_size = {samples} samples per step, more than any "
+                              f"real run ({SAMPLES_LIMIT}): lower train.prompts_per_step or train.group_size.")
+        check_range("train.learning_rate", self.learning_rate, 0, 1.0, low_open=True,
+                    fix="AdamW steps each weight by about the learning rate (RL runs use 1e-6 to 1e-3)")
+        check_range("train.weight_decay", self.weight_decay, 0, 10.0, fix="1e-4 to 0.1 is usual")
+        if self.learning_rate * self.weight_decay >= 1:
+            raise ConfigError(f"train.weight_decay {self.weight_decay} x train.learning_rate {self.learning_rate} must "
+                              "be < 1: AdamW multiplies each weight by 1 - lr x weight_decay every update, which would "
+                              "zero or flip it; lower train.weight_decay.")
         if len(self.adam_betas) != 2:
             raise ConfigError(f"train.adam_betas must have two values, got {self.adam_betas}.")
         for i, beta in enumerate(self.adam_betas):
             check_range(f"train.adam_betas[{i}]", beta, 0, 1, high_open=True, fix="AdamW's betas are in [0, 1)")
-        check_range("train.adam_eps", self.adam_eps, 0, low_open=True)
-        check_range("train.warmup_steps", self.warmup_steps, 0, fix="0: no warm-up")
+        check_range("train.adam_eps", self.adam_eps, 1e-30, 1.0, fix="1e-8 is usual; smaller vanishes in float32 and "
+                    "turns a zero gradient into 0 / 0")
+        check_range("train.warmup_steps", self.warmup_steps, 0, STEPS_LIMIT, fix="0: no warm-up")
         check_range("train.min_lr_ratio", self.min_lr_ratio, 0, 1)
         check_range("train.prompt_sampling_mix", self.prompt_sampling_mix, 0, 1, high_open=True,
                     fix="1 - mix is the share of uniform draws")
-        check_range("train.max_grad_norm", self.max_grad_norm, 0, low_open=True, fix="1.0 is usual")
+        check_range("train.max_grad_norm", self.max_grad_norm, 0, 1e12, low_open=True,
+                    fix="1.0 is usual; 1e6 clips nothing")
 
 
 @dataclass
@@ -144,10 +165,10 @@ class EvalConfig:
 
     def __post_init__(self):
         check_fields(self)
-        check_range("eval.every", self.every, 0, fix="0 disables")
-        check_range("eval.every_seconds", self.every_seconds, 0, fix="0 disables")
-        check_range("eval.num_prompts", self.num_prompts, 1)
-        check_range("eval.grid_size", self.grid_size, 0, fix="0 draws no grid")
+        check_range("eval.every", self.every, 0, STEPS_LIMIT, fix="0 disables")
+        check_range("eval.every_seconds", self.every_seconds, 0, SECONDS_LIMIT, fix="0 disables")
+        check_range("eval.num_prompts", self.num_prompts, 1, SAMPLES_LIMIT)
+        check_range("eval.grid_size", self.grid_size, 0, 1024, fix="0 draws no grid")
         check_seed("eval.seed", self.seed)
         if not self.metric.strip():
             raise ConfigError("eval.metric must name a reward component, or 'score' for the reward itself; got ''.")
@@ -174,8 +195,8 @@ class CheckpointConfig:
 
     def __post_init__(self):
         check_fields(self)
-        check_range("checkpoint.every", self.every, 0, fix="0 saves only at the end")
-        check_range("checkpoint.keep_last", self.keep_last, 1, fix="the newest checkpoint is always kept")
+        check_range("checkpoint.every", self.every, 0, STEPS_LIMIT, fix="0 saves only at the end")
+        check_range("checkpoint.keep_last", self.keep_last, 1, 10**6, fix="the newest checkpoint is always kept")
         check_text("checkpoint.resume_from", self.resume_from)
 
 
@@ -235,7 +256,7 @@ class ExperimentConfig:
         check_fields(self)
         check_text("output_dir", self.output_dir)
         check_seed("seed", self.seed)
-        check_range("log_every", self.log_every, 1, fix="1 logs every step")
+        check_range("log_every", self.log_every, 1, STEPS_LIMIT, fix="1 logs every step")
         if self.checkpoint.resume_from:
             check_resume(self.checkpoint.resume_from, self.output_dir)
 

@@ -15,6 +15,7 @@ import torch
 
 from . import registry
 from .config import PLUGIN_KINDS, ExperimentConfig
+from .memory_check import check_memory
 from .types import FlowPlan, SamplingPlan
 from .validation import ConfigError
 
@@ -216,9 +217,12 @@ def check_checkpoint(config: ExperimentConfig, resuming: bool) -> None:
 def preflight(config: ExperimentConfig, split: str | None = None) -> None:
     """Every check of this module; raises [`ConfigError`] naming the key. `split` is the evaluated split of
     ``mmgrpo eval`` (``"train"`` needs no held-out items); evaluations do not check that a resumed checkpoint's
-    training state is readable, training (`split` None) does."""
+    training state is readable, training (`split` None) does; training also checks that one step's outputs fit in
+    this machine's memory ([`~mmgrpo.memory_check.check_memory`])."""
     check_output_dir(config)
     check_modalities(config)
     check_plan(config)
+    if split is None:
+        check_memory(config)
     check_items(config, split or "eval")
     check_checkpoint(config, resuming=split is None)

@@ -1,12 +1,17 @@
 """Checks shared by every configuration dataclass: values against their annotations (types, finite numbers), ranges,
 seeds, and the building of a dataclass from a mapping. Errors are [`ConfigError`]s that start with the key.
 
-A plugin's ``Config.__post_init__`` calls [`check_fields`] first (types and finiteness of every field, so the checks
-after it compare numbers with numbers), then [`check_range`] for each bound::
+A plugin's ``Config.__post_init__`` calls [`check_fields`] first (types, finiteness and the shared ceiling of every
+field, so the checks after it compare numbers with numbers), then [`check_range`] for each bound::
 
     def __post_init__(self):
         check_fields(self)
         check_range("clip_low", self.clip_low, low=0, low_open=True)
+
+Every number a config holds has a ceiling: [`coerce`] refuses an integer beyond ``INT_LIMIT`` (2**40) and a float
+beyond ``FLOAT_LIMIT`` (1e15) in magnitude, whatever the field, so no absurd size, step count or scale reaches a
+model. A field with a tighter real limit (a learning rate, a resolution, a token count) states it with
+[`check_range`]'s `high`.
 """
 
 from __future__ import annotations
@@ -20,6 +25,8 @@ from typing import Any, Literal
 
 # PyYAML (YAML 1.1) reads "3e-4" (no dot) as a string; a float field accepts it
 _FLOAT_TEXT = re.compile(r"^[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?$")
+INT_LIMIT = 2**40  # no integer option of a real run (a size, a count, a step, a seed, a token id) is larger
+FLOAT_LIMIT = 1e15  # nor is any float option (a rate, a weight, a scale, seconds) larger in magnitude
 SEED_LIMIT = 2**32  # accelerate's set_seed seeds numpy's RandomState, which takes 0 <= seed < 2**32
 NULL_WORDS = ("null", "Null", "NULL", "~")
 # option names that were renamed so that one concept has one name in every plugin: old key -> the key(s) to use
@@ -84,12 +91,25 @@ def _number(value: Any, key: str) -> float:
         raise ConfigError(f"{key}: {value} is too large for a float; give a finite number.") from None
     if not math.isfinite(value):
         raise ConfigError(f"{key}: must be a finite number, got {value}; NaN and infinities are not usable values.")
+    if abs(value) > FLOAT_LIMIT:
+        raise ConfigError(f"{key} must be within +-{FLOAT_LIMIT:g}, got {value!r}; no real run uses a value this "
+                          "large.")
+    return value
+
+
+def _integer(value: Any, key: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ConfigError(f"{key}: expected an integer, got {value!r} ({type(value).__name__}).")
+    if abs(value) > INT_LIMIT:
+        raise ConfigError(f"{key} must be within +-2**40 ({INT_LIMIT}), got {value}; no real run uses a value this "
+                          "large.")
     return value
 
 
 def coerce(value: Any, tp: Any, key: str) -> Any:
     """Checks `value` against annotation `tp` and returns it converted (ints are accepted for floats, lists for
-    tuples; floats must be finite); raises [`ConfigError`] naming `key`."""
+    tuples; floats must be finite; numbers within ``INT_LIMIT`` / ``FLOAT_LIMIT``, also inside lists and mappings);
+    raises [`ConfigError`] naming `key`."""
     origin, args = typing.get_origin(tp), typing.get_args(tp)
     if tp is Any:
         return value
@@ -109,15 +129,14 @@ def coerce(value: Any, tp: Any, key: str) -> Any:
     if origin is dict:
         if not isinstance(value, dict):
             raise ConfigError(f"{key}: expected a mapping, got {value!r} ({type(value).__name__}).")
-        return dict(value)
+        inner = args[1] if len(args) == 2 else Any
+        return {k: coerce(v, inner, f"{key}.{k}") for k, v in value.items()}
     if dataclasses.is_dataclass(tp):
         return value if isinstance(value, tp) else build_dataclass(tp, value, key)
     if tp is float:
         return _number(value, key)
     if tp is int:
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise ConfigError(f"{key}: expected an integer, got {value!r} ({type(value).__name__}).")
-        return value
+        return _integer(value, key)
     if tp in (str, bool):
         if not isinstance(value, tp):
             hint = " (quote it in YAML: '...')" if tp is str and isinstance(value, (int, float, bool)) else ""
@@ -138,17 +157,16 @@ def check_fields(config: Any) -> None:
 def check_range(key: str, value: float, low: float | None = None, high: float | None = None, *,
                 low_open: bool = False, high_open: bool = False, fix: str = "") -> None:
     """Raises [`ConfigError`] unless ``low <= value <= high`` (``<`` where `low_open` / `high_open`; a bound of None
-    is no bound). The message starts with `key`, states the range and ends with `fix` when given."""
+    is no bound). The message starts with `key`, states the bound crossed (then the other one), and ends with `fix`
+    when given: ``lora_rank must be <= 4096 (and >= 0), got 9000; ...``."""
     too_low = low is not None and (value <= low if low_open else value < low)
     too_high = high is not None and (value >= high if high_open else value > high)
     if not (too_low or too_high):
         return
-    if high is None:
-        wanted = f"{'>' if low_open else '>='} {low}"
-    elif low is None:
-        wanted = f"{'<' if high_open else '<='} {high}"
-    else:
-        wanted = f"in {'(' if low_open else '['}{low}, {high}{')' if high_open else ']'}"
+    above = f"{'>' if low_open else '>='} {low}" if low is not None else None
+    below = f"{'<' if high_open else '<='} {high}" if high is not None else None
+    crossed, other = (above, below) if too_low else (below, above)
+    wanted = crossed + (f" (and {other})" if other else "")
     raise ConfigError(f"{key} must be {wanted}, got {value!r}" + (f"; {fix}" if fix else "") + ".")
 
 

@@ -15,23 +15,29 @@ import torch
 
 from mmgrpo.reference import ReferenceSwitch
 from mmgrpo.hub import resolve_pretrained
+from mmgrpo.model_limits import GUIDANCE_LIMIT, attention_width, check_lora, read_json
 from mmgrpo.validation import check_fields, check_range
 
 LORA_WEIGHTS = "pytorch_lora_weights.safetensors"
 
 
-def check_flow_config(config) -> None:
-    """The checks every flow adapter's `Config` shares (types from the annotations, step counts, LoRA options); resolves
-    ``pretrained``. The adapter's own `__post_init__` adds its resolution and guidance rules."""
+def check_flow_config(config, max_tokens: int) -> tuple[str, dict]:
+    """The checks every flow adapter's `Config` shares (types from the annotations, step counts, text tokens up to
+    `max_tokens`, guidance, LoRA options with the rank bounded by the transformer's attention width where its config
+    is readable); resolves ``pretrained``. Returns ``(location, the transformer's config or {})`` for the adapter's
+    own `__post_init__`, which adds its resolution and guidance rules."""
     check_fields(config)
-    resolve_pretrained(config.pretrained, "pipeline.pretrained")  # checked now; kept as configured (runs record it)
+    location = resolve_pretrained(config.pretrained, "pipeline.pretrained")  # kept as configured (runs record it)
     check_range("num_steps", config.num_steps, 1, 1000, fix="flow models are trained on 1000 noise levels")
-    check_range("max_sequence_length", config.max_sequence_length, 1)
-    check_range("lora_alpha", config.lora_alpha, 1, fix="LoRA scales by lora_alpha / lora_rank")
+    check_range("max_sequence_length", config.max_sequence_length, 1, max_tokens, fix="the text encoder's tokens")
+    check_range("guidance_scale", config.guidance_scale, high=GUIDANCE_LIMIT, fix="real runs use 1 to ~20")
+    transformer = read_json(location, "transformer/config.json") or read_json(location, "transformer_2/config.json")
+    check_lora(config, attention_width(transformer))
     if config.lora_rank and not config.lora_targets:
         raise ValueError("lora_targets must name at least one module when lora_rank > 0 (0: full fine-tuning).")
     if config.eval_num_steps is not None:
         check_range("eval_num_steps", config.eval_num_steps, 1, 1000, fix="leave it out to use num_steps")
+    return location, transformer
 
 
 def _adapters_off(transformer: torch.nn.Module) -> Callable[[], contextlib.AbstractContextManager]:

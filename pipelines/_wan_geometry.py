@@ -31,6 +31,8 @@ class WanGeometry:
         expand_timesteps (`bool`): per-token timesteps (Wan 2.2 TI2V).
         boundary_ratio (`float` or `None`): the two-expert switch (Wan 2.2 A14B), or `None` for one transformer.
         has_transformer_2 (`bool`): whether the folder has a second expert.
+        rope_positions (`int`): the rotary positions the transformer has along each axis (``rope_max_seq_len``): a
+            clip has at most this many patches in time, height and width.
         local (`bool`): whether these values were read from files (`False`: defaults for a hub id).
     """
 
@@ -43,6 +45,7 @@ class WanGeometry:
     expand_timesteps: bool = False
     boundary_ratio: float | None = None
     has_transformer_2: bool = False
+    rope_positions: int = 1024
     local: bool = False
 
     def latent_shape(self, num_frames: int, height: int, width: int) -> tuple[int, int, int, int]:
@@ -50,8 +53,9 @@ class WanGeometry:
         return (self.z_dim, (num_frames - 1) // self.temporal + 1, height // self.spatial, width // self.spatial)
 
     def check_size(self, num_frames: int, height: int, width: int, where: str = "pipeline") -> None:
-        """Raises a `ValueError` stating the rule when `num_frames`, `height` or `width` do not fit this model."""
-        t, s, (_, ph, pw) = self.temporal, self.spatial, self.patch
+        """Raises a `ValueError` stating the rule when `num_frames`, `height` or `width` do not fit this model (their
+        multiples, and at most ``rope_positions`` patches along each axis)."""
+        t, s, (pt, ph, pw) = self.temporal, self.spatial, self.patch
         source = "read from the model folder's vae/ and transformer/ configs" if self.local else "Wan 2.1 defaults"
         if num_frames < 1 or (num_frames - 1) % t:
             low = (max(num_frames - 1, 0) // t) * t + 1
@@ -59,6 +63,11 @@ class WanGeometry:
                 f"{where}.num_frames must be 1 mod {t} (the VAE compresses time by {t}: F = {t} k + 1; {source}), got "
                 f"{num_frames}; use {low} or {low + t}."
             )
+        most = (self.rope_positions * pt - 1) * t + 1  # frames whose latents fill rope_positions temporal patches
+        if num_frames > most:
+            raise ValueError(f"{where}.num_frames must be <= {most} (the transformer's {self.rope_positions} rotary "
+                             f"positions x temporal patch {pt} x the VAE's compression {t}; {source}), got "
+                             f"{num_frames}.")
         for key, value, p in (("height", height, ph), ("width", width, pw)):
             multiple = s * p
             if value <= 0 or value % multiple:
@@ -66,6 +75,11 @@ class WanGeometry:
                 raise ValueError(
                     f"{where}.{key} must be a positive multiple of {multiple} (VAE downsampling {s} x transformer "
                     f"patch {p}; {source}), got {value}; use {low} or {low + multiple}."
+                )
+            if value > self.rope_positions * multiple:
+                raise ValueError(
+                    f"{where}.{key} must be <= {self.rope_positions * multiple} (the transformer's "
+                    f"{self.rope_positions} rotary positions x {multiple} pixels per patch; {source}), got {value}."
                 )
 
     def check_model(self, config, where: str = "pipeline") -> None:
@@ -135,6 +149,7 @@ def read_geometry(location: str) -> WanGeometry:
         expand_timesteps=bool(index.get("expand_timesteps", False)),
         boundary_ratio=index.get("boundary_ratio"),
         has_transformer_2=isinstance(second, list) and second[0] is not None,
+        rope_positions=int(transformer.get("rope_max_seq_len") or default.rope_positions),
         local=True,
     )
 
@@ -155,5 +170,6 @@ def geometry_of(pipe) -> WanGeometry:
         expand_timesteps=bool(pipe.config.get("expand_timesteps", False)),
         boundary_ratio=pipe.config.get("boundary_ratio"),
         has_transformer_2=getattr(pipe, "transformer_2", None) is not None,
+        rope_positions=int(transformer.config.get("rope_max_seq_len") or 1024),
         local=True,
     )

@@ -18,10 +18,12 @@ import numpy as np
 import torch
 
 from mmgrpo.hub import DTYPES, load_diffusers_pipeline
+from mmgrpo.model_limits import RESOLUTION_LIMIT
 from mmgrpo.pipelines._checkpointing import checkpoint_diffusers
 from mmgrpo.pipelines._flow_common import TrainableTransformer, check_flow_config
 from mmgrpo.samplers.flow_plan import PLAN_FEATURES, SCORE_FIELDS, plan_likelihood, replay_plan, run_plan
 from mmgrpo.types import FlowPlan, PromptBatch, Rollout, Score
+from mmgrpo.validation import check_range
 
 
 @dataclass
@@ -66,15 +68,21 @@ class FluxConfig:
     gradient_checkpointing: bool = False
 
     def __post_init__(self):
-        check_flow_config(self)
+        check_flow_config(self, max_tokens=512)  # FLUX's T5 limit
         if self.resolution <= 0 or self.resolution % 16:
             raise ValueError(f"resolution must be a positive multiple of 16 (8x VAE, 2x2 packing): {self.resolution}.")
+        check_range("resolution", self.resolution, 16, RESOLUTION_LIMIT, fix="FLUX.1 is trained up to ~2048")
         if self.guidance_scale < 0:
             raise ValueError(f"guidance_scale must be >= 0 (FLUX.1-dev uses 3.5), got {self.guidance_scale}.")
         if not 1 <= self.max_sequence_length <= 512:
             raise ValueError(f"max_sequence_length must be in [1, 512] (FLUX's T5 limit): {self.max_sequence_length}.")
         if self.lora_rank < 0:
             raise ValueError(f"lora_rank must be >= 0 (0 = full fine-tuning), got {self.lora_rank}.")
+
+    def output_size(self) -> tuple[int, str]:
+        """Bytes of one sample's decoded image (float32 RGB), and the keys that set them: the memory check of
+        [`~mmgrpo.preflight.preflight`] reads it."""
+        return 3 * self.resolution**2 * 4, "pipeline.resolution"
 
 
 class FluxPolicy:

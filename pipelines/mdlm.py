@@ -24,6 +24,9 @@ from typing import Literal
 import torch
 
 from mmgrpo.hub import DTYPES, resolve_pretrained
+from mmgrpo.model_limits import (
+    VOCAB_LIMIT, check_limit, check_lora, check_temperature, find_int, hidden_size, max_positions, read_json,
+)
 from mmgrpo.pipelines._checkpointing import checkpoint_transformers
 from mmgrpo.reference import ReferenceSwitch
 from mmgrpo.samplers.masked_diffusion import eoser_gamma, make_schedule, rebuild_state, token_log_probs, unmask_step
@@ -113,21 +116,24 @@ class MDLMConfig:
 
     def __post_init__(self):
         check_fields(self)
-        resolve_pretrained(self.pretrained, "pipeline.pretrained")  # checked now; kept as configured (adapters record it)
-        check_range("gen_length", self.gen_length, 1, 65536, fix="completions longer than 65536 fit no model")
+        location = resolve_pretrained(self.pretrained, "pipeline.pretrained")  # kept as configured (adapters record it)
+        model = read_json(location)  # {} when not readable here (a hub id not in the local cache)
+        check_limit("gen_length", self.gen_length, 1, max_positions(model), 65536, "max_position_embeddings",
+                    fix="the completion must fit in the model's positions")
         self.block_length = self.block_length or self.gen_length
         check_range("block_length", self.block_length, 1, self.gen_length, fix="it divides gen_length")
         if self.schedule == "fixed":
             check_range("steps_per_block", self.steps_per_block, 1, self.block_length,
                         fix="a fixed schedule commits at least one token per step")
-        for i, token in enumerate(self.eos_token_ids or []):
-            check_range(f"eos_token_ids[{i}]", token, 0)
-        if self.mask_token_id is not None:
-            check_range("mask_token_id", self.mask_token_id, 0)
-        check_range("lora_alpha", self.lora_alpha, 1, fix="LoRA scales by lora_alpha / lora_rank")
+        vocab = find_int(model, "vocab_size", "embedding_size")
+        tokens = [(f"eos_token_ids[{i}]", token) for i, token in enumerate(self.eos_token_ids or [])]
+        for key, token in tokens + ([("mask_token_id", self.mask_token_id)] if self.mask_token_id is not None else []):
+            check_limit(key, token, 0, vocab - 1 if vocab else None, VOCAB_LIMIT, "the last token id")
+        check_lora(self, hidden_size(model))
         self.decoding = make_schedule(self.gen_length, self.block_length, self.steps_per_block, self.schedule)
-        if self.temperature < 0 or self.eval_temperature < 0:
-            raise ValueError(f"temperatures must be >= 0, got {self.temperature} and {self.eval_temperature}.")
+        check_temperature("temperature", self.temperature, greedy=True)
+        check_temperature("eval_temperature", self.eval_temperature, greedy=True)
+        check_range("eoser_gamma_max", self.eoser_gamma_max, high=10.0, fix="EOSER damps EOS by a factor up to 1")
         if not 0 < self.eoser_gamma_min <= self.eoser_gamma_max:
             raise ValueError(f"need 0 < eoser_gamma_min <= eoser_gamma_max, got {self.eoser_gamma_min}, {self.eoser_gamma_max}.")
         if not 0 <= self.prompt_mask_prob < 1:
@@ -140,6 +146,11 @@ class MDLMConfig:
     def num_steps(self) -> int:
         """Decoding steps of one completion (set by the schedule, not a key)."""
         return self.decoding.num_steps
+
+    def output_size(self) -> tuple[int, str]:
+        """Bytes one sample's rollout record holds at least (token ids, log-probs, mask per completion token), and the
+        key that sets them: the memory check of [`~mmgrpo.preflight.preflight`] reads it."""
+        return self.gen_length * (8 + 4 + 1), "pipeline.gen_length"
 
 
 def make_bidirectional(model: torch.nn.Module) -> torch.nn.Module:

@@ -35,6 +35,10 @@ from typing import Literal
 import torch
 
 from mmgrpo.hub import DTYPES, resolve_pretrained
+from mmgrpo.model_limits import (
+    PIXELS_LIMIT, TOKEN_LIMIT, VOCAB_LIMIT, check_limit, check_lora, check_temperature, find_int, hidden_size,
+    max_positions, read_json,
+)
 from mmgrpo.reference import ReferenceSwitch
 from mmgrpo.sharding import any_process
 from mmgrpo.pipelines._checkpointing import checkpoint_transformers
@@ -119,25 +123,36 @@ class QwenVLConfig:
         """Decisions per training rollout: completion tokens (what `Algorithm.schedule` receives)."""
         return self.max_new_tokens
 
+    def output_size(self) -> tuple[int, str]:
+        """Bytes one sample's rollout record holds at least (token ids, log-probs, mask per completion token), and the
+        key that sets them: the memory check of [`~mmgrpo.preflight.preflight`] reads it."""
+        return self.max_new_tokens * (8 + 4 + 1), "pipeline.max_new_tokens"
+
     def __post_init__(self):
         check_fields(self)  # types and finiteness of every field
-        check_range("max_new_tokens", self.max_new_tokens, 1)
-        if self.eval_max_new_tokens is not None:
-            check_range("eval_max_new_tokens", self.eval_max_new_tokens, 1, fix="or leave it unset (max_new_tokens)")
-        check_range("temperature", self.temperature, 0, low_open=True, fix="e.g. 1.0; evaluation decodes greedily")
+        model = read_json(resolve_pretrained(self.pretrained, "pipeline.pretrained"))  # {} when not readable here
+        positions = max_positions(model)
+        for key, tokens in (("max_new_tokens", self.max_new_tokens), ("eval_max_new_tokens", self.eval_max_new_tokens)):
+            if tokens is not None:
+                check_limit(key, tokens, 1, positions, TOKEN_LIMIT, "max_position_embeddings",
+                            fix="or leave it unset (max_new_tokens)" if key.startswith("eval") else "")
+        check_temperature("temperature", self.temperature)  # evaluation decodes greedily
         check_range("top_p", self.top_p, 0, 1, low_open=True, fix="1 disables nucleus truncation")
-        check_range("top_k", self.top_k, 0, fix="0 disables top-k truncation")
+        check_limit("top_k", self.top_k, 0, find_int(model, "vocab_size"), VOCAB_LIMIT, "the vocabulary size",
+                    fix="0 disables top-k truncation")
         for prefix, cell in (("", 28), ("video_", 56)):  # qwen-vl-utils' resize grid (frame lists: 56 first)
             low, high = getattr(self, f"{prefix}min_pixels"), getattr(self, f"{prefix}max_pixels")
+            # one image's tokens (a token per 28 x 28 pixels) must fit in the model's positions
+            most = positions * 28**2 if positions else PIXELS_LIMIT
             if low is not None:
-                check_range(f"{prefix}min_pixels", low, 1, fix="or leave it unset (the processor's saved value)")
+                check_range(f"{prefix}min_pixels", low, 1, most, fix="or leave it unset (the processor's saved value)")
             if high is not None:
-                check_range(f"{prefix}max_pixels", high, cell**2, fix=f"qwen-vl-utils resizes to {cell}-pixel cells")
+                check_range(f"{prefix}max_pixels", high, cell**2, most, fix=f"qwen-vl-utils resizes to {cell}-pixel "
+                            "cells, and one image's tokens (one per 28 x 28 pixels) fit in the model's positions")
             if low is not None and high is not None:
                 check_range(f"{prefix}min_pixels", low, high=high, fix=f"lower it or raise {prefix}max_pixels")
-        check_range("video_fps", self.video_fps, 0, low_open=True, fix="the frame rate of frame-list videos, e.g. 2.0")
-        check_range("lora_rank", self.lora_rank, 0, fix="0 fine-tunes the whole language model")
-        check_range("lora_alpha", self.lora_alpha, 1, fix="LoRA scales by lora_alpha / lora_rank")
+        check_range("video_fps", self.video_fps, 0.01, 1000, fix="the frame rate of frame-list videos, e.g. 2.0")
+        check_lora(self, hidden_size(model))
         check_range("lora_dropout", self.lora_dropout, 0, 1, high_open=True, fix="e.g. 0.05, or 0 for none")
         if not self.lora_targets or not all(self.lora_targets):
             raise ConfigError(f"lora_targets must be a non-empty list of layer names (e.g. ['q_proj', 'v_proj']), "
@@ -149,7 +164,6 @@ class QwenVLConfig:
             raise ConfigError("gradient_checkpointing needs prefix_sharing: false (a checkpointed layer runs without "
                               "the KV cache that the prefix-shared group forward expands): set "
                               "pipeline.prefix_sharing: false, or gradient_checkpointing: false.")
-        resolve_pretrained(self.pretrained, "pipeline.pretrained")  # checked now; kept as configured (adapters record it)
 
 
 class QwenVLPolicy:

@@ -13,6 +13,7 @@ from typing import Literal
 import torch
 
 from mmgrpo.hub import DTYPES, load_diffusers_pipeline
+from mmgrpo.model_limits import RESOLUTION_LIMIT, check_limit, find_int, read_json
 from mmgrpo.pipelines._checkpointing import checkpoint_diffusers
 from mmgrpo.pipelines._flow_common import TrainableTransformer, check_flow_config
 from mmgrpo.samplers.flow_plan import PLAN_FEATURES, SCORE_FIELDS, plan_likelihood, replay_plan, run_plan
@@ -59,13 +60,23 @@ class SD3Config:
     gradient_checkpointing: bool = False
 
     def __post_init__(self):
-        check_flow_config(self)
+        location, transformer = check_flow_config(self, max_tokens=512)  # diffusers' SD3 caps T5 at 512 tokens
         if self.resolution <= 0 or self.resolution % 8:
             raise ValueError(f"resolution must be a positive multiple of 8, got {self.resolution}.")
+        positions, patch = find_int(transformer, "pos_embed_max_size"), find_int(transformer, "patch_size")
+        vae = len(read_json(location, "vae/config.json").get("block_out_channels", [])) or None
+        side = positions * patch * 2 ** (vae - 1) if positions and patch and vae else None  # pixels of the widest image
+        check_limit("resolution", self.resolution, 8, side, RESOLUTION_LIMIT,
+                    "pos_embed_max_size x patch_size x the VAE's downsampling")
         if self.guidance_scale < 1:
             raise ValueError(f"guidance_scale must be >= 1 (1 disables CFG), got {self.guidance_scale}.")
         if self.lora_rank < 0:
             raise ValueError(f"lora_rank must be >= 0 (0 = full fine-tuning), got {self.lora_rank}.")
+
+    def output_size(self) -> tuple[int, str]:
+        """Bytes of one sample's decoded image (float32 RGB), and the keys that set them: the memory check of
+        [`~mmgrpo.preflight.preflight`] reads it."""
+        return 3 * self.resolution**2 * 4, "pipeline.resolution"
 
 
 class SD3Policy:

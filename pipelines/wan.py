@@ -25,7 +25,8 @@ from typing import Literal
 
 import torch
 
-from mmgrpo.hub import DTYPES, load_diffusers_pipeline, resolve_pretrained
+from mmgrpo.hub import DTYPES, load_diffusers_pipeline
+from mmgrpo.model_limits import GUIDANCE_LIMIT, SHIFT_LIMIT
 from mmgrpo.pipelines._flow_common import TrainableTransformer, check_flow_config
 from mmgrpo.pipelines._wan_condition import encode_first_frames, final_latents, model_input
 from mmgrpo.pipelines._wan_geometry import geometry_of, read_geometry
@@ -34,6 +35,7 @@ from mmgrpo.types import FlowPlan, PromptBatch, Rollout, Score
 from mmgrpo.validation import check_range
 
 EXPERTS = ("transformer", "transformer_2")
+TEXT_TOKENS = 4096  # UMT5 has relative positions; Wan is trained with 512 tokens
 
 
 @dataclass
@@ -93,17 +95,25 @@ class WanConfig:
     image_to_video: bool = False
 
     def __post_init__(self):
-        check_flow_config(self)
+        location, _ = check_flow_config(self, max_tokens=TEXT_TOKENS)
         check_range("lora_rank", self.lora_rank, 0, fix="0 trains the whole transformer")
         check_range("guidance_scale", self.guidance_scale, 1, fix="1 disables CFG")
-        check_range("decode_batch_size", self.decode_batch_size, 1)
+        check_range("decode_batch_size", self.decode_batch_size, 1, 1024, fix="1 decodes one clip at a time")
         if self.guidance_scale_2 is not None:
-            check_range("guidance_scale_2", self.guidance_scale_2, 1, fix="leave it out to use guidance_scale")
+            check_range("guidance_scale_2", self.guidance_scale_2, 1, GUIDANCE_LIMIT,
+                        fix="leave it out to use guidance_scale")
         if self.flow_shift is not None:
-            check_range("flow_shift", self.flow_shift, 0, low_open=True, fix="leave it out to use the scheduler's")
-        geometry = read_geometry(resolve_pretrained(self.pretrained, "pipeline.pretrained"))
+            check_range("flow_shift", self.flow_shift, 0, SHIFT_LIMIT, low_open=True,
+                        fix="leave it out to use the scheduler's")
+        geometry = read_geometry(location)
         geometry.check_size(self.num_frames, self.height, self.width)
         geometry.check_model(self, where="pipeline")
+
+    def output_size(self) -> tuple[int, str]:
+        """Bytes of one sample's decoded clip (float32 RGB), and the keys that set them: the memory check of
+        [`~mmgrpo.preflight.preflight`] reads it."""
+        keys = "pipeline.num_frames, pipeline.height or pipeline.width"
+        return self.num_frames * 3 * self.height * self.width * 4, keys
 
 
 class WanPolicy:

@@ -7,6 +7,7 @@ import os
 import torch
 import torch.nn.functional as F
 
+from mmgrpo.rewards._common import BATCH_LIMIT
 from mmgrpo.validation import check_range, check_text
 
 
@@ -38,7 +39,7 @@ def check_options(reward: str, config) -> None:
     ``batch_size`` and ``device``: names not blank, at least one image per forward, the source as [`check_source`]."""
     check_text(f"{reward}.model_name", config.model_name)
     check_text(f"{reward}.device", config.device)
-    check_range(f"{reward}.batch_size", config.batch_size, 1, fix="images per CLIP forward")
+    check_range(f"{reward}.batch_size", config.batch_size, 1, BATCH_LIMIT, fix="images per CLIP forward")
     check_source(reward, config.model_name, config.pretrained)
 
 

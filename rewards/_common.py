@@ -18,6 +18,12 @@ from mmgrpo.validation import ConfigError, check_range, check_text
 NAN = float("nan")
 MEDIA_KEYS = {"image": "images", "video": "videos"}  # modality -> key in `outputs`
 MAX_COMPLETION_CHARS = 16384  # default `max_completion_chars` of the text rewards (~4K tokens)
+# ceilings of the rewards' options: far above what a real run uses
+COMPLETION_CHARS_LIMIT = 2**24  # characters of a completion a text reward reads (~4M tokens)
+FRAME_STRIDE_LIMIT = 1024  # a video's frame stride
+BATCH_LIMIT = 4096  # images (frames) per forward of a reward model
+WEIGHT_LIMIT = 1e3  # a term's weight, scale or divisor (papers: ~0.1 to 100)
+PIXEL_DISTANCE_LIMIT = 1e5  # a distance in pixels
 _BRACE = re.compile(r"[{}]")
 
 
@@ -77,7 +83,8 @@ def reduce_frames(values: torch.Tensor, per_sample: int, reduce: str) -> torch.T
 def check_frame_options(reward: str, modality: str, stride: int, reduce: str) -> None:
     """Config-time checks of the per-frame options of an image reward applied to videos (`frame_stride`,
     `frame_reduce`): a stride >= 1, and either option away from its default only with ``modality: video``."""
-    check_range(f"{reward}.frame_stride", stride, 1, fix="1 scores every frame, k every k-th frame from the first")
+    check_range(f"{reward}.frame_stride", stride, 1, FRAME_STRIDE_LIMIT,
+                fix="1 scores every frame, k every k-th frame from the first")
     if modality != "video" and (stride != 1 or reduce != "mean"):
         raise ConfigError(
             f"{reward}.frame_stride / frame_reduce apply to videos, but modality is {modality!r}; set "
@@ -152,7 +159,7 @@ def check_max_completion_chars(value: int | None) -> None:
     if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
         raise ConfigError(f"max_completion_chars must be an integer or null, got {value!r}; {fix}.")
     if value is not None:
-        check_range("max_completion_chars", value, 0, fix=fix)
+        check_range("max_completion_chars", value, 0, COMPLETION_CHARS_LIMIT, fix=fix)
 
 
 def check_tag(key: str, value: str | None) -> None:

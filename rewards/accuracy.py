@@ -37,7 +37,8 @@ from typing import Any, Literal
 
 from mmgrpo.rewards import _math
 from mmgrpo.rewards._common import (
-    MAX_COMPLETION_CHARS, check_max_completion_chars, check_tag, cut_texts, last_boxed, last_tag_block, nans, texts,
+    MAX_COMPLETION_CHARS, WEIGHT_LIMIT, check_max_completion_chars, check_tag, cut_texts, last_boxed, last_tag_block,
+    nans, texts,
 )
 from mmgrpo.types import PromptBatch, RewardResult
 from mmgrpo.validation import check_fields, check_range, check_text
@@ -130,8 +131,9 @@ class AccuracyConfig:
             except ImportError as err:
                 raise ValueError('reward.math_backend: math_verify is not installed: pip install "mmgrpo[math]", '
                                  'or use the builtin backend') from err
-        for key in ("rtol", "atol", "fuzzy_width"):
-            check_range(key, getattr(self, key), 0, fix="give a finite tolerance >= 0 (0 for exact)")
+        for key, value, high in (("rtol", self.rtol, 1.0), ("atol", self.atol, 1e9),
+                                 ("fuzzy_width", self.fuzzy_width, WEIGHT_LIMIT)):
+            check_range(key, value, 0, high, fix="give a tolerance >= 0 (0 for exact)")
         check_text("answer_key", self.answer_key)
         check_tag("answer_tag", self.answer_tag)
         check_max_completion_chars(self.max_completion_chars)

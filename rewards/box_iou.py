@@ -106,7 +106,7 @@ class BoxIoUConfig:
         check_fields(self)  # types (coords one of the four frames); floats finite
         if self.threshold is not None:
             check_range("threshold", self.threshold, 0, 1, low_open=True, fix="or null for the continuous IoU")
-        check_range("max_boxes", self.max_boxes, 1, fix="e.g. 100")
+        check_range("max_boxes", self.max_boxes, 1, 1024, fix="e.g. 100")
         check_tag("answer_tag", self.answer_tag)
         check_text("gt_key", self.gt_key)
         check_max_completion_chars(self.max_completion_chars)

@@ -12,9 +12,9 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from mmgrpo.rewards import _clip
-from mmgrpo.rewards._common import check_frame_options, frames, non_finite_samples, reduce_frames
+from mmgrpo.rewards._common import WEIGHT_LIMIT, check_frame_options, frames, non_finite_samples, reduce_frames
 from mmgrpo.types import PromptBatch, RewardResult
-from mmgrpo.validation import check_fields
+from mmgrpo.validation import check_fields, check_range
 
 
 @dataclass
@@ -50,8 +50,7 @@ class ClipScoreConfig:
     def __post_init__(self):
         check_fields(self)
         check_frame_options("clip_score", self.modality, self.frame_stride, self.frame_reduce)
-        if self.scale <= 0:
-            raise ValueError(f"clip_score.scale must be > 0, got {self.scale}.")
+        check_range("clip_score.scale", self.scale, 0, WEIGHT_LIMIT, low_open=True, fix="2.5 as CLIPScore")
         _clip.check_options("clip_score", self)
 
 

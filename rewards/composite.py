@@ -42,7 +42,8 @@ from mmgrpo import registry
 from mmgrpo.advantages import group_normalize
 from mmgrpo.config import build_dataclass
 from mmgrpo.types import PromptBatch, RewardResult
-from mmgrpo.validation import check_fields, coerce
+from mmgrpo.rewards._common import WEIGHT_LIMIT
+from mmgrpo.validation import check_fields, check_range, coerce
 
 RESERVED = ("name", "weight")
 
@@ -72,8 +73,7 @@ class CompositeConfig:
         check_fields(self)
         if not self.rewards:
             raise ValueError("composite: reward.rewards is empty; name at least one reward, e.g. {format: {weight: 1.0}}.")
-        if self.eps <= 0:
-            raise ValueError(f"composite.eps must be > 0, got {self.eps}.")
+        check_range("eps", self.eps, 0, 1e3, low_open=True, fix="added to each reward's std; 1e-4 is usual")
         self.specs = {}  # component name -> (registry name, weight, plugin Config instance); not a field
         for key, raw in self.rewards.items():
             if not isinstance(raw, dict):
@@ -81,6 +81,7 @@ class CompositeConfig:
             options = {k: v for k, v in raw.items() if k not in RESERVED}
             name = coerce(raw.get("name", key), str, f"rewards.{key}.name")
             weight = coerce(raw.get("weight", 1.0), float, f"rewards.{key}.weight")  # a finite number
+            check_range(f"rewards.{key}.weight", weight, -WEIGHT_LIMIT, WEIGHT_LIMIT, fix="1.0 weighs it as the others")
             plugin = registry.get("reward", name)
             self.specs[key] = (name, weight, build_dataclass(plugin.Config, options, f"reward.rewards.{key}"))
 

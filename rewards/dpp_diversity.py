@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from mmgrpo.rewards import _clip
-from mmgrpo.rewards._common import check_frame_options, frames, nans, non_finite_samples
+from mmgrpo.rewards._common import WEIGHT_LIMIT, check_frame_options, frames, nans, non_finite_samples
 from mmgrpo.types import PromptBatch, RewardResult
 from mmgrpo.validation import check_fields, check_range
 
@@ -70,9 +70,12 @@ class DppDiversityConfig:
     def __post_init__(self):
         check_fields(self)
         check_frame_options("dpp_diversity", self.modality, self.frame_stride, "mean")
-        check_range("dpp_diversity.gain_weight", self.gain_weight, 0, low_open=True, fix="the gain is the reward")
-        check_range("dpp_diversity.relevance_weight", self.relevance_weight, 0, fix="0 leaves the relevance out")
-        check_range("dpp_diversity.jitter", self.jitter, 0, low_open=True, fix="e.g. 1e-3")
+        check_range("dpp_diversity.gain_weight", self.gain_weight, 0, WEIGHT_LIMIT, low_open=True,
+                    fix="the gain is the reward")
+        check_range("dpp_diversity.relevance_weight", self.relevance_weight, 0, WEIGHT_LIMIT,
+                    fix="0 leaves the relevance out")
+        check_range("dpp_diversity.jitter", self.jitter, 1e-8, 10.0, fix="e.g. 1e-3; the gain of a repeat is about "
+                    "log(jitter)")
         _clip.check_options("dpp_diversity", self)
 
 

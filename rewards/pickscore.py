@@ -16,9 +16,11 @@ import torch
 
 from mmgrpo.hub import resolve_pretrained
 from mmgrpo.rewards._clip import resize_crop_normalize
-from mmgrpo.rewards._common import check_frame_options, frames, non_finite_samples, reduce_frames
+from mmgrpo.rewards._common import (
+    BATCH_LIMIT, WEIGHT_LIMIT, check_frame_options, frames, non_finite_samples, reduce_frames,
+)
 from mmgrpo.types import PromptBatch, RewardResult
-from mmgrpo.validation import check_fields, check_text
+from mmgrpo.validation import check_fields, check_range, check_text
 
 
 @dataclass
@@ -52,6 +54,8 @@ class PickScoreConfig:
         check_fields(self)
         check_frame_options("pickscore", self.modality, self.frame_stride, self.frame_reduce)
         check_text("device", self.device)
+        check_range("pickscore.divisor", self.divisor, high=WEIGHT_LIMIT, fix="PickScore logits are ~20 to 30")
+        check_range("pickscore.batch_size", self.batch_size, high=BATCH_LIMIT, fix="images per forward")
         if self.divisor <= 0 or self.batch_size < 1:
             raise ValueError(f"pickscore.divisor must be > 0 and batch_size >= 1, got {self.divisor}, {self.batch_size}.")
         resolve_pretrained(self.model, "pickscore.model")

@@ -99,6 +99,8 @@ class RemoteConfig:
         _number("timeout", self.timeout, 0.001)
         _number("retries", self.retries, 0, integer=True)
         _number("retry_wait", self.retry_wait, 0)
+        if self.timeout > 86400:
+            raise ValueError(f"reward.timeout must be <= 86400 s (a day) per attempt, got {self.timeout}.")
         if self.retries > 100 or self.retry_wait > 3600:
             raise ValueError(f"reward.retries (<= 100) and reward.retry_wait (<= 3600 s) are bounded, got "
                              f"{self.retries} and {self.retry_wait}.")

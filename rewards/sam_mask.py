@@ -41,7 +41,7 @@ import torch
 import torch.nn.functional as F
 
 from mmgrpo.hub import DTYPES, resolve_pretrained
-from mmgrpo.rewards._common import MAX_COMPLETION_CHARS, check_max_completion_chars, cut_texts, nans, texts
+from mmgrpo.rewards._common import BATCH_LIMIT, MAX_COMPLETION_CHARS, check_max_completion_chars, cut_texts, nans, texts
 from mmgrpo.rewards._seg_masks import intersection_union, load_mask
 from mmgrpo.rewards._seg_parse import COUNTERS, FORMATS, SegPrompt, parse_prompt
 from mmgrpo.rewards.box_iou import BoxIoU
@@ -99,7 +99,8 @@ class SamMaskConfig:
         check_range("s_measure_weight", self.s_measure_weight, 0, 1, fix="0 for IoU only, 0.3 as Seg-R1")
         check_range("max_boxes", self.max_boxes, 1, 1024, fix="e.g. 16")
         check_range("max_points", self.max_points, 0, 1024, fix="e.g. 32")
-        check_range("decode_batch", self.decode_batch, 1, fix="e.g. 64")
+        check_range("decode_batch", self.decode_batch, 1, BATCH_LIMIT, fix="e.g. 64")
+        check_range("mask_threshold", self.mask_threshold, -100, 100, fix="a mask logit; 0 is SAM's own threshold")
         check_max_completion_chars(self.max_completion_chars)
         if self.dtype not in DTYPES:
             raise ConfigError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}.")

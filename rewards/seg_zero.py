@@ -27,7 +27,9 @@ from typing import Any, Literal
 
 import torch
 
-from mmgrpo.rewards._common import MAX_COMPLETION_CHARS, check_max_completion_chars, cut_texts, nans, texts
+from mmgrpo.rewards._common import (
+    MAX_COMPLETION_CHARS, PIXEL_DISTANCE_LIMIT, WEIGHT_LIMIT, check_max_completion_chars, cut_texts, nans, texts,
+)
 from mmgrpo.rewards._matching import max_weight_matching
 from mmgrpo.rewards._seg_parse import map_prompts, parse_seg_zero
 from mmgrpo.rewards.box_iou import BoxIoU, box_iou
@@ -64,14 +66,17 @@ class SegZeroConfig:
     def __post_init__(self):
         check_fields(self)
         check_range("iou_threshold", self.iou_threshold, 0, 1, fix="0.5 as Seg-Zero")
-        check_range("l1_threshold", self.l1_threshold, 0, low_open=True, fix="10 pixels as Seg-Zero")
-        check_range("point_threshold", self.point_threshold, 0, low_open=True, fix="100 pixels as Seg-Zero")
+        check_range("l1_threshold", self.l1_threshold, 0, PIXEL_DISTANCE_LIMIT, low_open=True,
+                    fix="10 pixels as Seg-Zero")
+        check_range("point_threshold", self.point_threshold, 0, PIXEL_DISTANCE_LIMIT, low_open=True,
+                    fix="100 pixels as Seg-Zero")
         unknown = set(self.weights) - set(TERMS)
         if unknown:
             raise ConfigError(f"weights: unknown terms {sorted(unknown)}; the terms are {list(TERMS)}.")
         for name, weight in self.weights.items():
             if not math.isfinite(float(weight)):
                 raise ConfigError(f"weights.{name} must be a finite number, got {weight!r}.")
+            check_range(f"weights.{name}", float(weight), -WEIGHT_LIMIT, WEIGHT_LIMIT, fix="1.0 as Seg-Zero")
         self.weights = {**dict.fromkeys(TERMS, 1.0), **{k: float(v) for k, v in self.weights.items()}}
         check_text("gt_key", self.gt_key)
         check_max_completion_chars(self.max_completion_chars)

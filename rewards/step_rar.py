@@ -31,7 +31,7 @@ from typing import Any, Literal
 import torch
 
 from mmgrpo.rewards._common import (
-    MAX_COMPLETION_CHARS, check_max_completion_chars, cut_texts, last_tag_block, nans, texts,
+    COMPLETION_CHARS_LIMIT, MAX_COMPLETION_CHARS, check_max_completion_chars, cut_texts, last_tag_block, nans, texts,
 )
 from mmgrpo.types import PromptBatch, RewardResult
 from mmgrpo.validation import check_fields, check_range, check_text
@@ -63,8 +63,8 @@ class StepRARConfig:
         check_text("key_steps_key", self.key_steps_key)
         if self.scope not in ("think", "all"):
             raise ValueError(f"scope must be 'think' or 'all', got {self.scope!r}.")
-        check_range("max_key_steps", self.max_key_steps, 1)
-        check_range("max_key_step_chars", self.max_key_step_chars, 1)
+        check_range("max_key_steps", self.max_key_steps, 1, 4096, fix="e.g. 64")
+        check_range("max_key_step_chars", self.max_key_step_chars, 1, COMPLETION_CHARS_LIMIT, fix="e.g. 200")
         check_max_completion_chars(self.max_completion_chars)
 
 

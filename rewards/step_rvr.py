@@ -61,7 +61,7 @@ class StepRVRConfig:
         for key in ("step_prefix", "answer_header"):
             if not getattr(self, key).strip():
                 raise ValueError(f"{key} must be a non-empty header, got {getattr(self, key)!r}.")
-        check_range("min_steps", self.min_steps, 1)
+        check_range("min_steps", self.min_steps, 1, 1024, fix="e.g. 1")
         check_max_completion_chars(self.max_completion_chars)
 
 

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from mmgrpo.rewards import _clip
-from mmgrpo.rewards._common import frames, nans, non_finite_samples
+from mmgrpo.rewards._common import FRAME_STRIDE_LIMIT, frames, nans, non_finite_samples
 from mmgrpo.types import PromptBatch, RewardResult
 from mmgrpo.validation import check_fields, check_range
 
@@ -48,7 +48,8 @@ class TemporalConsistencyConfig:
 
     def __post_init__(self):
         check_fields(self)
-        check_range("temporal_consistency.frame_stride", self.frame_stride, 1, fix="1 compares every frame")
+        check_range("temporal_consistency.frame_stride", self.frame_stride, 1, FRAME_STRIDE_LIMIT,
+                    fix="1 compares every frame")
         _clip.check_options("temporal_consistency", self)
 
 

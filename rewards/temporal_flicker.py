@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from mmgrpo.rewards._common import frames, nans, non_finite_samples
+from mmgrpo.rewards._common import FRAME_STRIDE_LIMIT, frames, nans, non_finite_samples
 from mmgrpo.types import PromptBatch, RewardResult
 from mmgrpo.validation import check_fields, check_range
 
@@ -38,7 +38,8 @@ class TemporalFlickerConfig:
 
     def __post_init__(self):
         check_fields(self)
-        check_range("temporal_flicker.frame_stride", self.frame_stride, 1, fix="1 compares every pair of frames")
+        check_range("temporal_flicker.frame_stride", self.frame_stride, 1, FRAME_STRIDE_LIMIT,
+                    fix="1 compares every pair of frames")
 
 
 def mean_abs_difference(videos: torch.Tensor) -> torch.Tensor:

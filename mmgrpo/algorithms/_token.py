@@ -19,6 +19,7 @@ import torch
 from ..advantages import tempsamp_soft
 from ..losses import k3_kl
 from ..types import Score, TokenPlan
+from ._limits import CLIP_LIMIT, KL_BETA_LIMIT, SCALE_LIMIT, UPDATES_LIMIT
 from ..validation import ConfigError, check_range
 
 Aggregation = Literal["sequence_mean", "token_mean", "fixed_length"]
@@ -168,14 +169,14 @@ def ratio_metrics(log_ratio: torch.Tensor, mask: torch.Tensor, clipped: torch.Te
 def check_options(clip_low: float, clip_high: float, kl_beta: float) -> None:
     """The checks every clipped token algorithm's Config shares: clip ranges and the KL weight."""
     check_range("clip_low", clip_low, 0, 1, low_open=True, high_open=True, fix="the ratio is clipped at 1 - clip_low")
-    check_range("clip_high", clip_high, 0, low_open=True)
-    check_range("kl_beta", kl_beta, 0, fix="0 turns the KL term off")
+    check_range("clip_high", clip_high, 0, CLIP_LIMIT, low_open=True, fix="the ratio is clipped at 1 + clip_high")
+    check_range("kl_beta", kl_beta, 0, KL_BETA_LIMIT, fix="0 turns the KL term off")
 
 
 def check_shared(config) -> None:
     """The checks of the options every token algorithm's Config has (documented in [`SHARED_DOCS`]): the KL weight and
     its schedule, the advantage transform and its parameters."""
-    check_range("kl_beta", config.kl_beta, 0, fix="0 turns the KL term off")
+    check_range("kl_beta", config.kl_beta, 0, KL_BETA_LIMIT, fix="0 turns the KL term off")
     if config.kl_schedule not in KL_SCHEDULES:
         raise ConfigError(f"kl_schedule must be one of {KL_SCHEDULES}, got {config.kl_schedule!r}.")
     if config.kl_schedule == "constant":
@@ -188,14 +189,17 @@ def check_shared(config) -> None:
         if config.kl_beta_end is None:
             raise ConfigError(f"kl_schedule={config.kl_schedule!r} needs kl_beta_end, the KL weight it reaches after "
                               f"kl_warmup_steps optimizer updates (kl_beta is the weight at the start).")
-        check_range("kl_beta_end", config.kl_beta_end, 0, fix="the KL weight reached at the end of the schedule")
-        check_range("kl_warmup_steps", config.kl_warmup_steps, 1,
+        check_range("kl_beta_end", config.kl_beta_end, 0, KL_BETA_LIMIT,
+                    fix="the KL weight reached at the end of the schedule")
+        check_range("kl_warmup_steps", config.kl_warmup_steps, 1, UPDATES_LIMIT,
                     fix="the number of optimizer updates over which the KL weight moves from kl_beta to kl_beta_end")
     if config.advantage_transform not in ADVANTAGE_TRANSFORMS:
         raise ConfigError(f"advantage_transform must be one of {ADVANTAGE_TRANSFORMS}, got "
                           f"{config.advantage_transform!r}.")
-    check_range("soft_alpha_high", config.soft_alpha_high, 0, fix="0 makes every reward above soft_threshold equal")
-    check_range("soft_alpha_low", config.soft_alpha_low, 0, low_open=True, fix="TempSamp-R1 uses 1")
+    check_range("soft_threshold", config.soft_threshold, -SCALE_LIMIT, SCALE_LIMIT, fix="a reward level, e.g. 0.8")
+    check_range("soft_alpha_high", config.soft_alpha_high, 0, SCALE_LIMIT,
+                fix="0 makes every reward above soft_threshold equal")
+    check_range("soft_alpha_low", config.soft_alpha_low, 0, SCALE_LIMIT, low_open=True, fix="TempSamp-R1 uses 1")
 
 
 # The Args entries of the options in `check_shared`, appended to each token algorithm's Config docstring.

@@ -25,6 +25,7 @@ import torch
 from ..advantages import StdEstimator, group_normalize
 from ..losses import clipped_surrogate, k3_kl, masked_mean
 from ..types import AlgorithmTraits, FlowPlan, LossOutput, Score
+from ._limits import ADV_CLIP_LIMIT, CLIP_LIMIT, KL_BETA_LIMIT, NOISE_LEVEL_RANGE, STEP_LIMIT
 from ..validation import check_fields, check_range
 
 
@@ -66,7 +67,15 @@ class ChunkGRPOConfig:
 
     def __post_init__(self):
         check_fields(self)
-        check_range("adv_clip_max", self.adv_clip_max, 0, low_open=True)
+        check_range("adv_clip_max", self.adv_clip_max, 0, ADV_CLIP_LIMIT, low_open=True, fix="5 is usual")
+        for i, length in enumerate(self.chunks or []):
+            check_range(f"chunks[{i}]", length, high=STEP_LIMIT, fix="a chunk is a run of denoising steps")
+        check_range("chunk_size", self.chunk_size, high=STEP_LIMIT, fix="a chunk is a run of denoising steps")
+        check_range("noise_level", self.noise_level, *NOISE_LEVEL_RANGE, fix="0.7 is usual")
+        check_range("kl_beta", self.kl_beta, high=KL_BETA_LIMIT, fix="0 turns the KL term off")
+        for key, clip in (("clip_low", self.clip_low), ("clip_high", self.clip_high)):
+            if clip is not None:
+                check_range(key, clip, high=CLIP_LIMIT, fix="the ratio is clipped to [1 - clip_low, 1 + clip_high]")
         if self.chunks is not None and (not self.chunks or any(c < 1 for c in self.chunks)):
             raise ValueError(f"chunks must be a non-empty list of positive lengths, got {self.chunks}.")
         if self.chunk_size < 1:

@@ -19,6 +19,7 @@ import torch
 
 from ..advantages import StdEstimator, group_normalize
 from ..types import AlgorithmTraits, LossOutput, MaskedPlan, Score
+from ._limits import ADV_CLIP_LIMIT, CLIP_LIMIT, KL_BETA_LIMIT
 from ..validation import check_fields, check_range
 from ._masked import TOKEN_STEP_READS, token_step_loss
 
@@ -50,7 +51,11 @@ class CJGRPOConfig:
     def __post_init__(self):
         check_fields(self)
         if self.adv_clip_max is not None:
-            check_range("adv_clip_max", self.adv_clip_max, 0, low_open=True)
+            check_range("adv_clip_max", self.adv_clip_max, 0, ADV_CLIP_LIMIT, low_open=True)
+        check_range("kl_beta", self.kl_beta, high=KL_BETA_LIMIT, fix="0 turns the KL term off")
+        for key, clip in (("clip_low", self.clip_low), ("clip_high", self.clip_high)):
+            if clip is not None:
+                check_range(key, clip, high=CLIP_LIMIT, fix="the ratio is clipped to [1 - clip_low, 1 + clip_high]")
         if self.clip_low <= 0 or (self.clip_high is not None and self.clip_high <= 0):
             raise ValueError(f"clip_low and clip_high must be > 0, got {self.clip_low}, {self.clip_high}.")
         if self.kl_beta < 0:

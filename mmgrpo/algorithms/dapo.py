@@ -25,6 +25,7 @@ from ._token import (
     SHARED_DOCS, AdvantageTransform, KLSchedule, KLWeight, attach_kl_members, check_shared, shaped_scores,
     TOKEN_READS, add_kl, aggregate, check_options, ratio_metrics, token_mask, token_plan,
 )
+from ._limits import ADV_EPS_LIMIT
 from ..validation import check_fields, check_range
 
 
@@ -60,7 +61,7 @@ class DAPOConfig:
         check_fields(self)
         check_shared(self)
         check_options(self.clip_low, self.clip_high, self.kl_beta)
-        check_range("adv_eps", self.adv_eps, 0, low_open=True, fix="1e-4 is usual")
+        check_range("adv_eps", self.adv_eps, 0, ADV_EPS_LIMIT, low_open=True, fix="1e-4 is usual")
 
 
 DAPOConfig.__doc__ += SHARED_DOCS

@@ -35,6 +35,7 @@ import torch
 from ..advantages import StdEstimator, group_normalize
 from ..ema import ParameterEMA
 from ..types import AlgorithmTraits, FlowPlan, LossOutput, Score
+from ._limits import ADV_CLIP_LIMIT, CLIP_LIMIT, KL_BETA_LIMIT, SCALE_LIMIT, SHIFT_LIMIT, STEP_LIMIT
 from ..validation import check_fields, check_range
 
 
@@ -89,8 +90,16 @@ class DGPOConfig:
 
     def __post_init__(self):
         check_fields(self)
-        check_range("adv_clip_max", self.adv_clip_max, 0, low_open=True)
-        check_range("trunc_steps", self.trunc_steps, 0)
+        check_range("adv_clip_max", self.adv_clip_max, 0, ADV_CLIP_LIMIT, low_open=True)
+        check_range("trunc_steps", self.trunc_steps, 0, STEP_LIMIT)
+        check_range("num_train_timesteps", self.num_train_timesteps, high=STEP_LIMIT)
+        check_range("beta_dpo", self.beta_dpo, high=SCALE_LIMIT, fix="the authors use 10 to 100")
+        check_range("kl_beta", self.kl_beta, high=KL_BETA_LIMIT, fix="0 turns the KL term off")
+        for key, clip in (("clip_low", self.clip_low), ("clip_high", self.clip_high)):
+            if clip is not None:
+                check_range(key, clip, high=CLIP_LIMIT, fix="0 clips nothing")
+        check_range("ema_decay_rate", self.ema_decay_rate, high=1.0, fix="the old model's EMA decay grows by it")
+        check_range("flow_shift", self.flow_shift, 0.01, SHIFT_LIMIT, fix="3.0 is usual")
         if self.beta_dpo <= 0 or self.kl_beta < 0 or self.clip_low < 0 or (self.clip_high or 0) < 0:
             raise ValueError(
                 f"beta_dpo must be > 0 and clip_low, clip_high and kl_beta >= 0 (clip_low 0: no clip), got "

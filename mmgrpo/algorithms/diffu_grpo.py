@@ -17,7 +17,8 @@ import torch
 from ..advantages import StdEstimator, group_normalize
 from ..types import AlgorithmTraits, LossOutput, MaskedPlan, Score
 from ._masked import TOKEN_STEP_READS, token_step_loss
-from ..validation import check_fields
+from ._limits import CLIP_LIMIT, DRAWS_LIMIT, KL_BETA_LIMIT
+from ..validation import check_fields, check_range
 
 
 @dataclass
@@ -46,6 +47,11 @@ class DiffuGRPOConfig:
 
     def __post_init__(self):
         check_fields(self)
+        check_range("draws", self.draws, high=DRAWS_LIMIT, fix="one estimate per rollout batch is usual")
+        check_range("kl_beta", self.kl_beta, high=KL_BETA_LIMIT, fix="0 turns the KL term off")
+        for key, clip in (("clip_low", self.clip_low), ("clip_high", self.clip_high)):
+            if clip is not None:
+                check_range(key, clip, high=CLIP_LIMIT, fix="the ratio is clipped to [1 - clip_low, 1 + clip_high]")
         if self.draws < 1:
             raise ValueError(f"draws must be >= 1, got {self.draws}.")
         if self.clip_low <= 0 or (self.clip_high is not None and self.clip_high <= 0) or self.kl_beta < 0:

@@ -21,6 +21,7 @@ import torch
 from ..advantages import StdEstimator, group_normalize
 from ..losses import clipped_surrogate
 from ..types import AlgorithmTraits, FlowPlan, LossOutput, Score
+from ._limits import ADV_CLIP_LIMIT, CLIP_LIMIT, NOISE_LEVEL_RANGE, SCALE_LIMIT, STEP_LIMIT
 from ..validation import check_fields, check_range
 
 
@@ -62,9 +63,17 @@ class EGRPOConfig:
 
     def __post_init__(self):
         check_fields(self)
-        check_range("adv_clip_max", self.adv_clip_max, 0, low_open=True)
+        check_range("adv_clip_max", self.adv_clip_max, 0, ADV_CLIP_LIMIT, low_open=True)
         if self.entropy_threshold is not None:
-            check_range("entropy_threshold", self.entropy_threshold, 0, low_open=True)
+            check_range("entropy_threshold", self.entropy_threshold, 0, SCALE_LIMIT, low_open=True)
+        for key, steps in (("sde_steps", self.sde_steps), ("merge_steps", self.merge_steps or [])):
+            for i, step in enumerate(steps):
+                check_range(f"{key}[{i}]", step, high=STEP_LIMIT, fix="a denoising-step index or count")
+        check_range("max_merge", self.max_merge, high=STEP_LIMIT, fix="a count of denoising steps")
+        check_range("noise_level", self.noise_level, *NOISE_LEVEL_RANGE, fix="0.7 is usual")
+        for key, clip in (("clip_low", self.clip_low), ("clip_high", self.clip_high)):
+            if clip is not None:
+                check_range(key, clip, high=CLIP_LIMIT, fix="the ratio is clipped to [1 - clip_low, 1 + clip_high]")
         if not self.sde_steps or len(set(self.sde_steps)) != len(self.sde_steps) or min(self.sde_steps) < 0:
             raise ValueError(f"sde_steps must be distinct step indices >= 0, got {self.sde_steps}.")
         if self.merge_steps is not None:

@@ -12,6 +12,7 @@ import torch
 
 from ..advantages import StdEstimator, group_normalize
 from ..types import AlgorithmTraits, FlowPlan, LossOutput, Score
+from ._limits import ADV_CLIP_LIMIT, CLIP_LIMIT, KL_BETA_LIMIT, NOISE_LEVEL_RANGE, STEP_LIMIT
 from ..validation import check_fields, check_range
 
 
@@ -58,11 +59,16 @@ class FlowGRPOConfig:
 
     def __post_init__(self):
         check_fields(self)
-        check_range("adv_clip_max", self.adv_clip_max, 0, low_open=True)
-        check_range("kl_beta", self.kl_beta, 0, fix="0 turns the KL term off")
+        check_range("adv_clip_max", self.adv_clip_max, 0, ADV_CLIP_LIMIT, low_open=True)
+        check_range("kl_beta", self.kl_beta, 0, KL_BETA_LIMIT, fix="0 turns the KL term off")
+        check_range("noise_level", self.noise_level, *NOISE_LEVEL_RANGE, fix="0.7 is usual")
+        check_range("sde_window_size", self.sde_window_size, high=STEP_LIMIT, fix="0: every step is an SDE step")
+        for key, clip in (("clip_low", self.clip_low), ("clip_high", self.clip_high)):
+            if clip is not None:
+                check_range(key, clip, high=CLIP_LIMIT, fix="the ratio is clipped to [1 - clip_low, 1 + clip_high]")
         if self.sde_window_range is not None and len(self.sde_window_range) == 2:
-            check_range("sde_window_range[0]", self.sde_window_range[0], 0)
-            check_range("sde_window_range[1]", self.sde_window_range[1], self.sde_window_range[0] + 1,
+            check_range("sde_window_range[0]", self.sde_window_range[0], 0, STEP_LIMIT - 1)
+            check_range("sde_window_range[1]", self.sde_window_range[1], self.sde_window_range[0] + 1, STEP_LIMIT,
                         fix="the window start is drawn from [lo, hi)")
         if self.clip_low <= 0 or (self.clip_high is not None and self.clip_high <= 0):
             raise ValueError(f"clip_low and clip_high must be > 0, got {self.clip_low} and {self.clip_high}.")

@@ -26,6 +26,7 @@ import torch
 from ..advantages import StdEstimator, group_normalize
 from ..losses import clipped_surrogate, k3_kl, masked_mean
 from ..types import AlgorithmTraits, LossOutput, MaskedPlan, Score
+from ._limits import CLIP_LIMIT, DRAWS_LIMIT, KL_BETA_LIMIT
 from ..validation import check_fields, check_range
 
 
@@ -59,11 +60,12 @@ class GDPOConfig:
 
     def __post_init__(self):
         check_fields(self)
-        check_range("draws", self.draws, 1, fix="one ELBO estimate per rollout batch is usual")
-        check_range("clip_low", self.clip_low, 0, low_open=True, fix="0.2-0.5 is usual")
+        check_range("draws", self.draws, 1, DRAWS_LIMIT, fix="one ELBO estimate per rollout batch is usual")
+        check_range("clip_low", self.clip_low, 0, CLIP_LIMIT, low_open=True, fix="0.2-0.5 is usual")
         if self.clip_high is not None:
-            check_range("clip_high", self.clip_high, 0, low_open=True, fix="leave it unset for a symmetric clip")
-        check_range("kl_beta", self.kl_beta, 0, fix="0 turns the KL term off")
+            check_range("clip_high", self.clip_high, 0, CLIP_LIMIT, low_open=True,
+                        fix="leave it unset for a symmetric clip")
+        check_range("kl_beta", self.kl_beta, 0, KL_BETA_LIMIT, fix="0 turns the KL term off")
 
 
 class GDPO:

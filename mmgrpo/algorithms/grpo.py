@@ -20,6 +20,7 @@ from ._token import (
     SHARED_DOCS, AdvantageTransform, KLSchedule, KLWeight, attach_kl_members, check_shared, shaped_scores,
     TOKEN_READS, add_kl, check_options, aggregate, ratio_metrics, token_mask, token_plan,
 )
+from ._limits import ADV_EPS_LIMIT
 from ..validation import check_fields, check_range
 
 
@@ -54,7 +55,7 @@ class GRPOConfig:
         check_fields(self)
         check_shared(self)
         check_options(self.clip_low, self.clip_high, self.kl_beta)
-        check_range("adv_eps", self.adv_eps, 0, low_open=True, fix="1e-4 is usual")
+        check_range("adv_eps", self.adv_eps, 0, ADV_EPS_LIMIT, low_open=True, fix="1e-4 is usual")
         if self.scale_rewards not in ("group", "batch", "none"):
             raise ValueError(f"scale_rewards must be 'group', 'batch' or 'none', got {self.scale_rewards!r}.")
 

@@ -34,6 +34,7 @@ from ._token import (
     SHARED_DOCS, TOKEN_READS, AdvantageTransform, KLSchedule, KLWeight, add_kl, attach_kl_members, check_shared,
     ratio_metrics, shaped_scores, token_mask, token_plan,
 )
+from ._limits import ADV_EPS_LIMIT, SCALE_LIMIT
 from ..validation import check_fields, check_range
 
 
@@ -67,8 +68,9 @@ class RegGRPOConfig:
     def __post_init__(self):
         check_fields(self)
         check_shared(self)
-        check_range("reg_beta", self.reg_beta, 0, low_open=True, fix="1.0 makes the target log-ratio the advantage")
-        check_range("adv_eps", self.adv_eps, 0, low_open=True, fix="1e-4 is usual")
+        check_range("reg_beta", self.reg_beta, 1e-3, SCALE_LIMIT,
+                    fix="1.0 makes the target log-ratio the advantage (the target is advantage / reg_beta)")
+        check_range("adv_eps", self.adv_eps, 0, ADV_EPS_LIMIT, low_open=True, fix="1e-4 is usual")
         if self.center not in ("none", "group"):
             raise ValueError(f"center must be 'none' or 'group', got {self.center!r}.")
 

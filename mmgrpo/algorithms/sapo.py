@@ -19,6 +19,7 @@ from ._token import (
     SHARED_DOCS, AdvantageTransform, KLSchedule, KLWeight, attach_kl_members, check_shared, shaped_scores,
     TOKEN_READS, add_kl, aggregate, ratio_metrics, token_mask, token_plan,
 )
+from ._limits import ADV_EPS_LIMIT, SCALE_LIMIT
 from ..validation import check_fields, check_range
 
 
@@ -50,9 +51,9 @@ class SAPOConfig:
     def __post_init__(self):
         check_fields(self)
         check_shared(self)
-        check_range("tau_pos", self.tau_pos, 0, low_open=True)
-        check_range("tau_neg", self.tau_neg, 0, low_open=True)
-        check_range("adv_eps", self.adv_eps, 0, low_open=True, fix="1e-4 is usual")
+        check_range("tau_pos", self.tau_pos, 1e-3, SCALE_LIMIT, fix="SAPO uses 1.0; the gate's slope is 4 / tau")
+        check_range("tau_neg", self.tau_neg, 1e-3, SCALE_LIMIT, fix="SAPO uses 1.05; the gate's slope is 4 / tau")
+        check_range("adv_eps", self.adv_eps, 0, ADV_EPS_LIMIT, low_open=True, fix="1e-4 is usual")
 
 
 SAPOConfig.__doc__ += SHARED_DOCS

@@ -98,7 +98,7 @@ def test_traits_and_pipelines():
     require_scores(registry.get("pipeline", "qwen_vl"), plain, names)  # accepted
     with pytest.raises(ValueError, match=r"reads the score field.*'group_ids'"):
         require_scores(registry.get("pipeline", "qwen_vl"), centred, names)
-    with pytest.raises(ValueError, match="reg_beta must be > 0"):
+    with pytest.raises(ValueError, match="reg_beta must be >= 0.001"):
         registry.get("algorithm", "reg_grpo").Config(reg_beta=0.0)
     with pytest.raises(ValueError, match="center"):
         registry.get("algorithm", "reg_grpo").Config(center="batch")

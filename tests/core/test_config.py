@@ -166,14 +166,14 @@ def test_cosine_schedule_warms_up_then_decays_to_the_floor():
     assert {learning_rate_factor(n, constant) for n in range(10)} == {1.0}
 
     parameter = torch.nn.Parameter(torch.zeros(1))
-    optimizer, schedule = build_optimizer([parameter], TrainConfig(learning_rate=2.0, max_steps=3, lr_schedule="cosine",
+    optimizer, schedule = build_optimizer([parameter], TrainConfig(learning_rate=0.5, max_steps=3, lr_schedule="cosine",
                                                                    min_lr_ratio=0.5))
     seen = []
     for _ in range(3):
         seen.append(schedule.get_last_lr()[0])
         optimizer.step()
         schedule.step()
-    assert seen == [2.0, 1.5, 1.0]
+    assert seen == [0.5, 0.375, 0.25]
 
 
 def test_bad_schedule_is_named(tmp_path):

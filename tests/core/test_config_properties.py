@@ -1,13 +1,16 @@
 """Property tests over every shipped config (configs/*.yaml, configs/tiny/*.yaml): a field set to a wrong type, a
-boundary, an out-of-range or non-finite value, a key dropped or an unknown key added, and the command line either
-accepts the config or refuses it at once, with exit code 2 and one line that names the mutated key. Accepted
-mutations of the tiny configs then train one step.
+boundary, an out-of-range, non-finite or extreme value (2**63, 1e308, a subnormal, -0.0), a key dropped or an unknown
+key added, and the command line either accepts the config or refuses it at once, with exit code 2 and one line that
+names the mutated key. Accepted mutations of the tiny configs then train one step. Every numeric key of every shipped
+config set to 2**63, 1e30 or 1e308 is refused, naming the key; so are the absurd values found by earlier sweeps.
 
 Real-model configs cannot load their weights here; `mmgrpo check` needs none of them (their hub ids are not looked
 up), so for them "accepted" is what `check` says.
 """
 
+import contextlib
 import copy
+import io
 import math
 import time
 from pathlib import Path
@@ -30,6 +33,8 @@ SETTINGS = dict(deadline=None, derandomize=True, suppress_health_check=[HealthCh
                                                                          HealthCheck.too_slow])
 WRONG_TYPES = [None, "text", [1, 2], {"bogus": 1}, True]
 BOGUS = "bogus_option"
+EXTREMES = [2**63, -(2**63), 1e30, 1e308, 5e-324, -0.0]  # huge and tiny magnitudes, of either type
+HUGE = [2**63, 1e30, 1e308]  # no numeric option of a real run takes any of them
 
 
 def key_paths(node: dict, prefix: tuple = ()):
@@ -40,19 +45,37 @@ def key_paths(node: dict, prefix: tuple = ()):
             yield from key_paths(value, prefix + (key,))
 
 
+def is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def numeric_paths(node: dict, prefix: tuple = ()):
+    """``(key path, list index or None)`` of every number of a config mapping (a list of numbers: its first one)."""
+    for key, value in node.items():
+        path = prefix + (key,)
+        if is_number(value):
+            yield path, None
+        elif isinstance(value, list) and value and all(is_number(v) for v in value):
+            yield path, 0
+        elif isinstance(value, dict):
+            yield from numeric_paths(value, path)
+
+
 def replacements(value, small: bool) -> list:
     """Values to put in place of `value`: its type's boundaries, out-of-range and non-finite values, other types.
     `small` keeps integers small enough to train with (the one-step test)."""
     if isinstance(value, bool):
         typed = [not value, 1, "yes"]
     elif isinstance(value, int):
-        typed = [-1, 0, 1, 2, 3] if small else [value - 1, value + 1, -1, 0, 1, 2**32, 2**63, -(2**63)]
+        typed = ([-1, 0, 1, 2, 3] if small else [value - 1, value + 1, -1, 0, 1, 2**32]) + EXTREMES
     elif isinstance(value, float):
-        typed = [0.0, -value, value / 2, 1.0, math.nan, math.inf, -math.inf] + ([] if small else [1e308])
+        typed = [0.0, -value, value / 2, 1.0, math.nan, math.inf, -math.inf] + EXTREMES
     elif isinstance(value, str):
         typed = ["", " ", "no", "3", value + "x"]
     elif isinstance(value, list):
         typed = [[], value + value[:1], [None], value[:1]]
+        if value and all(is_number(v) for v in value):  # an extreme first element
+            typed += [[extreme, *value[1:]] for extreme in EXTREMES]
     else:
         typed = [{}, []]
     return typed + WRONG_TYPES
@@ -96,7 +119,97 @@ def test_check_accepts_or_refuses_at_once_naming_the_key(case, tmp_path, monkeyp
         assert named in err, f"mutating {key} was refused without naming it: {err}"
     else:
         assert out.endswith("ok\n") and not err
-    assert elapsed < 30, f"{key}: {elapsed:.1f} s"
+    assert elapsed < (10 if code else 30), f"{key}: {elapsed:.1f} s"
+
+
+def _check(tmp_path, raw: dict, *overrides: str) -> tuple[int, str]:
+    """``mmgrpo check`` of mapping `raw` (written to a file, output_dir under `tmp_path`): exit code and stderr."""
+    file = tmp_path / "config.yaml"
+    file.write_text(dump_yaml({**raw, "output_dir": str(tmp_path / "run")}), encoding="utf-8")
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+        code = main(["check", str(file), "--trust-remote-code", *overrides])
+    return code, err.getvalue()
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.relative_to(ROOT / "configs").as_posix())
+def test_every_numeric_key_refuses_huge_values_naming_the_key(path, tmp_path, monkeypatch):
+    """Each number of the config (every key path, the first number of a list) set to 2**63, 1e30 and 1e308 in turn:
+    `mmgrpo check` refuses each at once, in one line naming the key."""
+    monkeypatch.chdir(ROOT)  # the configs' relative paths (prompt files) are relative to the repository
+    paths = list(numeric_paths(RAW[path]))
+    assert paths
+    for keys, index in paths:
+        for value in HUGE:
+            raw = copy.deepcopy(RAW[path])
+            parent = raw
+            for part in keys[:-1]:
+                parent = parent[part]
+            if index is None:
+                parent[keys[-1]] = value
+            else:
+                parent[keys[-1]][index] = value
+            start = time.perf_counter()
+            code, err = _check(tmp_path, raw)
+            where = f"{'.'.join(keys)}{'' if index is None else f'[{index}]'}={value!r}"
+            assert code == 2, f"{where} was accepted"
+            assert err.startswith("mmgrpo: config error: ") and err.count("\n") == 1, err
+            assert str(keys[-1]) in err, f"{where} was refused without naming {keys[-1]}: {err}"
+            assert time.perf_counter() - start < 5, where
+
+
+TINY_DIR = ROOT / "configs" / "tiny"
+ABSURD = [  # (config, overrides, the key the refusal names): values that `check` accepted, then failed, hung or crashed
+    ("vlm_count", ["pipeline.lora_rank=9223372036854775808"], "pipeline.lora_rank"),
+    ("vlm_count", ["pipeline.lora_rank=1000"], "pipeline.lora_rank"),  # above the model's hidden size (128)
+    ("t2v_shapes", ["pipeline.width=9223372036854775808"], "pipeline.width"),
+    ("t2v_shapes", ["pipeline.width=1000000000000000000000000000000"], "pipeline.width"),
+    ("t2v_shapes", ["pipeline.width=4096"], "pipeline.width"),  # beyond the transformer's rotary positions
+    ("t2i_shapes", ["pipeline.resolution=64"], "pipeline.resolution"),  # beyond SD3's pos_embed_max_size
+    ("t2i_shapes", ["pipeline.max_sequence_length=9223372036854775808"], "pipeline.max_sequence_length"),
+    ("t2i_shapes", ["train.minibatch_size=9223372036854775808"], "train.minibatch_size"),
+    ("t2i_shapes", ["train.max_steps=9223372036854775808", "train.lr_schedule=cosine"], "train.max_steps"),
+    ("t2i_shapes", ["train.learning_rate=1e308"], "train.learning_rate"),
+    ("t2i_shapes", ["train.learning_rate=10.0"], "train.learning_rate"),
+    ("t2i_shapes", ["train.prompts_per_step=9223372036854775808"], "train.prompts_per_step"),
+    ("t2i_shapes", ["train.prompts_per_step=1000000"], "train.prompts_per_step"),
+    ("vlm_count", ["pipeline.max_new_tokens=1000000000000000000000000000000"], "pipeline.max_new_tokens"),
+    ("vlm_count", ["pipeline.max_new_tokens=100000"], "pipeline.max_new_tokens"),  # the model has 2048 positions
+    ("mdlm_arith", ["pipeline.gen_length=1000"], "pipeline.gen_length"),  # the model has 256 positions
+    ("mdlm_arith", ["pipeline.temperature=5e-324"], "pipeline.temperature"),
+    ("temporal_shapes", ["data.num_frames=1000"], "data.num_frames"),  # was refused as data.speed
+    ("temporal_shapes", ["data.num_frames=1000000"], "data.num_frames"),
+    ("t2i_shapes_flow_grpo", ["algorithm.noise_level=5e-324"], "algorithm.noise_level"),
+    ("t2i_shapes", ["train.adam_eps=5e-324"], "train.adam_eps"),
+    # a real-model config whose first batch of clips cannot fit in any machine's memory
+    ("../wan2_1_t2v_1_3b_flow_grpo", ["train.prompts_per_step=65536", "train.group_size=16", "pipeline.height=720",
+                                      "pipeline.width=1280", "pipeline.num_frames=81"], "train.prompts_per_step"),
+]
+
+
+@pytest.mark.parametrize("name, overrides, named", ABSURD, ids=[" ".join(o) for _, o, _ in ABSURD])
+def test_absurd_values_are_refused_naming_the_key(name, overrides, named, tmp_path, monkeypatch):
+    monkeypatch.chdir(ROOT)
+    raw = copy.deepcopy(RAW[(TINY_DIR / f"{name}.yaml").resolve()])
+    start = time.perf_counter()
+    code, err = _check(tmp_path, raw, *overrides)
+    assert code == 2, f"{overrides} accepted"
+    assert err.startswith("mmgrpo: config error: ") and err.count("\n") == 1 and "Traceback" not in err, err
+    assert named in err, err
+    assert time.perf_counter() - start < 5
+
+
+def test_a_first_batch_larger_than_memory_is_refused_before_it_starts():
+    """The memory check compares one step's outputs (samples x the pipeline's output size) with the memory given."""
+    from mmgrpo.memory_check import check_memory
+
+    raw = copy.deepcopy(RAW[TINY_DIR / "t2v_shapes.yaml"])  # 5 frames of 32 x 32: 61,440 bytes per clip
+    raw["train"].update(prompts_per_step=16, group_size=16)  # 256 clips: 15 MiB
+    config = config_mod.from_dict(raw)
+    check_memory(config, available=2**30)
+    with pytest.raises(ConfigError, match=r"^train\.prompts_per_step x train\.group_size = 256 samples .* lower "
+                                          r"train\.prompts_per_step, train\.group_size or pipeline\.num_frames"):
+        check_memory(config, available=2**20)
 
 
 SMALL_RUN = {"train": {"max_steps": 1, "prompts_per_step": 2, "group_size": 4, "minibatch_size": 8},

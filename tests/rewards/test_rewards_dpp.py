@@ -126,7 +126,7 @@ def test_group_stage_without_features_and_config_errors(dpp):
     reward = dpp()
     with pytest.raises(ValueError, match="needs the features and relevance"):
         reward.group_stage(RewardResult(scores=torch.zeros(2)), None)
-    with pytest.raises(ConfigError, match=r"dpp_diversity\.jitter must be > 0"):
+    with pytest.raises(ConfigError, match=r"dpp_diversity\.jitter must be >= 1e-08"):
         DppDiversity.Config(pretrained=None, jitter=0.0)
     with pytest.raises(ConfigError, match=r"dpp_diversity\.relevance_weight must be >= 0"):
         DppDiversity.Config(pretrained=None, relevance_weight=-1.0)
