@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import random
 import re
 import time
@@ -308,15 +309,16 @@ class SFTTrainer:
         """Runs the remaining steps, saves a checkpoint, writes ``model/`` and ``summary.json``; returns the summary.
         A SIGINT / SIGTERM finishes the step and saves (no ``model/``: resume to finish)."""
         cfg, main = self.config, self.accelerator.is_main_process
-        if self.step == 0 and self.evaluating:
-            self.log.write(0, self.evaluate(0))
-        bar = tqdm(range(self.step, cfg.train.max_steps), disable=not main, desc="sft")
         stopped_by = None
-        with StopSignals(announce=main) as stop:
+        with StopSignals(announce=main, at_once=True) as stop:  # at once until the first step has finished
+            if self.step == 0 and self.evaluating:
+                self.log.write(0, self.evaluate(0))
+            bar = tqdm(range(self.step, cfg.train.max_steps), disable=not main, desc="sft")
             for _ in bar:
                 self.step += 1
                 start = time.perf_counter()
                 metrics = self.train_step()
+                stop.at_once = False
                 # every process must agree on when the time budget is spent and when to evaluate: the slowest counts
                 self.train_seconds += self._max(time.perf_counter() - start)
                 metrics.update({"time/train_s": self.train_seconds})
@@ -379,5 +381,8 @@ class SFTTrainer:
 
 
 def sft(config: ExperimentConfig, items: list[dict] | None = None) -> dict:
-    """Builds an [`SFTTrainer`] for `config` and runs it; returns the summary."""
-    return SFTTrainer(config, items=items).train()
+    """Builds an [`SFTTrainer`] for `config` and runs it; returns the summary. A SIGINT / SIGTERM while it is built
+    stops at once (see [`~mmgrpo.stop_signals.StopSignals`])."""
+    with StopSignals(announce=os.environ.get("RANK", "0") == "0", at_once=True):
+        trainer = SFTTrainer(config, items=items)
+    return trainer.train()

@@ -1,14 +1,25 @@
 """Graceful stops: the first SIGINT (Ctrl-C) or SIGTERM (a cluster scheduler's pre-emption) lets the current training
 step finish, then the trainer writes a checkpoint and its summary and exits with the conventional code (128 + the
-signal number: 130, 143); a second signal stops at once."""
+signal number: 130, 143); a second signal stops at once.
+
+During set-up (building the models, the first evaluation and the first step: ``at_once``) there is nothing to save yet,
+so the first signal already stops at once: SIGINT as a `KeyboardInterrupt`, SIGTERM with one line on stderr and exit
+status 143, no checkpoint written. A stop at once must not wait for the code that is running: Python runs signal
+handlers only between bytecodes, so a long native call (a huge allocation, a tensor operation) would delay them. A
+watcher thread, woken through `signal.set_wakeup_fd` as the signal arrives, ends the process itself (``os._exit``
+with the same status and line) when the main thread has not stopped within ``GRACE_SECONDS``.
+"""
 
 from __future__ import annotations
 
+import os
 import signal
+import socket
 import sys
 import threading
 
 SIGNALS = (signal.SIGINT, signal.SIGTERM)
+GRACE_SECONDS = 2.0  # how long the watcher lets the main thread stop by itself before ending the process
 
 
 class StopSignals:
@@ -16,28 +27,91 @@ class StopSignals:
 
     Outside the main thread (where Python cannot install handlers) it changes nothing.
 
+    Args:
+        announce (`bool`): print the one-line notices (the main process of a multi-process run).
+        at_once (`bool`): every signal stops at once (set-up: nothing to save yet); the trainer turns it off once its
+            first step has finished.
+
     Attributes:
         received (`int` or `None`): the first signal's number, once one arrived.
     """
 
-    def __init__(self, announce: bool = True):
+    def __init__(self, announce: bool = True, at_once: bool = False):
         self.announce = announce
+        self.at_once = at_once
         self.received: int | None = None
         self._previous: dict[int, object] = {}
+        self._wakeup: tuple[socket.socket, socket.socket, int] | None = None
+        self._stopping = threading.Event()  # set when the main thread's handler stops at once
+        self._handled = 0  # signals the main thread's handler has run for
 
     def __enter__(self) -> "StopSignals":
         if threading.current_thread() is threading.main_thread():
             for signum in SIGNALS:
                 self._previous[signum] = signal.signal(signum, self._handle)
+            self._start_watcher()
         return self
 
     def __exit__(self, *exc) -> None:
         for signum, handler in self._previous.items():
             signal.signal(signum, handler)
         self._previous.clear()
+        if self._wakeup is not None and threading.current_thread() is threading.main_thread():
+            reader, writer, previous = self._wakeup
+            self._wakeup = None
+            signal.set_wakeup_fd(previous)
+            writer.close()
+            reader.close()  # the watcher's recv ends
+
+    def _start_watcher(self) -> None:
+        """Has the C-level signal handler write each signal's number to a socket that a daemon thread reads."""
+        reader, writer = socket.socketpair()
+        writer.setblocking(False)
+        try:
+            previous = signal.set_wakeup_fd(writer.fileno(), warn_on_full_buffer=False)
+        except ValueError:  # not the main thread of the main interpreter
+            reader.close()
+            writer.close()
+            return
+        self._wakeup = (reader, writer, previous)
+        threading.Thread(target=self._watch, args=(reader,), name="mmgrpo-stop-watcher", daemon=True).start()
+
+    def _watch(self, reader: socket.socket) -> None:
+        seen = 0
+        while True:
+            try:
+                data = reader.recv(64)
+            except OSError:
+                return
+            if not data:
+                return
+            for signum in data:
+                if signum not in SIGNALS:
+                    continue
+                seen += 1
+                stop_now = self.at_once or seen > 1
+                if stop_now and not self._stopping.wait(GRACE_SECONDS) and self._handled < seen:
+                    # the main thread should stop now, but its handler did not run (a long native call): end it here
+                    self._say(f"{signal.Signals(signum).name} received: the process did not stop within "
+                              f"{GRACE_SECONDS:g} s (a long native call); stopped at once (no checkpoint written).")
+                    os._exit(128 + signum)
+
+    def _say(self, text: str) -> None:
+        if self.announce:
+            print(f"\nmmgrpo: {text}", file=sys.stderr, flush=True)
 
     def _handle(self, signum: int, frame) -> None:
+        self._handled += 1
+        if self.at_once and self.received is None:  # set-up: nothing to save yet
+            self.received = signum
+            self._stopping.set()
+            if signum == signal.SIGINT:
+                raise KeyboardInterrupt  # `mmgrpo` says "stopped at once" and exits with 130
+            self._say(f"{signal.Signals(signum).name} received during set-up: stopped at once (no checkpoint "
+                      "written).")
+            raise SystemExit(128 + signum)
         if self.received is not None:  # the second signal: stop now, as without this context
+            self._stopping.set()
             self.__exit__()
             if signum == signal.SIGINT:
                 raise KeyboardInterrupt

@@ -31,6 +31,7 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import os
 import time
 from pathlib import Path
 
@@ -167,14 +168,17 @@ class Trainer:
     def train(self) -> dict:
         cfg = self.config
         evaluating = bool(cfg.eval.every or cfg.eval.every_seconds)
-        if self.step == 0 and evaluating:
-            self.log.write(0, self.evaluate(0))
-        bar = tqdm(range(self.step, cfg.train.max_steps), disable=not self.accelerator.is_main_process, desc="train")
         stopped_by = None
-        with StopSignals(announce=self.accelerator.is_main_process) as stop:  # SIGINT / SIGTERM: finish, save, exit
+        # SIGINT / SIGTERM: finish the step, save, exit; at once until the first step has finished (nothing to save)
+        with StopSignals(announce=self.accelerator.is_main_process, at_once=True) as stop:
+            if self.step == 0 and evaluating:
+                self.log.write(0, self.evaluate(0))
+            bar = tqdm(range(self.step, cfg.train.max_steps), disable=not self.accelerator.is_main_process,
+                       desc="train")
             for _ in bar:
                 self.step += 1
                 metrics = self.timed_train_step()
+                stop.at_once = False
                 out_of_time = 0 < cfg.train.max_seconds <= self.train_seconds
                 last = out_of_time or self.step == cfg.train.max_steps
                 if evaluating and (last or evaluation_due(cfg.eval.every, cfg.eval.every_seconds, self.step,
@@ -444,5 +448,8 @@ class Trainer:
 
 
 def train(config: ExperimentConfig) -> dict:
-    """Builds a [`Trainer`] for `config` and runs it; returns the summary (first/last eval metric...)."""
-    return Trainer(config).train()
+    """Builds a [`Trainer`] for `config` and runs it; returns the summary (first/last eval metric...). A SIGINT /
+    SIGTERM while the trainer is built stops at once (see [`~mmgrpo.stop_signals.StopSignals`])."""
+    with StopSignals(announce=os.environ.get("RANK", "0") == "0", at_once=True):
+        trainer = Trainer(config)
+    return trainer.train()
