@@ -78,9 +78,9 @@ def verify(path: Path, state: bool = True) -> None:
     Raises:
         [`CheckpointError`]: naming the missing or broken file and what to do.
     """
-    weights = sorted((path / WEIGHTS).glob("*.safetensors")) if (path / WEIGHTS).is_dir() else []
+    weights = sorted((path / WEIGHTS).rglob("*.safetensors"))  # a component's folder may hold them (transformer/)
     if not weights:
-        raise CheckpointError(f"checkpoint {path} has no weights ({WEIGHTS}/*.safetensors): {_instead(path)}.")
+        raise CheckpointError(f"checkpoint {path} has no weights (no *.safetensors under {WEIGHTS}/): {_instead(path)}.")
     files = weights
     if state:
         for name in (OPTIMIZER_FILE, SCHEDULER_FILE):

@@ -105,7 +105,7 @@ def _item_in(quadrant: int) -> dict:
     return {"metadata": {"boxes": [x + 4, y + 4, x + 20, y + 20], "image_size": [56, 56]}}
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=60, deadline=None, derandomize=True)
 @given(st.floats(0.05, 0.95), st.lists(st.integers(0, 3), min_size=1, max_size=300))
 def test_quadrant_prior_keeps_the_admitted_share_within_one_item(share, quadrants):
     prior = _script().QuadrantPrior("top left", share)
@@ -113,7 +113,7 @@ def test_quadrant_prior_keeps_the_admitted_share_within_one_item(share, quadrant
     for quadrant in quadrants:
         if prior.admits(_item_in(quadrant)):
             taken, inside = taken + 1, inside + int(quadrant == 0)
-            assert abs(inside - share * taken) < 1
+            assert abs(inside - share * taken) <= 1 + 1e-9  # "within one item"; exactly 1 happens (share 1/3, 2 of 9)
     assert (prior.taken, prior.inside) == (taken, inside)
 
 
