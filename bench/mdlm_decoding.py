@@ -51,7 +51,7 @@ def decoding_table(seed: int = 0) -> list[dict]:
     from mmgrpo import registry
     from mmgrpo.config import load
     from mmgrpo.prompt_stream import items_to_batch
-    from mmgrpo.types import MaskedPlan
+    from mmgrpo.plans import MaskedPlan
 
     cfg = load(ROOT / CONFIG)
     reward = registry.get("reward", cfg.reward.name)(cfg.reward.options)

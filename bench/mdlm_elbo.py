@@ -38,7 +38,7 @@ from mmgrpo.config import load
 from mmgrpo.pipelines import _mdlm_elbo
 from mmgrpo.prompt_stream import items_to_batch
 from mmgrpo.samplers.masked_diffusion import token_log_probs
-from mmgrpo.types import MaskedPlan
+from mmgrpo.plans import MaskedPlan
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = "configs/tiny/mdlm_arith_gdpo.yaml"

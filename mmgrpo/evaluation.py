@@ -10,7 +10,8 @@ import torch
 
 from .prompt_stream import items_to_batch
 from .seeding import mix_seed
-from .types import RewardResult, SamplingPlan, deterministic_plan
+from .types import RewardResult
+from .plans import SamplingPlan, deterministic_plan
 
 
 def evaluation_due(every: int, every_seconds: float, step: int, train_seconds: float, last_mark: float) -> bool:

@@ -16,7 +16,7 @@ import torch
 from . import registry
 from .config import PLUGIN_KINDS, ExperimentConfig
 from .memory_check import check_memory
-from .types import FlowPlan, SamplingPlan
+from .plans import FlowPlan, SamplingPlan
 from .validation import ConfigError
 
 

@@ -9,7 +9,8 @@ from typing import Any, Callable, Iterable, Literal, Protocol, runtime_checkable
 
 import torch
 
-from .types import AlgorithmTraits, LossOutput, PromptBatch, RewardResult, Rollout, SamplingPlan, Score
+from .types import AlgorithmTraits, LossOutput, PromptBatch, RewardResult, Rollout, Score
+from .plans import SamplingPlan
 
 
 @runtime_checkable

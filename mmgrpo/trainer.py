@@ -46,7 +46,8 @@ from .metrics_log import MetricsLog, read_records
 from .optim import build_optimizer
 from .preflight import SCORING_METHODS, check_modalities, require_plan
 from .prompt_stream import PromptStream
-from .types import RewardResult, SamplingPlan, Score
+from .types import RewardResult, Score
+from .plans import SamplingPlan
 from .reference import reference_needed
 from .seeding import mix_seed
 from .tracking import Trackers, accelerator_options

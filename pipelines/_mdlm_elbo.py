@@ -34,7 +34,8 @@ import numpy as np
 import torch
 
 from mmgrpo.samplers.masked_diffusion import token_log_probs
-from mmgrpo.types import MaskedPlan, Rollout, Score
+from mmgrpo.types import Rollout, Score
+from mmgrpo.plans import MaskedPlan
 from mmgrpo.validation import check_range
 
 

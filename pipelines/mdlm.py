@@ -30,7 +30,8 @@ from mmgrpo.model_limits import (
 from mmgrpo.pipelines._checkpointing import checkpoint_transformers
 from mmgrpo.reference import ReferenceSwitch
 from mmgrpo.samplers.masked_diffusion import eoser_gamma, make_schedule, rebuild_state, token_log_probs, unmask_step
-from mmgrpo.types import MaskedPlan, PromptBatch, Rollout, Score, TokenPlan
+from mmgrpo.types import PromptBatch, Rollout, Score
+from mmgrpo.plans import MaskedPlan, TokenPlan
 from mmgrpo.validation import check_fields, check_range
 
 from mmgrpo.pipelines import _mdlm_elbo

@@ -44,7 +44,8 @@ from mmgrpo.sharding import any_process
 from mmgrpo.pipelines._checkpointing import checkpoint_transformers
 from mmgrpo.pipelines._qwen_vl_forward import GroupForward, collate_prompts, unique_rows
 from mmgrpo.pipelines._qwen_vl_inputs import PromptEncoder, vision_inputs
-from mmgrpo.types import PromptBatch, Rollout, Score, TokenPlan
+from mmgrpo.types import PromptBatch, Rollout, Score
+from mmgrpo.plans import TokenPlan
 from mmgrpo.validation import ConfigError, check_fields, check_range
 
 # transformers' attention backends (besides hub kernels "org/name")

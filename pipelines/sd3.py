@@ -17,7 +17,8 @@ from mmgrpo.model_limits import RESOLUTION_LIMIT, check_limit, find_int, read_js
 from mmgrpo.pipelines._checkpointing import checkpoint_diffusers
 from mmgrpo.pipelines._flow_common import TrainableTransformer, check_flow_config
 from mmgrpo.samplers.flow_plan import PLAN_FEATURES, SCORE_FIELDS, plan_likelihood, replay_plan, run_plan
-from mmgrpo.types import FlowPlan, PromptBatch, Rollout, Score
+from mmgrpo.types import PromptBatch, Rollout, Score
+from mmgrpo.plans import FlowPlan
 
 
 @dataclass

@@ -31,7 +31,8 @@ from mmgrpo.pipelines._flow_common import TrainableTransformer, check_flow_confi
 from mmgrpo.pipelines._wan_condition import encode_first_frames, final_latents, model_input
 from mmgrpo.pipelines._wan_geometry import geometry_of, read_geometry
 from mmgrpo.samplers.flow_plan import PLAN_FEATURES, SCORE_FIELDS, plan_likelihood, replay_plan, run_plan
-from mmgrpo.types import FlowPlan, PromptBatch, Rollout, Score
+from mmgrpo.types import PromptBatch, Rollout, Score
+from mmgrpo.plans import FlowPlan
 from mmgrpo.validation import check_range
 
 EXPERTS = ("transformer", "transformer_2")

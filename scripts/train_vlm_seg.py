@@ -133,7 +133,7 @@ def held_out(path: str, sam: str, items: list[dict], max_new_tokens: int) -> dic
     from mmgrpo.pipelines.qwen_vl import QwenVLConfig, QwenVLPolicy
     from mmgrpo.prompt_stream import items_to_batch
     from mmgrpo.rewards.sam_mask import SamMask, SamMaskConfig
-    from mmgrpo.types import TokenPlan
+    from mmgrpo.plans import TokenPlan
 
     policy = QwenVLPolicy(QwenVLConfig(pretrained=path, max_new_tokens=max_new_tokens, lora_rank=0))
     reward = SamMask(SamMaskConfig(model=sam, coords="original", device="cpu", attach_masks=False))

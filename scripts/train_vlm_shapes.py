@@ -70,7 +70,7 @@ def held_out_accuracy(path: str, n_eval: int, size: int) -> float:
     from mmgrpo.pipelines.qwen_vl import QwenVLConfig, QwenVLPolicy
     from mmgrpo.prompt_stream import items_to_batch
     from mmgrpo.rewards.accuracy import AccuracyReward
-    from mmgrpo.types import TokenPlan
+    from mmgrpo.plans import TokenPlan
 
     policy = QwenVLPolicy(QwenVLConfig(pretrained=path, max_new_tokens=20, lora_rank=0))
     data = VLMShapes(VLMShapesConfig(n_train=0, n_eval=n_eval, size=size))

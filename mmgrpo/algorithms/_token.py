@@ -18,7 +18,8 @@ import torch
 
 from ..advantages import tempsamp_soft
 from ..losses import k3_kl
-from ..types import Score, TokenPlan
+from ..types import Score
+from ..plans import TokenPlan
 from ._limits import CLIP_LIMIT, KL_BETA_LIMIT, SCALE_LIMIT, UPDATES_LIMIT
 from ..validation import ConfigError, check_range
 

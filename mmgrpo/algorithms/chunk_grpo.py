@@ -24,7 +24,8 @@ import torch
 
 from ..advantages import StdEstimator, group_normalize
 from ..losses import clipped_surrogate, k3_kl, masked_mean
-from ..types import AlgorithmTraits, FlowPlan, LossOutput, Score
+from ..types import AlgorithmTraits, LossOutput, Score
+from ..plans import FlowPlan
 from ._limits import ADV_CLIP_LIMIT, CLIP_LIMIT, KL_BETA_LIMIT, NOISE_LEVEL_RANGE, STEP_LIMIT
 from ..validation import check_fields, check_range
 

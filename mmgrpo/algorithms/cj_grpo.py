@@ -18,7 +18,8 @@ from typing import Literal
 import torch
 
 from ..advantages import StdEstimator, group_normalize
-from ..types import AlgorithmTraits, LossOutput, MaskedPlan, Score
+from ..types import AlgorithmTraits, LossOutput, Score
+from ..plans import MaskedPlan
 from ._limits import ADV_CLIP_LIMIT, CLIP_LIMIT, KL_BETA_LIMIT
 from ..validation import check_fields, check_range
 from ._masked import TOKEN_STEP_READS, token_step_loss

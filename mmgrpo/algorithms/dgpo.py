@@ -34,7 +34,8 @@ import torch
 
 from ..advantages import StdEstimator, group_normalize
 from ..ema import ParameterEMA
-from ..types import AlgorithmTraits, FlowPlan, LossOutput, Score
+from ..types import AlgorithmTraits, LossOutput, Score
+from ..plans import FlowPlan
 from ._limits import ADV_CLIP_LIMIT, CLIP_LIMIT, KL_BETA_LIMIT, SCALE_LIMIT, SHIFT_LIMIT, STEP_LIMIT
 from ..validation import check_fields, check_range
 

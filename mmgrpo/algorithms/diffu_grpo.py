@@ -15,7 +15,8 @@ from typing import Literal
 import torch
 
 from ..advantages import StdEstimator, group_normalize
-from ..types import AlgorithmTraits, LossOutput, MaskedPlan, Score
+from ..types import AlgorithmTraits, LossOutput, Score
+from ..plans import MaskedPlan
 from ._masked import TOKEN_STEP_READS, token_step_loss
 from ._limits import CLIP_LIMIT, DRAWS_LIMIT, KL_BETA_LIMIT
 from ..validation import check_fields, check_range

@@ -20,7 +20,8 @@ import torch
 
 from ..advantages import StdEstimator, group_normalize
 from ..losses import clipped_surrogate
-from ..types import AlgorithmTraits, FlowPlan, LossOutput, Score
+from ..types import AlgorithmTraits, LossOutput, Score
+from ..plans import FlowPlan
 from ._limits import ADV_CLIP_LIMIT, CLIP_LIMIT, NOISE_LEVEL_RANGE, SCALE_LIMIT, STEP_LIMIT
 from ..validation import check_fields, check_range
 

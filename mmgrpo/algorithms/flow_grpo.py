@@ -11,7 +11,8 @@ from typing import Literal
 import torch
 
 from ..advantages import StdEstimator, group_normalize
-from ..types import AlgorithmTraits, FlowPlan, LossOutput, Score
+from ..types import AlgorithmTraits, LossOutput, Score
+from ..plans import FlowPlan
 from ._limits import ADV_CLIP_LIMIT, CLIP_LIMIT, KL_BETA_LIMIT, NOISE_LEVEL_RANGE, STEP_LIMIT
 from ..validation import check_fields, check_range
 

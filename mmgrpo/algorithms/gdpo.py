@@ -25,7 +25,8 @@ import torch
 
 from ..advantages import StdEstimator, group_normalize
 from ..losses import clipped_surrogate, k3_kl, masked_mean
-from ..types import AlgorithmTraits, LossOutput, MaskedPlan, Score
+from ..types import AlgorithmTraits, LossOutput, Score
+from ..plans import MaskedPlan
 from ._limits import CLIP_LIMIT, DRAWS_LIMIT, KL_BETA_LIMIT
 from ..validation import check_fields, check_range
 

@@ -15,7 +15,8 @@ import torch
 
 from ..advantages import StdEstimator, group_normalize
 from ..losses import clipped_objective
-from ..types import AlgorithmTraits, LossOutput, Score, TokenPlan
+from ..types import AlgorithmTraits, LossOutput, Score
+from ..plans import TokenPlan
 from ._token import (
     SHARED_DOCS, AdvantageTransform, KLSchedule, KLWeight, attach_kl_members, check_shared, shaped_scores,
     TOKEN_READS, add_kl, check_options, aggregate, ratio_metrics, token_mask, token_plan,

@@ -29,7 +29,8 @@ from typing import Literal
 import torch
 
 from ..advantages import StdEstimator, group_normalize
-from ..types import AlgorithmTraits, LossOutput, Score, TokenPlan
+from ..types import AlgorithmTraits, LossOutput, Score
+from ..plans import TokenPlan
 from ._token import (
     SHARED_DOCS, TOKEN_READS, AdvantageTransform, KLSchedule, KLWeight, add_kl, attach_kl_members, check_shared,
     ratio_metrics, shaped_scores, token_mask, token_plan,

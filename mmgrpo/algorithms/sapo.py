@@ -14,7 +14,8 @@ from dataclasses import dataclass
 import torch
 
 from ..advantages import StdEstimator, group_normalize
-from ..types import AlgorithmTraits, LossOutput, Score, TokenPlan
+from ..types import AlgorithmTraits, LossOutput, Score
+from ..plans import TokenPlan
 from ._token import (
     SHARED_DOCS, AdvantageTransform, KLSchedule, KLWeight, attach_kl_members, check_shared, shaped_scores,
     TOKEN_READS, add_kl, aggregate, ratio_metrics, token_mask, token_plan,

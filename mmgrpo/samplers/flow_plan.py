@@ -19,30 +19,17 @@ from typing import Callable
 
 import torch
 
-from mmgrpo.seeding import mix_seed
+from mmgrpo.plans import FLOW_PLAN_FEATURES, FlowPlan
 from mmgrpo.samplers.flow_sde import entropy_merge_span, flow_sde_step
-from mmgrpo.types import FlowPlan, Score
+from mmgrpo.seeding import mix_seed
+from mmgrpo.types import Score
 
-PLAN_FEATURES = frozenset({"merge", "branch", "unit_selection", "dpm", "likelihood"})
+PLAN_FEATURES = FLOW_PLAN_FEATURES  # this interpretation implements every feature a flow plan names
 # scoring method -> the `Score` fields a flow adapter fills ([`replay_plan`], [`plan_likelihood`])
 SCORE_FIELDS = {
     "log_prob": frozenset({"log_prob", "mask", "mean", "std", "noise_scale"}),
     "likelihood": frozenset({"log_prob", "velocity", "group_ids"}),
 }
-
-
-def features(plan: FlowPlan) -> set[str]:
-    """The opt-in features `plan` uses, a subset of [`PLAN_FEATURES`]: ``"merge"`` (fixed or entropy-adaptive merged
-    SDE steps), ``"branch"`` (group branches from one anchor), ``"unit_selection"`` (per-sample trained units),
-    ``"dpm"`` (the DPM-Solver++ rollout) and ``"likelihood"`` (scoring by [`plan_likelihood`])."""
-    used = {
-        "merge": bool(plan.merge) or plan.merge_entropy is not None,
-        "branch": plan.branch,
-        "unit_selection": plan.units_per_sample > 0,
-        "dpm": plan.solver == "dpm",
-        "likelihood": plan.scoring == "likelihood",
-    }
-    return {name for name, on in used.items() if on}
 
 
 # velocity(latents [r, ...], sigma [], rows [r] or None for all samples) -> velocity [r, ...] in float32; `rows` pick

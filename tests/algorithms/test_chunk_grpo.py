@@ -7,7 +7,8 @@ import torch
 from mmgrpo.algorithms.chunk_grpo import ChunkGRPO, ChunkGRPOConfig
 from mmgrpo.pipelines.sd3 import SD3Config, SD3Policy
 from mmgrpo.samplers.flow_plan import select_units
-from mmgrpo.types import FlowPlan, PromptBatch, Score
+from mmgrpo.types import PromptBatch, Score
+from mmgrpo.plans import FlowPlan
 
 PROMPTS = ["a red circle", "two blue squares"]
 

@@ -12,7 +12,8 @@ from mmgrpo.algorithms.dgpo import DGPO, DGPOConfig, group_weights
 from mmgrpo.samplers.flow_plan import group_noise
 from mmgrpo.pipelines.sd3 import SD3Config, SD3Policy
 from mmgrpo.trainer import Trainer, score_unit
-from mmgrpo.types import FlowPlan, PromptBatch, Score
+from mmgrpo.types import PromptBatch, Score
+from mmgrpo.plans import FlowPlan
 
 from builders._runs import dgpo_config
 

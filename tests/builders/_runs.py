@@ -30,7 +30,7 @@ def held_out_flow_rollout(config_path, count):
     from mmgrpo import config as config_mod
     from mmgrpo.prompt_stream import items_to_batch
     from mmgrpo.trainer import build_components
-    from mmgrpo.types import FlowPlan
+    from mmgrpo.plans import FlowPlan
 
     config = config_mod.load(config_path)
     policy, _, reward, data = build_components(config)

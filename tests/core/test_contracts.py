@@ -206,7 +206,7 @@ def test_an_algorithm_of_another_plan_family_is_refused_before_loading(pipeline,
 def test_every_plan_family_has_a_pipeline_and_an_algorithm():
     """Each family's plans are emitted by some algorithm and read by some pipeline, and its deterministic plan (the
     evaluation's) is of that family, greedy / ODE, with nothing trained."""
-    from mmgrpo.types import PLAN_TYPES, deterministic_plan
+    from mmgrpo.plans import PLAN_TYPES, deterministic_plan
 
     emitted = {registry.get("algorithm", n).plan_family for n in registry.available("algorithm")}
     spoken = {f for n in registry.available("pipeline") for f in registry.get("pipeline", n).plan_families}

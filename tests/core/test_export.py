@@ -10,7 +10,8 @@ import torch
 from mmgrpo import cli, config as config_mod
 from mmgrpo.export import LORA_FOLDER, export_checkpoint
 from mmgrpo.trainer import Trainer
-from mmgrpo.types import FlowPlan, PromptBatch
+from mmgrpo.types import PromptBatch
+from mmgrpo.plans import FlowPlan
 
 from builders._runs import dgpo_config
 from builders._weights import perturb

@@ -53,7 +53,7 @@ def test_shipped_vlm_shapes_base_model_is_imperfect_and_answers_in_the_r1_layout
     from mmgrpo.pipelines.qwen_vl import QwenVLConfig, QwenVLPolicy
     from mmgrpo.prompt_stream import items_to_batch
     from mmgrpo.rewards.format import FormatReward
-    from mmgrpo.types import TokenPlan
+    from mmgrpo.plans import TokenPlan
 
     path = resolve_pretrained("mmgrpo:vlm_shapes")
     metrics = json.loads(open(f"{path}/metrics.json", encoding="utf-8").read())

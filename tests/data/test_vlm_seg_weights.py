@@ -48,7 +48,7 @@ def test_supervised_completions_give_the_true_box_and_points_inside_the_mask():
 def _greedy_answers(name: str, n: int):
     """The first `n` held-out items of the RL configs, their batch, and the greedy outputs of ``mmgrpo:<name>``."""
     from mmgrpo.pipelines.qwen_vl import QwenVLConfig, QwenVLPolicy
-    from mmgrpo.types import TokenPlan
+    from mmgrpo.plans import TokenPlan
 
     policy = QwenVLPolicy(QwenVLConfig(pretrained=f"mmgrpo:{name}", max_new_tokens=144, lora_rank=0,
                                        min_pixels=3136, max_pixels=3136))

@@ -12,7 +12,7 @@ import torch
 from mmgrpo import config as config_mod
 from mmgrpo.hub import resolve_pretrained
 from mmgrpo.prompt_stream import items_to_batch
-from mmgrpo.types import TokenPlan
+from mmgrpo.plans import TokenPlan
 
 ROOT = Path(__file__).resolve().parents[2]
 RL = ROOT / "configs" / "tiny" / "temporal_shapes.yaml"

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from mmgrpo.algorithms.flow_grpo import FlowGRPO, FlowGRPOConfig
-from mmgrpo.types import FlowPlan, PromptBatch
+from mmgrpo.types import PromptBatch
+from mmgrpo.plans import FlowPlan
 
 PROMPTS = ["a red circle", "two blue squares", "a green triangle left of a yellow circle"]
 PIPELINES = ["sd3", "flux"]

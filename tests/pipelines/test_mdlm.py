@@ -299,7 +299,7 @@ def test_shipped_base_model_is_clearly_imperfect():
     from mmgrpo import registry
     from mmgrpo.hub import shipped_weights_dir
     from mmgrpo.prompt_stream import items_to_batch
-    from mmgrpo.types import MaskedPlan
+    from mmgrpo.plans import MaskedPlan
 
     metrics = json.loads((shipped_weights_dir() / "mdlm_arith" / "metrics.json").read_text())
     assert 0.3 <= metrics["held_out_accuracy"] <= 0.6

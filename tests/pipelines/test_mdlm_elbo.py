@@ -9,7 +9,8 @@ import torch
 from mmgrpo.algorithms.gdpo import GDPO, GDPOConfig
 from mmgrpo.pipelines import _mdlm_elbo
 from mmgrpo.trainer import score_unit
-from mmgrpo.types import MaskedPlan, PromptBatch
+from mmgrpo.types import PromptBatch
+from mmgrpo.plans import MaskedPlan
 
 PROMPTS = ["12+34=", "7+8=", "305+9="]  # different lengths: left padding and an attention mask are exercised
 # Gauss-Legendre on (0, 1), written out: nodes 1/2 -+ 1/(2 sqrt 3) with weights 1/2; 1/2 -+ sqrt(3/5)/2, 1/2 with 5/18,

@@ -13,7 +13,8 @@ from qwen_vl_utils import fetch_video, smart_resize
 from transformers import AutoProcessor
 
 from mmgrpo.pipelines.qwen_vl import QwenVLConfig, QwenVLPolicy
-from mmgrpo.types import PromptBatch, TokenPlan
+from mmgrpo.types import PromptBatch
+from mmgrpo.plans import TokenPlan
 
 PATCH, FACTOR = 14, 28  # the tiny models' patch size; patch x spatial merge
 SAVED = (56 * 56, 112 * 112)  # the budget the tiny processors were saved with (builders/qwen_vl.py)

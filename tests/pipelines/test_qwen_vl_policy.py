@@ -9,7 +9,8 @@ from PIL import Image
 from mmgrpo.algorithms.grpo import GRPO, GRPOConfig
 from mmgrpo.pipelines.qwen_vl import QwenVLConfig, QwenVLPolicy
 from mmgrpo.trainer import score_unit
-from mmgrpo.types import PromptBatch, TokenPlan
+from mmgrpo.types import PromptBatch
+from mmgrpo.plans import TokenPlan
 
 KINDS = ["tiny_qwen2_vl_dir", "tiny_qwen2_5_vl_dir"]
 

@@ -11,7 +11,8 @@ from PIL import Image
 from builders.wan import WAN_TOKENS, tiny_policy as make_policy
 from mmgrpo.algorithms.flow_grpo import FlowGRPO, FlowGRPOConfig
 from mmgrpo.pipelines.wan import WanConfig
-from mmgrpo.types import FlowPlan, PromptBatch
+from mmgrpo.types import PromptBatch
+from mmgrpo.plans import FlowPlan
 
 PROMPTS = ["a red circle", "two blue squares"]
 

@@ -1,0 +1,246 @@
+"""Sampling plans, one type per plan family: what an algorithm's ``schedule`` returns and a pipeline's ``sample``
+reads. [`FlowPlan`] (``"flow"``: which denoising steps are stochastic and which are trained), [`TokenPlan`]
+(``"token"``: autoregressive decisions) and [`MaskedPlan`] (``"masked"``: masked-diffusion decoding steps). A plan
+names the opt-in features it uses (``features()``); a pipeline lists those it implements (``plan_features``), and the
+trainer refuses a plan asking for more before any model loads.
+
+Shape letters as in [`mmgrpo.types`]: ``S`` decisions (denoising steps, tokens, unmasking steps).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import ClassVar, Union
+
+FLOW_PLAN_FEATURES = frozenset({"merge", "branch", "unit_selection", "dpm", "likelihood"})
+
+
+@dataclass
+class FlowPlan:
+    """A flow-matching plan (family ``"flow"``): which denoising steps are stochastic (SDE) and which are trained.
+    [`mmgrpo.samplers.flow_plan`] interprets it for the flow adapters (`sd3`, `flux`).
+
+    The first five fields describe a plain plan (every sample follows the same steps); the others are opt-in
+    features named by [`~FlowPlan.features`]. A policy lists the features it implements in its
+    ``plan_features`` attribute and the trainer refuses a plan that asks for more, so no feature is silently ignored.
+
+    Args:
+        num_steps (`int`): number of sampling steps `S`.
+        sde_steps (`list[int]`): indices of steps that sample stochastically (the others are deterministic).
+        train_units (`list[list[int]]`): the trained steps, grouped into units that are scored and back-propagated
+            together (one step each for Flow-GRPO; a chunk of steps for Chunk-GRPO). With ``"trajectory"`` scoring
+            every step in a unit must be in `sde_steps`; with ``"likelihood"`` scoring a unit lists indices of the
+            sampling noise levels at which the likelihood is evaluated.
+        noise_level (`float`): the SDE noise scale (eta).
+        sde_type (`str`): ``"sde"`` (Flow-GRPO) or ``"cps"`` (coefficients-preserving sampling).
+        merge (`dict[int, int]`): feature ``"merge"``: SDE step `i` -> `m`, the step jumps from ``sigma_i`` to
+            ``sigma_{i+m}`` in one transition (E-GRPO's merged step); the skipped steps are not taken.
+        merge_entropy (`float`, *optional*): feature ``"merge"``, adaptive: each SDE step not in `merge` spans the
+            fewest intervals (at most `max_merge`) whose transition entropy per latent element,
+            ``0.5 * log(2 * pi * e * std^2)`` in nats, reaches this value.
+        max_merge (`int`): the longest adaptive merge.
+        branch (`bool`): feature ``"branch"``: the samples of a group share one initial noise and one deterministic
+            anchor trajectory; member `m` of each group (see `PromptBatch.member_ids`) takes a single SDE step, at
+            ``sde_steps[m % len(sde_steps)]``, and continues deterministically. The rollout's group ids become
+            ``group_id * len(sde_steps) + branch`` (samples sharing a prompt *and* an SDE step, E-GRPO's multi-step
+            group normalisation); see [`mmgrpo.samplers.flow_plan.branch_group_ids`].
+        seed (`int`): seed of the noise shared within a group (the branch anchor's initial noise, the likelihood's
+            noise); drawn by the algorithm from the generator that is seeded identically on every process.
+        units_per_sample (`int`): feature ``"unit_selection"``: each sample trains only this many of `train_units`
+            (0: all), drawn per sample after sampling, see [`mmgrpo.samplers.flow_plan.select_units`].
+        unit_weighting (`str`): ``"uniform"`` or ``"latent_change"`` (a unit is drawn with probability proportional
+            to the mean relative L1 change of the latent over its steps, Chunk-GRPO's weighted chunk sampling).
+        solver (`str`): ``"flow"`` (Euler ODE / flow SDE steps) or, feature ``"dpm"``, ``"dpm"``: diffusers'
+            `DPMSolverMultistepScheduler` configured for flow matching (deterministic; no SDE step allowed).
+        flow_shift (`float`): the ``flow_shift`` of the ``"dpm"`` solver's noise levels.
+        scoring (`str`): ``"trajectory"`` or, feature ``"likelihood"``, ``"likelihood"`` (the policy's
+            ``likelihood`` scores the final samples at the noise levels of `train_units`).
+    """
+
+    family: ClassVar[str] = "flow"
+
+    num_steps: int
+    sde_steps: list[int]
+    train_units: list[list[int]]
+    noise_level: float = 0.7
+    sde_type: str = "sde"
+    merge: dict[int, int] = field(default_factory=dict)
+    merge_entropy: float | None = None
+    max_merge: int = 1
+    branch: bool = False
+    seed: int = 0
+    units_per_sample: int = 0
+    unit_weighting: str = "uniform"
+    solver: str = "flow"
+    flow_shift: float = 3.0
+    scoring: str = "trajectory"
+
+    def __post_init__(self):
+        trained = self.trained_steps
+        if self.scoring == "trajectory":
+            bad = [s for s in trained if s not in self.sde_steps]
+            if bad:
+                raise ValueError(f"FlowPlan trains steps {bad} that are not stochastic (sde_steps={self.sde_steps}).")
+        elif self.scoring == "likelihood":
+            if any(not 0 <= s < self.num_steps for s in trained):
+                raise ValueError(f"FlowPlan scores noise levels {trained} outside 0..{self.num_steps - 1}.")
+        else:
+            raise ValueError(f"FlowPlan.scoring must be 'trajectory' or 'likelihood', got {self.scoring!r}.")
+        if self.solver not in ("flow", "dpm"):
+            raise ValueError(f"FlowPlan.solver must be 'flow' or 'dpm', got {self.solver!r}.")
+        if self.solver == "dpm" and self.sde_steps:
+            raise ValueError("The 'dpm' solver is deterministic: a plan using it cannot have sde_steps.")
+        if self.unit_weighting not in ("uniform", "latent_change"):
+            raise ValueError(f"unit_weighting must be 'uniform' or 'latent_change', got {self.unit_weighting!r}.")
+        if not 0 <= self.units_per_sample <= len(self.train_units):
+            raise ValueError(f"units_per_sample {self.units_per_sample} must be in 0..{len(self.train_units)}.")
+        self._check_merges()
+        if self.branch and (not self.sde_steps or len(set(self.sde_steps)) != len(self.sde_steps)):
+            raise ValueError(f"A branching plan needs distinct sde_steps (one per branch), got {self.sde_steps}.")
+
+    def _check_merges(self) -> None:
+        if any(i not in self.sde_steps or m < 1 or i + m > self.num_steps for i, m in self.merge.items()):
+            raise ValueError(
+                f"FlowPlan.merge {self.merge}: each key must be an SDE step i and each value m >= 1 with "
+                f"i + m <= num_steps ({self.num_steps})."
+            )
+        if self.max_merge < 1:
+            raise ValueError(f"max_merge must be >= 1, got {self.max_merge}.")
+        if not self.branch:  # one path for every sample: a merged step must not jump over another SDE step
+            for i, m in self.merge.items():
+                inside = [s for s in self.sde_steps if i < s < i + m]
+                if inside:
+                    raise ValueError(f"Merged step {i} (spanning {m} steps) jumps over SDE steps {inside}.")
+
+    def features(self) -> set[str]:
+        """The opt-in features this plan uses, a subset of [`FLOW_PLAN_FEATURES`]: ``"merge"`` (fixed or
+        entropy-adaptive merged SDE steps), ``"branch"`` (group branches from one anchor), ``"unit_selection"``
+        (per-sample trained units), ``"dpm"`` (the DPM-Solver++ rollout) and ``"likelihood"`` (scoring by
+        [`mmgrpo.samplers.flow_plan.plan_likelihood`]); a policy must list them all in its ``plan_features``."""
+        used = {
+            "merge": bool(self.merge) or self.merge_entropy is not None,
+            "branch": self.branch,
+            "unit_selection": self.units_per_sample > 0,
+            "dpm": self.solver == "dpm",
+            "likelihood": self.scoring == "likelihood",
+        }
+        return {name for name, on in used.items() if on}
+
+    @property
+    def trained_steps(self) -> list[int]:
+        return [s for unit in self.train_units for s in unit]
+
+    @classmethod
+    def deterministic(cls, num_steps: int) -> "FlowPlan":
+        """An ODE plan (no stochastic step, nothing trained), used for evaluation."""
+        return cls(num_steps=num_steps, sde_steps=[], train_units=[], noise_level=0.0)
+
+
+@dataclass
+class TokenPlan:
+    """A token-decoding plan (family ``"token"``, emitted by the token algorithms `grpo`, `dr_grpo`, `dapo`, `gspo`,
+    `sapo`): every decision samples unless the plan is greedy, and the trained decisions form `train_units`. The
+    sampling distribution itself (temperature, top-p, top-k) is the pipeline's option, since its scores use it too.
+
+    Args:
+        num_steps (`int`): decisions `S` (tokens, or decoding steps of a masked-diffusion LM).
+        train_units (`list[list[int]]`): the trained decisions, grouped into units scored together.
+        greedy (`bool`): decode deterministically (argmax; a masked-diffusion LM: its evaluation temperature).
+        seed (`int`): seed shared by every process (unused by plain decoding).
+        ground_truth_member (`bool`): feature ``"ground_truth_member"`` (TempSamp-R1's off-policy member): member 0 of
+            each group (``PromptBatch.member_ids``) decodes its prompt's ground-truth completion,
+            ``metadata["completion"]``, teacher-forced instead of sampled, and is scored like the others.
+    """
+
+    family: ClassVar[str] = "token"
+    scoring: ClassVar[str] = "trajectory"
+    num_steps: int
+    train_units: list[list[int]]
+    greedy: bool = False
+    seed: int = 0
+    ground_truth_member: bool = False
+
+    def __post_init__(self):
+        check_units(self)
+
+    def features(self) -> set[str]:
+        """The opt-in features this plan uses (``{"ground_truth_member"}`` or none)."""
+        return {"ground_truth_member"} if self.ground_truth_member else set()
+
+    @property
+    def trained_steps(self) -> list[int]:
+        return [s for unit in self.train_units for s in unit]
+
+    @classmethod
+    def deterministic(cls, num_steps: int) -> "TokenPlan":
+        """Greedy decoding, nothing trained: evaluation."""
+        return cls(num_steps=num_steps, train_units=[], greedy=True)
+
+
+@dataclass
+class MaskedPlan:
+    """A masked-diffusion decoding plan (family ``"masked"``, emitted by `cj_grpo` and `diffu_grpo`): which decoding
+    steps are trained and how they are scored. The decoding itself (blocks, remasking, EOSER, ASS, temperatures) is
+    the pipeline's option, since replay must decode exactly as the rollout did.
+
+    Args:
+        num_steps (`int`): decoding steps `S`.
+        train_units (`list[list[int]]`): with ``"trajectory"`` scoring, the replayed steps, one unit each; with
+            ``"likelihood"`` scoring, indices of the one-step likelihood draws.
+        greedy (`bool`): decode at the pipeline's evaluation temperature instead of its sampling temperature.
+        seed (`int`): seed of the likelihood draws' prompt masks, the same on every process.
+        scoring (`str`): ``"trajectory"`` or, feature ``"likelihood"``, ``"likelihood"``.
+        token_scores (`bool`): feature ``"token_scores"``: the loss needs per-token scores of each step
+            (``token_log_prob``, ``token_mask``, ``old_token_log_prob``).
+        likelihood (`str`): with ``"likelihood"`` scoring, the estimator: ``"one_step"`` (d1's one-step estimate) or,
+            feature ``"elbo"``, ``"elbo"`` (GDPO's semi-deterministic Monte Carlo ELBO of the whole completion).
+    """
+
+    family: ClassVar[str] = "masked"
+    num_steps: int
+    train_units: list[list[int]]
+    greedy: bool = False
+    seed: int = 0
+    scoring: str = "trajectory"
+    token_scores: bool = False
+    likelihood: str = "one_step"
+
+    def __post_init__(self):
+        if self.scoring not in ("trajectory", "likelihood"):
+            raise ValueError(f"MaskedPlan.scoring must be 'trajectory' or 'likelihood', got {self.scoring!r}.")
+        if self.likelihood not in ("one_step", "elbo"):
+            raise ValueError(f"MaskedPlan.likelihood must be 'one_step' or 'elbo', got {self.likelihood!r}.")
+        check_units(self)
+
+    def features(self) -> set[str]:
+        """The opt-in features this plan uses (a subset of ``{"likelihood", "elbo", "token_scores"}``)."""
+        likelihood = self.scoring == "likelihood"
+        return {name for name, on in (("likelihood", likelihood), ("elbo", likelihood and self.likelihood == "elbo"),
+                                      ("token_scores", self.token_scores)) if on}
+
+    @property
+    def trained_steps(self) -> list[int]:
+        return [s for unit in self.train_units for s in unit]
+
+    @classmethod
+    def deterministic(cls, num_steps: int) -> "MaskedPlan":
+        """Decoding at the evaluation temperature, nothing trained: evaluation."""
+        return cls(num_steps=num_steps, train_units=[], greedy=True)
+
+
+def check_units(plan) -> None:
+    """The trained decisions of a token or masked plan lie in ``0 .. num_steps - 1``."""
+    outside = [s for s in plan.trained_steps if not 0 <= s < plan.num_steps]
+    if plan.num_steps < 1 or outside:
+        raise ValueError(f"{type(plan).__name__} of {plan.num_steps} steps trains steps {outside} outside 0..num_steps-1.")
+
+
+SamplingPlan = Union[FlowPlan, TokenPlan, MaskedPlan]  # what `algorithm.schedule` returns and `policy.sample` reads
+PLAN_TYPES = {plan.family: plan for plan in (FlowPlan, TokenPlan, MaskedPlan)}  # family -> plan type
+
+
+def deterministic_plan(family: str, num_steps: int) -> SamplingPlan:
+    """The evaluation plan of a plan `family` (no stochastic step, nothing trained), over `num_steps` decisions."""
+    if family not in PLAN_TYPES:
+        raise ValueError(f"Unknown plan family {family!r}: use one of {sorted(PLAN_TYPES)}.")
+    return PLAN_TYPES[family].deterministic(num_steps)
