@@ -64,6 +64,17 @@ def group_normalize(
     return advantages  # [N]
 
 
+def reward_advantages(algorithm, result, group_ids: torch.Tensor) -> torch.Tensor:
+    """The advantages `[N]` of a gathered reward `result` ([`~mmgrpo.types.RewardResult`], after its group stage):
+    ``algorithm.advantages(result.scores, group_ids)``, or, when the result declares ``scores_are_advantages`` (its
+    group stage ended in the advantage step, e.g. TRL's ``normalize_then_sum``), its scores as they are, NaN as 0 (such
+    a sample is not scored, see the trainer's skip rules)."""
+    scores = result.scores.float()  # [N]
+    if result.scores_are_advantages:
+        return torch.where(torch.isfinite(scores), scores, torch.zeros_like(scores))
+    return algorithm.advantages(scores, group_ids)
+
+
 def groups_with_signal(advantages: torch.Tensor, group_ids: torch.Tensor) -> torch.Tensor:
     """Which samples belong to a group with at least one non-zero advantage.
 

@@ -98,6 +98,20 @@ def check_modalities(config: ExperimentConfig) -> None:
         )
 
 
+def check_reward_advantages(config: ExperimentConfig) -> None:
+    """A reward whose scores are the whole batch's advantages (``composite`` with TRL's ``normalize_then_sum``,
+    declared by its config's ``scores_are_advantages``) runs its group stage on the whole batch: refuses
+    ``train.group_placement: contiguous``, where each process would z-score its own share."""
+    from .rewards.composite import CompositeConfig  # the one reward that declares it
+
+    options = config.reward.options
+    if isinstance(options, CompositeConfig) and options.scores_are_advantages and \
+            config.train.group_placement == "contiguous":
+        raise ConfigError("train.group_placement: contiguous runs the reward's group stage on each process's groups, "
+                          "but composite normalize_then_sum z-scores the whole batch (its scores are the advantages): "
+                          "use spread, or normalize: group_normalize_then_sum.")
+
+
 SCORING_METHODS = {"trajectory": "log_prob", "likelihood": "likelihood"}  # Algorithm.scoring -> policy method
 
 
@@ -221,6 +235,7 @@ def preflight(config: ExperimentConfig, split: str | None = None) -> None:
     this machine's memory ([`~mmgrpo.memory_check.check_memory`])."""
     check_output_dir(config)
     check_modalities(config)
+    check_reward_advantages(config)
     check_plan(config)
     if split is None:
         check_memory(config)

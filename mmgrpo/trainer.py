@@ -39,7 +39,7 @@ import torch
 from tqdm.auto import tqdm
 
 from . import checkpoint, registry, sharding
-from .advantages import groups_with_signal
+from .advantages import groups_with_signal, reward_advantages
 from .config import ExperimentConfig
 from .evaluation import evaluate_held_out, evaluation_due, finite_mean, gather_rewards
 from .metrics_log import MetricsLog, read_records
@@ -247,7 +247,7 @@ class Trainer:
         """[`gather_rewards`] of this process's reward `result` and `group_ids` `[n]`, then ``algorithm.advantages``
         on the whole batch. Returns ``(result [N] after the group stage, groups [N], advantages [N])``."""
         whole, all_groups = self.gather_rewards(result, group_ids)
-        return whole, all_groups, self.algorithm.advantages(whole.scores.float(), all_groups)  # advantages [N]
+        return whole, all_groups, reward_advantages(self.algorithm, whole, all_groups)  # advantages [N]
 
     def local_advantages(self, result: RewardResult, group_ids: torch.Tensor):
         """``train.group_placement: contiguous``: this process holds whole groups, so the reward's group stage and
@@ -255,7 +255,10 @@ class Trainer:
         gathered. Returns what [`global_advantages`] returns."""
         if self.group_stage is not None:
             result = self.group_stage(result, group_ids)
-        advantages = self.algorithm.advantages(result.scores.float(), group_ids)  # [n]
+        if result.scores_are_advantages and self.world > 1:  # preflight refuses it: a batch statistic, per process
+            raise ValueError("train.group_placement: contiguous cannot run a reward whose scores are the batch's "
+                             "advantages (composite normalize_then_sum): use spread.")
+        advantages = reward_advantages(self.algorithm, result, group_ids)  # [n]
 
         def gather(values: torch.Tensor) -> torch.Tensor:  # [n] on every process -> [N], rank order
             return self.accelerator.gather(values.to(self.accelerator.device)).cpu()

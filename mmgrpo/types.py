@@ -126,11 +126,16 @@ class RewardResult:
         features (`torch.FloatTensor` of shape `[N, ...]`, *optional*): per-sample features that the reward's group
             stage reads besides the scores (e.g. embeddings for a set-level diversity score); gathered from every
             process like the scores, never logged. See [`mmgrpo.protocols.RewardFn`].
+        scores_are_advantages (`bool`, defaults to `False`): the scores are already the advantages of the whole batch
+            (a group stage that ends in the advantage step itself, e.g. TRL's ``normalize_then_sum`` in `composite`):
+            the trainer uses them as they are (NaN: advantage 0, not scored) instead of ``algorithm.advantages``
+            ([`mmgrpo.advantages.reward_advantages`]).
     """
 
     scores: torch.Tensor  # [N] float32
     components: dict[str, torch.Tensor] = field(default_factory=dict)  # name -> [N]
     features: torch.Tensor | None = None  # [N, ...]
+    scores_are_advantages: bool = False
 
 
 @dataclass

@@ -1,21 +1,40 @@
 """Composite reward: a weighted sum of named registered rewards, optionally normalised per group.
 
-Two normalisations, as TRL's ``multi_objective_aggregation`` names them (``normalize_then_sum`` is GDPO's), see
-https://huggingface.co/docs/trl/main/en/grpo_trainer :
+``normalize`` chooses how the components become one training signal. TRL's two ``multi_objective_aggregation`` rules
+(https://huggingface.co/docs/trl/main/en/grpo_trainer), exactly, with the component weights as TRL's
+``reward_weights``:
 
-- ``"sum_then_normalize"``: ``s = sum_k w_k r_k``, then ``(s - mean_group(s)) / (std_group(s) + eps)``.
-- ``"normalize_then_sum"``: ``s = sum_k w_k (r_k - mean_group(r_k)) / (std_group(r_k) + eps)``, so a reward with a
-  large spread cannot drown the others.
+- ``"sum_then_normalize"`` (TRL's default): the score is ``s = sum_k w_k r_k``; the algorithm's advantage step is the
+  normalisation, ``(s - mean_group(s)) / (std + eps)`` under its ``scale_rewards`` (``group``: the group's std,
+  ``batch``: the batch's, ``none``: no division). With TRL's estimator and epsilon (``adv_std: unbiased``,
+  ``adv_eps: 1e-4``, the defaults of ``grpo``, ``dapo``, ``gspo``, ``sapo``) the advantages are TRL's. The composite
+  itself scores as ``"none"``.
+- ``"normalize_then_sum"``: each component is z-scored within its group, ``z_k = (r_k - mean_group(r_k)) /
+  (std_group(r_k) + 1e-4)`` (unbiased std over the group's non-NaN values; NaN with fewer than two), summed with the
+  weights, ``s = sum_k w_k z_k``, and then z-scored over the whole batch, ``A = (s - mean(s)) / (std(s) + 1e-4)``
+  (unbiased). ``A`` is the advantage, as in TRL: the group stage's result declares ``scores_are_advantages`` and the
+  trainer uses it as it is, instead of the algorithm's advantage step (whose ``scale_rewards``, ``adv_std``,
+  ``adv_eps``, ``advantage_transform`` and ``adv_clip_max`` therefore do not apply; TRL ignores ``scale_rewards``
+  here too). A batch z-score reads the whole batch: ``train.group_placement: contiguous`` is refused, and such a
+  composite cannot be a component of another.
+
+The per-group variants, mmgrpo's own (population std, ``eps``; the algorithm then computes advantages from the scores):
+
+- ``"sum_then_group_normalize"``: ``(s - mean_group(s)) / (std_group(s) + eps)``.
+- ``"group_normalize_then_sum"``: ``s = sum_k w_k (r_k - mean_group(r_k)) / (std_group(r_k) + eps)``, so a reward
+  with a large spread cannot drown the others; no batch z-score.
 - ``"none"``: the plain weighted sum (the algorithm's own group normalisation then applies).
+
+Not applicable (NaN, TRL's ``None``): a NaN term is left out of a sample's sum (TRL's ``nansum``) and out of the group
+statistics; a sample for which every component is NaN scores NaN, and so gets advantage 0 and is not scored by the
+trainer (TRL: advantage 0).
 
 A normalising composite, and one with a component that scores against its group (``dpp_diversity``, a normalising
 composite), scores in two stages (see `mmgrpo.protocols.RewardFn`): ``__call__`` returns each sample's weighted sum,
 components and the group-level components' ``features`` (side by side, ``[n, D_1 + D_2 + ...]``) on its process; then
 its ``group_stage``, on the batch gathered from every process, runs each group-level component's own group stage on its
 score, components and features, sums again, and normalises, so a group that spans processes is scored as a whole.
-Group statistics use the global group ids (the whole batch is one group without them), population std, ``eps`` 1e-4,
-over the finite values only (`mmgrpo.advantages.group_normalize`). A component that is NaN ("not applicable") for a
-sample is left out of that sample's sum; a sample for which every component is NaN scores NaN.
+Group statistics use the global group ids (the whole batch is one group without them).
 
 Config: ``rewards`` maps a component name to ``{name: <registered reward, defaults to the component name>, weight:
 <float, defaults to 1>, **that reward's options}``, e.g.::
@@ -46,13 +65,53 @@ from mmgrpo.rewards._common import WEIGHT_LIMIT
 from mmgrpo.validation import check_fields, check_range, coerce
 
 RESERVED = ("name", "weight")
+NORMALIZATIONS = ("none", "sum_then_normalize", "normalize_then_sum", "sum_then_group_normalize",
+                  "group_normalize_then_sum")
+GROUP_VARIANTS = ("sum_then_group_normalize", "group_normalize_then_sum")  # the modes that read `eps`
+TRL_EPS = 1e-4  # TRL adds 1e-4 to every std of its multi-objective rules
 
 
 def normalize_groups(values: torch.Tensor, group_ids: torch.Tensor | None, eps: float) -> torch.Tensor:
-    """Per-group z-scores of `values` `[N]` over the finite entries; NaN stays NaN."""
+    """Per-group z-scores of `values` `[N]` over the finite entries (population std); NaN stays NaN."""
     groups = torch.zeros(values.shape[0], dtype=torch.long) if group_ids is None else group_ids.cpu()
     normalized = group_normalize(values, groups, eps=eps)  # [N], 0 where not finite
     return torch.where(torch.isfinite(values), normalized, torch.full_like(normalized, float("nan")))
+
+
+def nanstd_unbiased(values: torch.Tensor, dim: int = 0) -> torch.Tensor:
+    """The unbiased (n - 1) standard deviation of `values` over `dim`, leaving NaN out; NaN where fewer than two values
+    are not NaN (TRL's ``nanstd``)."""
+    mean = torch.nanmean(values, dim=dim, keepdim=True)
+    count = (~torch.isnan(values)).sum(dim=dim)
+    squares = torch.nansum((values - mean) ** 2, dim=dim)
+    variance = squares / (count - 1).clamp_min(1)
+    return torch.where(count > 1, variance.sqrt(), torch.full_like(variance, float("nan")))
+
+
+def trl_normalize_then_sum(rewards: torch.Tensor, weights: torch.Tensor, group_ids: torch.Tensor | None) -> torch.Tensor:
+    """TRL's ``multi_objective_aggregation="normalize_then_sum"`` advantages (see the module docstring).
+
+    Args:
+        rewards (`torch.FloatTensor` of shape `[N, K]`): each component's score; NaN: not applicable (TRL's ``None``).
+        weights (`torch.FloatTensor` of shape `[K]`): the components' weights (TRL's ``reward_weights``).
+        group_ids (`torch.LongTensor` of shape `[N]`, *optional*): the groups (`None`: the whole batch is one group).
+
+    Returns:
+        `torch.FloatTensor` of shape `[N]` (float64): the advantages; NaN where every component is NaN (TRL gives those
+        advantage 0), 0 where the batch has fewer than two finite sums.
+    """
+    rewards = rewards.double()
+    groups = torch.zeros(rewards.shape[0], dtype=torch.long) if group_ids is None else group_ids.cpu()
+    z = torch.full_like(rewards, float("nan"))  # [N, K]
+    for gid in torch.unique(groups):
+        members = groups == gid
+        block = rewards[members]  # [n_g, K]
+        z[members] = (block - torch.nanmean(block, dim=0)) / (nanstd_unbiased(block) + TRL_EPS)
+    unscorable = torch.isnan(rewards).all(dim=1)  # [N]
+    summed = (z * weights.double()).nansum(dim=1)  # [N]: NaN terms count as 0
+    summed[unscorable] = float("nan")
+    advantages = (summed - torch.nanmean(summed)) / (nanstd_unbiased(summed) + TRL_EPS)  # [N]
+    return torch.where(unscorable, summed, torch.nan_to_num(advantages, nan=0.0))
 
 
 @dataclass
@@ -61,12 +120,18 @@ class CompositeConfig:
 
     Args:
         rewards (`dict[str, dict]`): component name -> ``{name, weight, **options}`` (see the module docstring).
-        normalize (`str`, defaults to `"none"`): ``"none"``, ``"sum_then_normalize"`` or ``"normalize_then_sum"``.
-        eps (`float`, defaults to 1e-4): added to the group standard deviation.
+        normalize (`str`, defaults to `"none"`): ``"none"`` (the weighted sum), TRL's ``"sum_then_normalize"`` (the
+            weighted sum, normalised by the algorithm's advantage step) or ``"normalize_then_sum"`` (per-group z-scores
+            summed, then a batch z-score: the advantages themselves), or mmgrpo's per-group variants
+            ``"sum_then_group_normalize"`` and ``"group_normalize_then_sum"`` (population std, `eps`). See the module
+            docstring.
+        eps (`float`, defaults to 1e-4): added to the group standard deviation of the per-group variants (TRL's rules
+            use TRL's 1e-4).
     """
 
     rewards: dict[str, dict] = field(default_factory=dict)
-    normalize: Literal["none", "sum_then_normalize", "normalize_then_sum"] = "none"
+    normalize: Literal["none", "sum_then_normalize", "normalize_then_sum", "sum_then_group_normalize",
+                       "group_normalize_then_sum"] = "none"
     eps: float = 1e-4
 
     def __post_init__(self):
@@ -74,6 +139,9 @@ class CompositeConfig:
         if not self.rewards:
             raise ValueError("composite: reward.rewards is empty; name at least one reward, e.g. {format: {weight: 1.0}}.")
         check_range("eps", self.eps, 0, 1e3, low_open=True, fix="added to each reward's std; 1e-4 is usual")
+        if self.eps != TRL_EPS and self.normalize not in GROUP_VARIANTS:
+            raise ValueError(f"eps applies to normalize: {' / '.join(GROUP_VARIANTS)}; with {self.normalize!r} leave it "
+                             f"out (TRL's rules add TRL's 1e-4).")
         self.specs = {}  # component name -> (registry name, weight, plugin Config instance); not a field
         for key, raw in self.rewards.items():
             if not isinstance(raw, dict):
@@ -83,7 +151,17 @@ class CompositeConfig:
             weight = coerce(raw.get("weight", 1.0), float, f"rewards.{key}.weight")  # a finite number
             check_range(f"rewards.{key}.weight", weight, -WEIGHT_LIMIT, WEIGHT_LIMIT, fix="1.0 weighs it as the others")
             plugin = registry.get("reward", name)
-            self.specs[key] = (name, weight, build_dataclass(plugin.Config, options, f"reward.rewards.{key}"))
+            built = build_dataclass(plugin.Config, options, f"reward.rewards.{key}")
+            if isinstance(built, CompositeConfig) and built.scores_are_advantages:
+                raise ValueError(f"composite: reward.rewards.{key} has normalize: normalize_then_sum, whose scores are "
+                                 "the batch's advantages, which a sum would re-normalise: use it as the top-level "
+                                 "reward, or group_normalize_then_sum inside.")
+            self.specs[key] = (name, weight, built)
+
+    @property
+    def scores_are_advantages(self) -> bool:
+        """Whether the group stage's scores are the advantages themselves (TRL's ``normalize_then_sum``)."""
+        return self.normalize == "normalize_then_sum"
 
 
 class CompositeReward:
@@ -101,7 +179,7 @@ class CompositeReward:
         # the components that score against their group, in order, and the width of the features each returned
         self.staged = [key for key, reward in self.rewards.items() if reward.group_stage is not None]
         self.feature_widths: dict[str, int] | None = None  # set by __call__, read by the group stage
-        if config.normalize != "none" or self.staged:
+        if config.normalize not in ("none", "sum_then_normalize") or self.staged:
             self.group_stage = self.stage_groups  # after the gather (see the module docstring)
 
     def __call__(self, outputs: dict[str, Any], batch: PromptBatch) -> RewardResult:
@@ -127,8 +205,9 @@ class CompositeReward:
     def stage_groups(self, result: RewardResult, group_ids: torch.Tensor | None) -> RewardResult:
         """The group stage: `result` of the whole batch (``scores`` `[N]`, ``components`` each `[N]`, ``features``) and
         its global `group_ids` `[N]` (`None`: one group) -> each group-level component's group stage on its slice of
-        the batch, the weighted sum again, then the normalisation per group (``sum_then_normalize`` or
-        ``normalize_then_sum``; none with ``"none"``). Returns the scores `[N]` and the components after the stages."""
+        the batch, the weighted sum again, then the normalisation of `normalize` (none with ``"none"`` and
+        ``"sum_then_normalize"``). Returns the scores `[N]` (with ``normalize_then_sum``: the advantages, declared by
+        ``scores_are_advantages``) and the components after the stages."""
         components, summed = dict(result.components), result.scores.float()  # [N] the weighted sum before the stages
         if self.staged:
             if self.feature_widths is None:
@@ -147,13 +226,20 @@ class CompositeReward:
                 components[key] = staged.scores.detach().float().cpu()  # [N]
                 components.update({prefix + k: v.detach().float().cpu() for k, v in staged.components.items()})
             summed = components["weighted_sum"] = self._weighted_sum(components)  # [N]
-        eps = self.config.eps
-        if self.config.normalize == "normalize_then_sum":
+        mode, eps = self.config.normalize, self.config.eps
+        if mode == "normalize_then_sum":  # TRL's: the advantages of the whole batch
+            rewards = torch.stack([components[k].double() for k in self.rewards], dim=1)  # [N, K]
+            rewards = torch.where(torch.isfinite(rewards), rewards, torch.full_like(rewards, float("nan")))
+            weights = torch.tensor([self.weights[k] for k in self.rewards], dtype=torch.float64)  # [K]
+            advantages = trl_normalize_then_sum(rewards, weights, group_ids)  # [N]
+            return RewardResult(scores=advantages.float(), components=components, features=result.features,
+                                scores_are_advantages=True)
+        if mode == "group_normalize_then_sum":
             parts = {k: normalize_groups(components[k].float(), group_ids, eps) for k in self.rewards}
             total = _nan_sum(torch.stack([self.weights[k] * parts[k] for k in self.rewards]))  # [N]
-        elif self.config.normalize == "sum_then_normalize":
+        elif mode == "sum_then_group_normalize":
             total = normalize_groups(summed, group_ids, eps)  # [N]
-        else:
+        else:  # "none" and TRL's "sum_then_normalize" (the algorithm's advantage step normalises)
             total = summed
         return RewardResult(scores=total.float(), components=components, features=result.features)
 

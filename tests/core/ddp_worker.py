@@ -12,7 +12,7 @@ from mmgrpo.trainer import Trainer
 from mmgrpo.types import PromptBatch
 
 GROUPS = torch.tensor([0, 0, 1, 1, 2, 2])  # [N]: 3 samples per rank, so group 1 = sample 2 (rank 0) + sample 3 (rank 1)
-REWARD = {"name": "composite", "normalize": "normalize_then_sum",
+REWARD = {"name": "composite", "normalize": "group_normalize_then_sum",
           "rewards": {"jpeg": {"weight": 1.0}, "coarse": {"name": "jpeg", "quality": 20, "weight": 0.5}}}
 
 

@@ -1,7 +1,7 @@
-"""composite: the weighted sum and its two per-group normalisations (its group stage, after the gather) against
-hand-computed values and against normalising inside one call; NaN handling; any split of a batch gives the same; the
-group stages of its components (a nested normalising composite; per-frame CLIP + consistency + DPP diversity on
-videos) against each component scored on its own."""
+"""composite: the weighted sum and its two per-group normalisations, mmgrpo's variants (its group stage, after the
+gather), against hand-computed values and against normalising inside one call; NaN handling; any split of a batch gives
+the same; the group stages of its components (a nested normalising composite; per-frame CLIP + consistency + DPP
+diversity on videos) against each component scored on its own. TRL's rules: `test_composite_trl.py`."""
 
 import math
 
@@ -43,23 +43,24 @@ def test_plain_weighted_sum_skips_not_applicable_components():
     assert "accuracy/malformed" in result.components and "weighted_sum" in result.components
 
 
-def test_sum_then_normalize_by_hand():
+def test_sum_then_group_normalize_by_hand():
     # group 0 sums [1.5, 1.0]: mean 1.25, population std 0.25; group 1 sums [0.5, 0.5]: std 0
     z = 0.25 / (0.25 + EPS)
-    assert run("sum_then_normalize").scores.tolist() == pytest.approx([z, -z, 0.0, 0.0], abs=1e-6)
+    assert run("sum_then_group_normalize").scores.tolist() == pytest.approx([z, -z, 0.0, 0.0], abs=1e-6)
 
 
-def test_normalize_then_sum_by_hand():
+def test_group_normalize_then_sum_by_hand():
     # format per group: [1, 0] -> [+-0.5 / (0.5 + eps)], [1, 1] -> [0, 0]
     # accuracy per group: [1, 1] -> [0, 0]; [0, NaN] -> [0, NaN] (statistics over the finite value only)
     z = 0.5 / (0.5 + EPS)
-    result = run("normalize_then_sum")
+    result = run("group_normalize_then_sum")
     assert result.scores.tolist() == pytest.approx([0.5 * z, -0.5 * z, 0.0, 0.0], abs=1e-6)
     assert result.components["weighted_sum"].tolist() == pytest.approx([1.5, 1.0, 0.5, 0.5])  # before normalising
 
 
 def test_all_components_not_applicable_gives_nan():
-    for mode in ("none", "sum_then_normalize", "normalize_then_sum"):
+    for mode in ("none", "sum_then_normalize", "normalize_then_sum", "sum_then_group_normalize",
+                 "group_normalize_then_sum"):
         result = run(mode, {"accuracy": {}})
         assert math.isnan(result.scores[3]) and torch.isfinite(result.scores[:3]).all()
 
@@ -86,15 +87,15 @@ def in_one_call(reward, outputs, batch):
     mode, eps, terms, components = reward.config.normalize, reward.config.eps, [], {}
     for key, part in reward.rewards.items():
         components[key] = part(outputs, batch).scores.float()
-        normalized = mode == "normalize_then_sum"
+        normalized = mode == "group_normalize_then_sum"
         term = normalize_groups(components[key], batch.group_ids, eps) if normalized else components[key]
         terms.append(reward.weights[key] * term)
     stacked = torch.stack(terms)
     total = torch.where(torch.isfinite(stacked).any(0), torch.nansum(stacked, 0), torch.full_like(stacked[0], math.nan))
-    return normalize_groups(total, batch.group_ids, eps) if mode == "sum_then_normalize" else total
+    return normalize_groups(total, batch.group_ids, eps) if mode == "sum_then_group_normalize" else total
 
 
-@pytest.mark.parametrize("normalize", ["sum_then_normalize", "normalize_then_sum"])
+@pytest.mark.parametrize("normalize", ["sum_then_group_normalize", "group_normalize_then_sum"])
 def test_group_stage_on_whole_groups_equals_normalising_in_one_call_and_any_split_agrees(normalize):
     reward = composite(normalize, {"format": {"weight": 0.5}, "ink": {"name": "jpeg", "weight": 2.0}})
     generator = torch.Generator().manual_seed(0)
@@ -119,8 +120,9 @@ def test_group_stage_on_whole_groups_equals_normalising_in_one_call_and_any_spli
 
 def test_a_group_stage_only_where_needed_and_a_nested_normalising_composite_runs_its_own():
     assert composite("none").group_stage is None
-    assert composite("sum_then_normalize").group_stage is not None
-    inner = {"name": "composite", "normalize": "sum_then_normalize", "rewards": {"format": {}}}
+    assert composite("sum_then_normalize").group_stage is None  # TRL's: the algorithm's advantage step normalises
+    assert composite("sum_then_group_normalize").group_stage is not None
+    inner = {"name": "composite", "normalize": "sum_then_group_normalize", "rewards": {"format": {}}}
     assert composite("none", {"inner": {**inner, "normalize": "none"}}).group_stage is None
     nested = composite("none", {"inner": {**inner, "weight": 2.0}})
     assert nested.group_stage is not None  # its component scores against its group
@@ -165,7 +167,7 @@ def by_hand(clip_dir, videos, batch):
     return total
 
 
-@pytest.mark.parametrize("normalize", ["none", "sum_then_normalize"])
+@pytest.mark.parametrize("normalize", ["none", "sum_then_group_normalize"])
 def test_video_composite_of_per_frame_clip_consistency_and_diversity(tiny_clip_dir, normalize):
     from mmgrpo.rewards.composite import normalize_groups
     from reward_fixtures import clip_of, random_levels
@@ -178,7 +180,7 @@ def test_video_composite_of_per_frame_clip_consistency_and_diversity(tiny_clip_d
     assert per_sample.features.shape == (6, 32)  # the DPP component's CLIP features (embed_dim 32)
     whole = reward.group_stage(per_sample, VIDEO_GROUPS)
     expected = by_hand(tiny_clip_dir, videos, batch)
-    if normalize == "sum_then_normalize":
+    if normalize == "sum_then_group_normalize":
         expected = normalize_groups(expected, VIDEO_GROUPS, EPS)
     torch.testing.assert_close(whole.scores, expected, rtol=0, atol=1e-5)
     assert "diversity/dpp_gain" in whole.components and "consistency/previous" in whole.components
