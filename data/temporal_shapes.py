@@ -11,12 +11,12 @@ Question: "When does the red circle move?" (the target is the only shape of its 
 visible`` each shape is on screen, standing still, only during its span, and the question is "When is the red circle
 on screen?". Items carry
 ``video`` (a list of PIL frames) and ``metadata`` ``{"task": "temporal_grounding", "span": [start, end],
-"duration", "fps", "question", "key_steps"}`` (``key_steps``: the entries of the timeline below, what the `step_rar`
-reward looks for in a thought), plus ``"completion"`` with `with_targets`: the supervised target in the R1 layout,
-what ``mmgrpo sft`` trains on. Its thought is either the target's frames (``thought: span``),
-``<think>frame 2 to 6</think><answer>[1, 3]</answer>``, or a timeline (``thought: timeline``): for each block of
-`frame_step` frames (one temporal patch of Qwen2-VL), its start time and the shapes that move within it,
-``<think>0s none. 1s red circle. 2s red circle, blue square. 3s blue square.</think><answer>[1, 3]</answer>``, so
+"duration", "fps", "question", "key_steps"}`` (``key_steps``: the entries of the timeline below, what the
+`step_rar` reward with ``scope: think`` looks for in a thought), plus ``"completion"`` with `with_targets`: the
+supervised target in the R1 layout, what ``mmgrpo sft`` trains on. Its thought is either the target's frames
+(``thought: span``), ``<think>frame 2 to 6</think><answer>[1, 3]</answer>``, or a timeline (``thought: timeline``):
+for each block of `frame_step` frames (one temporal patch of Qwen2-VL), its start time and the shapes that move within
+it, ``<think>0s none. 1s red circle. 2s red circle, blue square. 3s blue square.</think><answer>[1, 3]</answer>``, so
 the model states what it sees in each patch before it answers. The `tiou` reward scores answers. Held-out items use
 indices disjoint from the training ones and never repeat a training clip.
 """

@@ -8,19 +8,28 @@ soft matching, e.g. ``["4 red", "four red"]``). With ``K`` key steps of which ``
     score = k / K        in [0, 1]
 
 The paper's reasoning-accuracy reward adds this, weighted by ``alpha`` (R1-VL: 0.1), to the answer's correctness,
-``r = 1[answer correct] + alpha * k / K``; here that is ``composite: {accuracy: {weight: 1}, step_rar: {weight:
-0.1}}``, so the answer check stays the `accuracy` reward's.
+``r = 1[answer correct] + alpha * k / K`` (the term is added whether or not the answer is correct); here that is
+``composite: {accuracy: {weight: 1}, step_rar: {weight: 0.1}}``, so the answer check stays the `accuracy` reward's.
 
-Matching: a key step occurs when, after case folding and removing all white space from both (so ``x = 5`` matches
-``X=5``), it is a substring of the reasoning. The reasoning is the last ``<think>...</think>`` block (``scope:
-"think"``; a text without one scores 0 with ``no_reasoning`` = 1) or the whole text (``scope: "all"``).
+Matching, by default R1-VL's rule exactly (``scope: "steps"``, ``squeeze_whitespace: false``): the reasoning is the
+text of the ``### Step <n>:`` sections only (each from after its header and the white space after it to the next line
+starting with ``###`` or the end; the description, rationale and answer sections are not searched), joined with one
+space and lower-cased (``str.lower``; spaces and punctuation kept); a key step occurs when one of its alternatives,
+lower-cased, is a substring of it. No order, threshold or fuzzy matching. mmgrpo's stricter or looser variants:
+
+- ``scope: "think"``: the reasoning is the last ``<think>...</think>`` block (a text without one scores 0 with
+  ``no_reasoning`` = 1); ``scope: "all"``: the whole text.
+- ``squeeze_whitespace: true``: case folding and no white space at all on both sides (``x = 5`` matches ``X=5``).
 
 What it does not check: whether a step is used correctly or in order (``"x = 5"`` counts inside ``"x = 5 is wrong"``),
-nor the answer. A sample without ``metadata[key_steps_key]``, or with an empty list, is not applicable: NaN.
+nor the answer. It can be gamed by listing candidates: a reasoning that writes every value it might need contains more
+key steps (measured on the tiny temporal-grounding task: the policy wrote five timeline entries instead of four). A
+sample without ``metadata[key_steps_key]``, or with an empty list, is not applicable: NaN (R1-VL adds 0 there; in a
+sum with the accuracy the total is the same).
 
-Linear time: each text is cut to `max_completion_chars` first (component ``truncated``); at most `max_key_steps` key
-steps of at most `max_key_step_chars` characters each are searched (longer metadata is an error naming the limit), so
-the work is bounded by a constant times the text's length.
+Linear time: each text is cut to `max_completion_chars` first (component ``truncated``; R1-VL reads the whole text);
+at most `max_key_steps` key steps of at most `max_key_step_chars` characters each are searched (longer metadata is an
+error naming the limit), so the work is bounded by a constant times the text's length.
 """
 
 from __future__ import annotations
@@ -33,6 +42,7 @@ import torch
 from mmgrpo.rewards._common import (
     COMPLETION_CHARS_LIMIT, MAX_COMPLETION_CHARS, check_max_completion_chars, cut_texts, last_tag_block, nans, texts,
 )
+from mmgrpo.rewards._step_headers import step_sections
 from mmgrpo.types import PromptBatch, RewardResult
 from mmgrpo.validation import check_fields, check_range, check_text
 
@@ -44,8 +54,12 @@ class StepRARConfig:
     Args:
         key_steps_key (`str`, defaults to `"key_steps"`): metadata key of the problem's key steps (a list; each entry
             a string or a list of equivalent strings).
-        scope (`str`, defaults to `"think"`): where the steps are looked for: ``"think"`` (the last ``<think>`` block)
-            or ``"all"`` (the whole text).
+        scope (`str`, defaults to `"steps"`): where the steps are looked for: ``"steps"`` (R1-VL: the text of the
+            ``### Step <n>:`` sections, joined with a space), ``"think"`` (the last ``<think>`` block) or ``"all"``
+            (the whole text).
+        squeeze_whitespace (`bool`, defaults to `False`): match after case folding and removing all white space from
+            both the reasoning and the key steps (``x = 5`` matches ``X=5``); `False`: R1-VL's ``str.lower`` with the
+            spaces kept.
         max_key_steps (`int`, defaults to 64): most key steps a problem may list.
         max_key_step_chars (`int`, defaults to 200): longest key step (or alternative) in characters.
         max_completion_chars (`int`, *optional*, defaults to 16384): each text is cut to this many characters
@@ -53,7 +67,8 @@ class StepRARConfig:
     """
 
     key_steps_key: str = "key_steps"
-    scope: Literal["think", "all"] = "think"
+    scope: Literal["steps", "think", "all"] = "steps"
+    squeeze_whitespace: bool = False
     max_key_steps: int = 64
     max_key_step_chars: int = 200
     max_completion_chars: int | None = MAX_COMPLETION_CHARS
@@ -61,8 +76,6 @@ class StepRARConfig:
     def __post_init__(self):
         check_fields(self)
         check_text("key_steps_key", self.key_steps_key)
-        if self.scope not in ("think", "all"):
-            raise ValueError(f"scope must be 'think' or 'all', got {self.scope!r}.")
         check_range("max_key_steps", self.max_key_steps, 1, 4096, fix="e.g. 64")
         check_range("max_key_step_chars", self.max_key_step_chars, 1, COMPLETION_CHARS_LIMIT, fix="e.g. 200")
         check_max_completion_chars(self.max_completion_chars)
@@ -83,8 +96,13 @@ class StepRARReward:
     def __init__(self, config: StepRARConfig | None = None):
         self.config = config or StepRARConfig()
 
+    def fold(self, text: str) -> str:
+        """`text` as matching compares it: lower-cased (R1-VL), or case-folded without white space (squeezed)."""
+        return squeeze(text) if self.config.squeeze_whitespace else text.lower()
+
     def key_steps(self, value: Any) -> list[list[str]]:
-        """The key steps of one problem as lists of squeezed alternatives; a clear error for malformed metadata."""
+        """The key steps of one problem as lists of folded alternatives ([`fold`]; blank ones left out); a clear error
+        for malformed metadata."""
         c, key = self.config, self.config.key_steps_key
         if not isinstance(value, (list, tuple)):
             raise ValueError(f"step_rar: metadata[{key!r}] must be a list of key steps, got {type(value).__name__}.")
@@ -100,19 +118,29 @@ class StepRARReward:
             if any(len(o) > c.max_key_step_chars for o in options):
                 raise ValueError(f"step_rar: metadata[{key!r}][{i}] has an entry longer than max_key_step_chars="
                                  f"{c.max_key_step_chars}; raise the option or shorten the key step.")
-            squeezed = [s for s in map(squeeze, options) if s]
-            if not squeezed:
+            folded = [self.fold(o) for o in options if o.strip()]
+            if not folded:
                 raise ValueError(f"step_rar: metadata[{key!r}][{i}] is only white space.")
-            steps.append(squeezed)
+            steps.append(folded)
         return steps
+
+    def reasoning(self, text: str) -> str | None:
+        """The part of `text` searched for key steps (see `scope`), or None when it has none: no step section
+        (``"steps"``), no ``<think>`` block (``"think"``)."""
+        if self.config.scope == "all":
+            return text
+        if self.config.scope == "think":
+            return last_tag_block(text, "think")
+        sections = step_sections(text)
+        return " ".join(sections) if sections else None
 
     def score_one(self, text: str | None, steps: list[list[str]]) -> dict[str, float]:
         if text is None:
             return {"score": 0.0, "matched": 0.0, "no_reasoning": 1.0, "malformed": 1.0}
-        reasoning = text if self.config.scope == "all" else last_tag_block(text, "think")
+        reasoning = self.reasoning(text)
         if reasoning is None:
             return {"score": 0.0, "matched": 0.0, "no_reasoning": 1.0, "malformed": 0.0}
-        body = squeeze(reasoning)
+        body = self.fold(reasoning)
         matched = sum(any(option in body for option in options) for options in steps)
         return {"score": matched / len(steps), "matched": float(matched), "no_reasoning": 0.0, "malformed": 0.0}
 

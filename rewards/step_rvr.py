@@ -5,34 +5,38 @@ when it passes both checks, else 0::
 
     score = 1[complete] * 1[logical]
 
-- **Completeness**: the text holds the description header, the rationale header, at least `min_steps` step headers
-  and the final-answer header (R1-VL's template: ``### Image Description:``, ``### Rationales:``, ``### Step 1:``,
-  ``### Step 2:``... and ``### The final answer is:``; each header is an option, ``description_header`` /
-  ``rationale_header`` may be empty to drop that part).
-- **Logic**: the parts come in the order description -> rationale -> steps -> answer (first description before the
-  first rationale before the first step; the last final-answer header after the last step), and the steps are
-  numbered ``1, 2, ..., n`` in the order they appear.
+By default R1-VL's rules exactly (case-sensitive; headers as in R1-VL's template, each an option):
 
-A step header is `step_prefix` (``### Step ``), a decimal number, then ``:``. Components ``complete`` and ``logical``
-(1 / 0) and ``steps`` (step headers found) are logged. What it does not check: whether any step is correct, or what a
-part says (an empty section counts). Never NaN; a text entry that is not a string scores 0 with ``malformed`` = 1.
+- **Completeness**: the text holds ``### Image Description:``, ``### Rationales:``, ``### Step 1:`` (the step prefix
+  followed by ``1:``) and ``### The final answer is:``, anywhere, and at least `min_steps` step headers (1 in R1-VL).
+- **Logic**: the numbers of the step headers, in the order they appear, are ``1, 2, ..., n``; and the *first*
+  final-answer header starts at or after the end of the *last* step header, unless the text (stripped) ends with the
+  final-answer header. Where the description and the rationale are is not checked.
 
-Linear time: each text is cut to `max_completion_chars` first (component ``truncated``), then found with `str.find` /
-`str.rfind` passes and one scan over the step headers.
+mmgrpo's stricter variants: ``part_order: true`` also requires the first description header before the first
+rationale header before the first step header; ``answer_check: "last"`` puts the *last* final-answer header after the
+start of the last step header instead, with no exemption for a text ending with the header.
+
+A step header is `step_prefix` (``### Step ``), decimal digits, then ``:`` (``01`` reads as 1). Components ``complete``
+and ``logical`` (1 / 0) and ``steps`` (step headers found) are logged. What it does not check: whether any step is
+correct, or what a part says (an empty section counts). Never NaN; a text entry that is not a string scores 0 with
+``malformed`` = 1.
+
+Linear time: each text is cut to `max_completion_chars` first (component ``truncated``; R1-VL reads the whole text),
+then found with `str.find` / `str.rfind` passes and one scan over the step headers.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
 from mmgrpo.rewards._common import MAX_COMPLETION_CHARS, check_max_completion_chars, cut_texts, texts
+from mmgrpo.rewards._step_headers import R1_VL_STEP, step_headers
 from mmgrpo.types import PromptBatch, RewardResult
 from mmgrpo.validation import check_fields, check_range
-
-MAX_STEP_DIGITS = 6  # a step number longer than this is not a step header
 
 
 @dataclass
@@ -44,16 +48,23 @@ class StepRVRConfig:
         rationale_header (`str`, defaults to `"### Rationales:"`): opens the rationale ("" to drop it).
         step_prefix (`str`, defaults to `"### Step "`): a step header is this, a number, then ``:``.
         answer_header (`str`, defaults to `"### The final answer is:"`): opens the final answer.
-        min_steps (`int`, defaults to 1): fewest steps a complete solution has.
+        min_steps (`int`, defaults to 1): fewest step headers a complete solution has.
+        part_order (`bool`, defaults to `False`): also require description before rationale before the first step
+            (R1-VL does not check it).
+        answer_check (`str`, defaults to `"first"`): ``"first"`` (R1-VL): the first final-answer header starts at or
+            after the end of the last step header, unless the text ends with the header; ``"last"``: the last
+            final-answer header starts after the last step header starts, no exemption.
         max_completion_chars (`int`, *optional*, defaults to 16384): each text is cut to this many characters
             first (component ``truncated``); 0 or None: no cut.
     """
 
     description_header: str = "### Image Description:"
     rationale_header: str = "### Rationales:"
-    step_prefix: str = "### Step "
+    step_prefix: str = R1_VL_STEP
     answer_header: str = "### The final answer is:"
     min_steps: int = 1
+    part_order: bool = False
+    answer_check: Literal["first", "last"] = "first"
     max_completion_chars: int | None = MAX_COMPLETION_CHARS
 
     def __post_init__(self):
@@ -61,23 +72,10 @@ class StepRVRConfig:
         for key in ("step_prefix", "answer_header"):
             if not getattr(self, key).strip():
                 raise ValueError(f"{key} must be a non-empty header, got {getattr(self, key)!r}.")
+        if any(c.isdecimal() for c in self.step_prefix):
+            raise ValueError(f"step_prefix must hold no digit (the step number follows it), got {self.step_prefix!r}.")
         check_range("min_steps", self.min_steps, 1, 1024, fix="e.g. 1")
         check_max_completion_chars(self.max_completion_chars)
-
-
-def step_headers(text: str, prefix: str) -> list[tuple[int, int]]:
-    """``(position, number)`` of each step header ``<prefix><digits>:`` of `text`, left to right (linear: one
-    `str.find` pass, each header's digits read once)."""
-    found, position = [], 0
-    while (start := text.find(prefix, position)) >= 0:
-        end = start + len(prefix)
-        digits = end
-        while digits < len(text) and digits - end < MAX_STEP_DIGITS and text[digits].isdecimal():
-            digits += 1
-        if digits > end and digits < len(text) and text[digits] == ":":
-            found.append((start, int(text[end:digits])))
-        position = end
-    return found
 
 
 class StepRVRReward:
@@ -93,17 +91,20 @@ class StepRVRReward:
     def check(self, text: str) -> tuple[bool, bool, int]:
         """``(complete, logical, number of step headers)`` of one text."""
         c = self.config
-        steps = step_headers(text, c.step_prefix)
+        steps = step_headers(text, c.step_prefix)  # [(start, end, number)]
         parts = [h for h in (c.description_header, c.rationale_header) if h]
         firsts = [text.find(h) for h in parts]  # [-1 where missing]
-        answer = text.rfind(c.answer_header)
-        complete = all(p >= 0 for p in firsts) and answer >= 0 and len(steps) >= c.min_steps
+        complete = (all(p >= 0 for p in firsts) and c.answer_header in text and f"{c.step_prefix}1:" in text
+                    and len(steps) >= c.min_steps)
         if not complete:
             return False, False, len(steps)
-        in_order = all(a < b for a, b in zip(firsts, firsts[1:] + [steps[0][0]]))
-        numbered = [number for _, number in steps] == list(range(1, len(steps) + 1))
-        logical = in_order and numbered and answer > steps[-1][0]
-        return True, logical, len(steps)
+        numbered = [number for _, _, number in steps] == list(range(1, len(steps) + 1))
+        if c.answer_check == "first":
+            answer_ok = text.strip().endswith(c.answer_header) or text.find(c.answer_header) >= steps[-1][1]
+        else:
+            answer_ok = text.rfind(c.answer_header) > steps[-1][0]
+        in_order = not c.part_order or all(a < b for a, b in zip(firsts, firsts[1:] + [steps[0][0]]))
+        return True, numbered and answer_ok and in_order, len(steps)
 
     def __call__(self, outputs: dict[str, Any], batch: PromptBatch) -> RewardResult:
         """Returns `scores` `[N]` (1 or 0) and `components` ``complete``, ``logical``, ``steps``, ``malformed`` and

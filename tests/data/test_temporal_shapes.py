@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from mmgrpo.data.temporal_shapes import COLOURS, TemporalShapes, TemporalShapesConfig, scene, timeline
-from mmgrpo.rewards.step_rar import StepRARReward
+from mmgrpo.rewards.step_rar import StepRARConfig, StepRARReward
 from mmgrpo.rewards.tiou import TIoU
 from mmgrpo.types import PromptBatch
 
@@ -105,14 +105,15 @@ def test_key_steps_are_the_timeline_entries_and_step_rar_counts_them():
         assert " ".join(item["metadata"]["key_steps"]) == timeline(scene(index, config), config)
     batch = PromptBatch([i["prompt"] for i in items], metadata=[i["metadata"] for i in items])
     completions = [i["metadata"]["completion"] for i in items]
-    assert StepRARReward()({"texts": completions}, batch).scores.tolist() == [1.0] * len(items)
+    step_rar = StepRARReward(StepRARConfig(scope="think"))  # the timeline is the thought, not R1-VL's step sections
+    assert step_rar({"texts": completions}, batch).scores.tolist() == [1.0] * len(items)
     # one wrong entry (a shape on screen where the truth says none, or the reverse) costs exactly 1/4 of the score
     wrong = []
     for item, text in zip(items, completions):
         first = item["metadata"]["key_steps"][0]
         swapped = "0s green triangle." if first == "0s none." else "0s none."
         wrong.append(text.replace(first, swapped, 1))
-    assert StepRARReward()({"texts": wrong}, batch).scores.tolist() == [0.75] * len(items)
+    assert step_rar({"texts": wrong}, batch).scores.tolist() == [0.75] * len(items)
 
 
 @pytest.mark.parametrize("options, message", [

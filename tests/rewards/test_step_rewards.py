@@ -1,6 +1,8 @@
 """StepGRPO's step rewards: StepRAR (share of the key steps the reasoning contains) and StepRVR (complete and ordered
-reasoning), on hand examples whose scores are counted by hand, their documented edge cases, property tests that they
-never raise on any text and stay in their range, and a bound on their work for long adversarial texts."""
+reasoning): R1-VL's rules (the defaults) on the worked examples and against an independent transcription of R1-VL's
+published rules on generated texts; mmgrpo's stricter variants on hand examples whose scores are counted by hand;
+their documented edge cases, property tests that they never raise on any text and stay in their range, and a bound on
+their work for long adversarial texts."""
 
 import pytest
 import torch
@@ -30,7 +32,10 @@ def rar_scores(texts, key_steps, **options):
     return reward("step_rar", **options)({"texts": texts}, batch)
 
 
-def test_step_rar_hand_examples():
+SQUEEZED_THINK = {"scope": "think", "squeeze_whitespace": True}  # mmgrpo's variant: the last <think> block, squeezed
+
+
+def test_step_rar_variant_hand_examples():
     key_steps = ["3 red circles", ["3+0=3", "three plus zero"], "blue square", "x = 7"]
     texts = [
         "<think>I see 3 Red  Circles; 3 + 0 = 3.</think><answer>3</answer>",  # 2 of 4 (case and spaces ignored)
@@ -39,13 +44,13 @@ def test_step_rar_hand_examples():
         "<think>nothing</think>",
         None,  # not a string
     ]
-    out = rar_scores(texts, key_steps)
+    out = rar_scores(texts, key_steps, **SQUEEZED_THINK)
     torch.testing.assert_close(out.scores, torch.tensor([0.5, 0.75, 0.0, 0.0, 0.0]))
     torch.testing.assert_close(out.components["matched"], torch.tensor([2.0, 3.0, 0.0, 0.0, 0.0]))
     torch.testing.assert_close(out.components["no_reasoning"], torch.tensor([0.0, 0.0, 1.0, 0.0, 1.0]))
     torch.testing.assert_close(out.components["malformed"], torch.tensor([0.0, 0.0, 0.0, 0.0, 1.0]))
     assert torch.all(out.components["key_steps"] == 4)
-    whole = rar_scores(texts[2:3], key_steps, scope="all")
+    whole = rar_scores(texts[2:3], key_steps, scope="all", squeeze_whitespace=True)
     assert whole.scores.tolist() == [1.0]  # every key step, looked for in the whole text
 
 
@@ -53,13 +58,13 @@ def test_step_rar_on_the_r1_vl_layout_and_the_last_think_block():
     out = rar_scores([R1VL, "<think>3 red circles</think> <think>none</think>"], ["3 red circles", "3 + 0 = 3"],
                      scope="all")
     assert out.scores.tolist() == [1.0, 0.5]
-    last = rar_scores(["<think>3 red circles</think> <think>none</think>"], ["3 red circles"])
+    last = rar_scores(["<think>3 red circles</think> <think>none</think>"], ["3 red circles"], scope="think")
     assert last.scores.tolist() == [0.0]  # the reasoning is the last <think> block
 
 
 def test_step_rar_not_applicable_and_bad_metadata():
     batch = PromptBatch(["a", "b", "c"], metadata=[{}, {"key_steps": []}, {"key_steps": ["x"]}])
-    out = reward("step_rar")({"texts": ["<think>x</think>"] * 3}, batch)
+    out = reward("step_rar", scope="think")({"texts": ["<think>x</think>"] * 3}, batch)
     assert torch.isnan(out.scores[:2]).all() and out.scores[2] == 1.0
     for bad, message in [("x", "must be a list"), ([3], "must be a string or a non-empty list"),
                          ([[]], "non-empty list"), (["  "], "only white space"), (["y" * 300], "max_key_step_chars"),
@@ -72,7 +77,10 @@ def rvr(texts, **options):
     return reward("step_rvr", **options)({"texts": texts}, PromptBatch(["q"] * len(texts)))
 
 
-def test_step_rvr_hand_examples():
+STRICT = {"part_order": True, "answer_check": "last"}  # mmgrpo's stricter variant
+
+
+def test_step_rvr_variant_hand_examples():
     swapped = R1VL.replace("### Step 1:", "### Step X:").replace("### Step 2:", "### Step 1:").replace(
         "### Step X:", "### Step 2:")  # numbered 2, 1
     answer_first = "### Image Description:\nd\n### Rationales:\nr\n### The final answer is: 3\n### Step 1: s"
@@ -81,12 +89,14 @@ def test_step_rvr_hand_examples():
     skipped = R1VL.replace("### Step 2:", "### Step 3:")
     no_rationale = R1VL.replace("### Rationales:", "")
     texts = [R1VL, swapped, answer_first, rationale_first, skipped, no_rationale, "### Step 1: ok", None]
-    out = rvr(texts)
+    out = rvr(texts, **STRICT)
     assert out.scores.tolist() == [1, 0, 0, 0, 0, 0, 0, 0]
     assert out.components["complete"].tolist() == [1, 1, 1, 1, 1, 0, 0, 0]
     assert out.components["logical"].tolist() == [1, 0, 0, 0, 0, 0, 0, 0]
     assert out.components["steps"].tolist() == [2, 2, 1, 2, 2, 2, 1, 0]
     assert out.components["malformed"].tolist() == [0, 0, 0, 0, 0, 0, 0, 1]
+    # R1-VL's rules: the rationale before the description passes (where they are is not checked)
+    assert rvr(texts).scores.tolist() == [1, 0, 0, 1, 0, 0, 0, 0]
 
 
 def test_step_rvr_options():
