@@ -88,7 +88,8 @@ def nanstd_unbiased(values: torch.Tensor, dim: int = 0) -> torch.Tensor:
     return torch.where(count > 1, variance.sqrt(), torch.full_like(variance, float("nan")))
 
 
-def trl_normalize_then_sum(rewards: torch.Tensor, weights: torch.Tensor, group_ids: torch.Tensor | None) -> torch.Tensor:
+def trl_normalize_then_sum(rewards: torch.Tensor, weights: torch.Tensor,
+                           group_ids: torch.Tensor | None) -> torch.Tensor:
     """TRL's ``multi_objective_aggregation="normalize_then_sum"`` advantages (see the module docstring).
 
     Args:
@@ -140,8 +141,8 @@ class CompositeConfig:
             raise ValueError("composite: reward.rewards is empty; name at least one reward, e.g. {format: {weight: 1.0}}.")
         check_range("eps", self.eps, 0, 1e3, low_open=True, fix="added to each reward's std; 1e-4 is usual")
         if self.eps != TRL_EPS and self.normalize not in GROUP_VARIANTS:
-            raise ValueError(f"eps applies to normalize: {' / '.join(GROUP_VARIANTS)}; with {self.normalize!r} leave it "
-                             f"out (TRL's rules add TRL's 1e-4).")
+            raise ValueError(f"eps applies to normalize: {' / '.join(GROUP_VARIANTS)}; with {self.normalize!r} "
+                             "leave it out (TRL's rules add TRL's 1e-4).")
         self.specs = {}  # component name -> (registry name, weight, plugin Config instance); not a field
         for key, raw in self.rewards.items():
             if not isinstance(raw, dict):
