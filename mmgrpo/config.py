@@ -22,6 +22,7 @@ from typing import Any, Literal
 from . import registry
 from .config_yaml import parse_yaml, read_yaml
 from .tracking import TrackingConfig
+from .vas import VASConfig, check_sampling
 from .validation import (  # noqa: F401 (ConfigError and build_dataclass are imported from here by callers)
     NULL_WORDS, ConfigError, build_dataclass, check_fields, check_range, check_seed, check_text, coerce, takes_none,
     takes_text,
@@ -60,11 +61,10 @@ class TrainConfig:
             learning rate at the last update; group-relative RL on small models tends to gain fast and then
             oscillate, and a decay keeps what was gained).
         min_lr_ratio (`float`): final learning rate of the cosine schedule, as a fraction of `learning_rate`.
-        prompt_sampling (`str`): ``"uniform"`` (a seeded shuffle per epoch) or ``"variance"`` (MMR1's variance-aware
-            sampling: prompts whose latest group had a high reward variance are drawn more often, see
-            [`~mmgrpo.prompt_stream.PromptStream`]; its state is checkpointed).
-        prompt_sampling_mix (`float`): under ``"variance"``, the share of draws by variance, in [0, 1); the rest are
-            uniform (the floor).
+        prompt_sampling (`str`), vas (`VASConfig`): ``"uniform"`` (a seeded shuffle per epoch), ``"vas"`` (MMR1's
+            variance-aware sampling from extra rollouts; options in `vas`, see [`mmgrpo.vas`]) or ``"group_variance"``
+            (by the training groups' reward variance); see [`~mmgrpo.prompt_stream.PromptStream`]. Checkpointed.
+        prompt_sampling_mix (`float`): MMR1's mixture ratio under ``"vas"`` (in [0, 1]), else the share by variance.
         max_grad_norm (`float`): gradient clipping.
         mixed_precision (`str`): ``"no"``, ``"bf16"`` or ``"fp16"`` (accelerate's autocast; under ``sharding:
             fsdp`` with several processes, ``bf16`` is FSDP2's mixed precision: bf16 compute, fp32 gradient reduction
@@ -95,8 +95,9 @@ class TrainConfig:
     warmup_steps: int = 0
     lr_schedule: Literal["constant", "cosine"] = "constant"
     min_lr_ratio: float = 0.1
-    prompt_sampling: Literal["uniform", "variance"] = "uniform"
+    prompt_sampling: Literal["uniform", "group_variance", "vas"] = "uniform"
     prompt_sampling_mix: float = 0.5
+    vas: VASConfig = field(default_factory=VASConfig)
     max_grad_norm: float = 1.0
     mixed_precision: Literal["no", "bf16", "fp16"] = "no"
     sharding: Literal["none", "ddp", "fsdp", "hybrid"] = "ddp"
@@ -132,8 +133,7 @@ class TrainConfig:
                     "turns a zero gradient into 0 / 0")
         check_range("train.warmup_steps", self.warmup_steps, 0, STEPS_LIMIT, fix="0: no warm-up")
         check_range("train.min_lr_ratio", self.min_lr_ratio, 0, 1)
-        check_range("train.prompt_sampling_mix", self.prompt_sampling_mix, 0, 1, high_open=True,
-                    fix="1 - mix is the share of uniform draws")
+        check_sampling(self)  # train.prompt_sampling_mix, by sampling
         check_range("train.max_grad_norm", self.max_grad_norm, 0, 1e12, low_open=True,
                     fix="1.0 is usual; 1e6 clips nothing")
 

@@ -51,6 +51,7 @@ from .plans import SamplingPlan
 from .reference import reference_needed
 from .seeding import mix_seed
 from .tracking import Trackers, accelerator_options
+from .vas import refresh_weights
 from .stop_signals import StopSignals
 from .visualize import plot_reward_curve
 
@@ -153,7 +154,7 @@ class Trainer:
         self.optimizer, self.lr_scheduler = build_optimizer(self.policy.trainable_parameters(), config.train)
         self.optimizer, self.lr_scheduler = acc.prepare(self.optimizer, self.lr_scheduler)
         self.stream = PromptStream(self.data.train_items(), seed=config.seed, sampling=config.train.prompt_sampling,
-                                   mix=config.train.prompt_sampling_mix)
+                                   mix=config.train.prompt_sampling_mix, vas=config.train.vas)
         self.log = MetricsLog(self.output_dir, enabled=acc.is_main_process)
         self.step = 0
         self.skipped_updates = 0
@@ -216,6 +217,8 @@ class Trainer:
 
     def train_step(self) -> dict[str, float]:
         cfg = self.config
+        refreshed = refresh_weights(self.stream, self.policy, self.algorithm, self.reward, self.accelerator, cfg.seed,
+                                    self.step) if self.stream.refresh_due(self.step - 1) else {}  # MMR1's VAS
         batch = self.stream.next_batch(cfg.train.prompts_per_step).repeat(
             cfg.train.group_size, first_group_id=(self.step - 1) * cfg.train.prompts_per_step
         )
@@ -226,7 +229,7 @@ class Trainer:
         placed = self.local_advantages if cfg.train.group_placement == "contiguous" else self.global_advantages
         whole, all_groups, advantages = placed(self.reward(rollout.outputs, local), rollout.group_ids)
         all_scores = whole.scores.float()  # [N] after the reward's group stage
-        if self.stream.adaptive:  # variance-aware sampling reads back each prompt's group rewards (batch order)
+        if self.stream.adaptive:  # group_variance sampling reads back each prompt's group rewards (batch order)
             self.stream.observe(all_scores, batch.group_ids - (self.step - 1) * cfg.train.prompts_per_step)
         local_adv = self._this_process(advantages, len(local))
         metrics = self._reward_metrics(all_scores, all_groups, whole.components)
@@ -236,6 +239,7 @@ class Trainer:
         metrics.update(self._update(rollout, plan, local_adv, with_signal, generator, rewarded))
         metrics["lr"] = self.lr_scheduler.get_last_lr()[0]
         metrics["samples_seen"] = self.step * len(all_scores)
+        metrics.update(refreshed)  # the VAS refresh before this step's batch, if any (vas/*)
         return metrics
 
     def gather_rewards(self, result: RewardResult, group_ids: torch.Tensor) -> tuple[RewardResult, torch.Tensor]:

@@ -37,6 +37,9 @@ RENAMED = {
 }
 # options whose value type changed: key -> (old type, the message's fix)
 RETYPED = {"scale_rewards": (bool, "give 'group' for true (divide by the group's std) or 'none' for false")}
+# option values that were renamed or split: (key, old value) -> the value(s) to use
+RENAMED_VALUES = {("prompt_sampling", "variance"): "'group_variance' (the former rule: the training groups' reward "
+                                                   "variance) or 'vas' (MMR1's variance-aware sampling)"}
 
 
 class ConfigError(ValueError):
@@ -200,12 +203,14 @@ def _prefixed(message: str, prefix: str, fields: typing.Iterable[str]) -> str:
 
 
 def check_renamed(values: dict, fields: typing.Iterable[str], prefix: str) -> None:
-    """Refuses a key of `values` that [`RENAMED`] lists (and `fields` lacks) or an old-typed value [`RETYPED`] lists,
-    with a one-line message naming the key to use."""
+    """Refuses a key of `values` that [`RENAMED`] lists (and `fields` lacks), an old value [`RENAMED_VALUES`] lists or
+    an old-typed value [`RETYPED`] lists, with a one-line message naming the key or value to use."""
     for key, value in values.items():
         if key in RENAMED and key not in fields:
             new = RENAMED[key].replace("and ", f"and {prefix}.")
             raise ConfigError(f"{prefix}.{key} was renamed: use {prefix}.{new}.")
+        if isinstance(value, str) and (key, value) in RENAMED_VALUES:
+            raise ConfigError(f"{prefix}.{key}: {value!r} was renamed: use {RENAMED_VALUES[key, value]}.")
         if key in RETYPED and key in fields and isinstance(value, RETYPED[key][0]):
             raise ConfigError(f"{prefix}.{key} is no longer a {RETYPED[key][0].__name__}: {RETYPED[key][1]}.")
 

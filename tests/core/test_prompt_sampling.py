@@ -1,5 +1,6 @@
-"""The prompt stream: uniform epochs as before, and MMR1's variance-aware sampling (draw probabilities and group
-variances against values worked out by hand, the uniform floor, reproducibility, and exact resume from its state)."""
+"""The prompt stream: uniform epochs as before, and the cheap variant of variance-aware sampling, ``group_variance``
+(draw probabilities and group variances against values worked out by hand, the uniform floor, reproducibility, and
+exact resume from its state). MMR1's own sampler, ``vas``: `test_vas.py`."""
 
 import pytest
 import torch
@@ -22,7 +23,7 @@ def test_uniform_stream_is_one_seeded_shuffle_per_epoch():
 
 
 def test_draw_probabilities_by_hand():
-    stream = PromptStream(ITEMS[:4], seed=0, sampling="variance", mix=0.5)
+    stream = PromptStream(ITEMS[:4], seed=0, sampling="group_variance", mix=0.5)
     assert torch.allclose(stream.probabilities(), torch.full((4,), 0.25, dtype=torch.float64))  # nothing seen
     stream.scores = [0.25, 0.0, None, 0.09]  # the unseen item takes the largest v seen, 0.25: v sums to 0.59
     expected = [0.5 * v / 0.59 + 0.5 / 4 for v in (0.25, 0.0, 0.25, 0.09)]
@@ -36,7 +37,7 @@ def test_group_variances_and_observe():
     prompt = torch.tensor([0, 0, 0, 0, 1, 1, 1, 2, 3, 3])
     # prompt 0: p = 1/4 -> p (1 - p) = 0.1875; prompt 1: equal finite rewards -> 0; prompt 2: one reward -> 0; 3: none
     assert group_variances(scores, prompt, 4) == [pytest.approx(0.1875), 0.0, 0.0, None]
-    stream = PromptStream(ITEMS, seed=1, sampling="variance")
+    stream = PromptStream(ITEMS, seed=1, sampling="group_variance")
     batch = indices(stream.next_batch(4))
     stream.scores[batch[3]] = 0.7  # seen before: a group without any finite reward keeps it
     stream.observe(scores, prompt)
@@ -44,7 +45,7 @@ def test_group_variances_and_observe():
 
 
 def test_high_variance_prompts_are_favoured_over_a_uniform_floor():
-    stream = PromptStream(ITEMS, seed=2, sampling="variance", mix=0.9)
+    stream = PromptStream(ITEMS, seed=2, sampling="group_variance", mix=0.9)
     stream.scores = [0.25, 0.0, 0.0, 0.0, 0.0, 0.0]
     counts = torch.zeros(6)
     for _ in range(400):
@@ -65,13 +66,13 @@ def test_variance_stream_is_reproducible_and_resumes_exactly():
             stream.observe(scores, torch.arange(3).repeat_interleave(4))
         return out
 
-    full = run(PromptStream(ITEMS, seed=5, sampling="variance"), 6, 3)
-    assert full == run(PromptStream(ITEMS, seed=5, sampling="variance"), 6, 3)
-    first = PromptStream(ITEMS, seed=5, sampling="variance")
+    full = run(PromptStream(ITEMS, seed=5, sampling="group_variance"), 6, 3)
+    assert full == run(PromptStream(ITEMS, seed=5, sampling="group_variance"), 6, 3)
+    first = PromptStream(ITEMS, seed=5, sampling="group_variance")
     head = run(first, 3, 3)
     state = first.state_dict()
     assert state["position"] == 9 and len(state["variance_scores"]) == 6
-    resumed = PromptStream(ITEMS, seed=5, sampling="variance")
+    resumed = PromptStream(ITEMS, seed=5, sampling="group_variance")
     resumed.load_state_dict(state)
     # the resumed stream continues as the uninterrupted one (observations of steps 3.. use the same step numbers)
     tail = []
@@ -82,10 +83,10 @@ def test_variance_stream_is_reproducible_and_resumes_exactly():
         resumed.observe(scores, torch.arange(3).repeat_interleave(4))
     assert head + tail == full
     assert all(len(set(b)) == 3 for b in full)  # no prompt twice in a batch
-    with pytest.raises(ValueError, match="no variance scores"):
-        PromptStream(ITEMS, seed=5, sampling="variance").load_state_dict({"position": 3})
+    with pytest.raises(ValueError, match="no group_variance state"):
+        PromptStream(ITEMS, seed=5, sampling="group_variance").load_state_dict({"position": 3})
     with pytest.raises(ValueError, match=r"in \[0, 1\)"):
-        PromptStream(ITEMS, seed=5, sampling="variance", mix=1.0)
+        PromptStream(ITEMS, seed=5, sampling="group_variance", mix=1.0)
 
 
 def _run_config(tmp_path, tiny_mdlm_dir, max_steps):
@@ -97,7 +98,7 @@ def _run_config(tmp_path, tiny_mdlm_dir, max_steps):
         "reward": {"name": "accuracy", "mode": "numeric", "fuzzy_width": 1000.0},
         "data": {"name": "arith", "digits": 2, "n_train": 12, "n_eval": 4},
         "train": {"max_steps": max_steps, "prompts_per_step": 3, "group_size": 4, "minibatch_size": 12,
-                  "learning_rate": 1e-2, "prompt_sampling": "variance", "prompt_sampling_mix": 0.8},
+                  "learning_rate": 1e-2, "prompt_sampling": "group_variance", "prompt_sampling_mix": 0.8},
         "eval": {"every": 0},
         "checkpoint": {"every": 2, "keep_last": 3},
     }
