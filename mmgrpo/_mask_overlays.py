@@ -1,17 +1,16 @@
 """Overlays of a segmentation policy's evaluation samples: the input image, the predicted mask (red), the true mask
 (green outline), the VLM's boxes (yellow) and points (cyan foreground, magenta background), with its text.
 
-A segmenter reward (`sam_mask`, in this process) puts the predicted masks and the parsed prompts in the outputs
-(``outputs["masks"]``, ``outputs["seg_prompts"]``); the text sample writer keeps them ([`keep`]) next to its texts and
-writes, beside its table, ``step_XXXXX_seg.png`` (a grid of the overlays with prompt and reward) and
-``step_XXXXX_seg.html`` (each overlay beside the full prompt, text and reward) with [`write`].
+A segmenter reward (`sam_mask`, in this process) declares the artifacts ``mask`` and ``seg_prompts`` and returns the
+predicted masks and the parsed prompts in its result (``RewardResult.artifacts``); the text sample writer keeps them
+([`keep`]) next to its texts and writes, beside its table, ``step_XXXXX_seg.png`` (a grid of the overlays with prompt
+and reward) and ``step_XXXXX_seg.html`` (each overlay beside the full prompt, text and reward) with [`write`].
 """
 
 from __future__ import annotations
 
 import html
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import torch
@@ -22,18 +21,18 @@ RED, GREEN, YELLOW = (1.0, 0.0, 0.0), (0.0, 0.8, 0.0), (255, 220, 0)
 POINT_COLOURS = {1: (0, 230, 230), 0: (230, 0, 230)}
 
 
-def keep(outputs: dict[str, Any], batch: PromptBatch, k: int) -> list[dict]:
-    """The first `k` samples' predicted mask, true mask (``metadata["mask"]`` when it is an array), parsed prompts,
-    text and input image, for [`write`]."""
-    prompts = outputs.get("seg_prompts") or [None] * len(batch)
+def keep(texts: list[str], masks: list, prompts: list, batch: PromptBatch, k: int) -> list[dict]:
+    """The first `k` samples' predicted mask (`masks`: bool `[H, W]` or `None` each), true mask (``metadata["mask"]``
+    when it is an array), parsed prompts (`prompts`: ``{"boxes", "points", "labels"}`` or `None` each), text and input
+    image, for [`write`]."""
     pictures = batch.conditions.get("images", [None] * len(batch))
     rows = []
     for i in range(k):
         truth = batch.metadata[i].get("mask")
         truth = torch.as_tensor(np.asarray(truth)) if isinstance(truth, (torch.Tensor, np.ndarray, list)) else None
         image = as_list(pictures[i])
-        rows.append({"mask": outputs["masks"][i], "truth": truth, "prompt": prompts[i],
-                     "text": (outputs.get("texts") or [""] * len(batch))[i], "image": image[0] if image else None})
+        rows.append({"mask": masks[i], "truth": truth, "prompt": prompts[i], "text": texts[i],
+                     "image": image[0] if image else None})
     return rows
 
 

@@ -34,10 +34,10 @@ def process_share(items: list, world: int, rank: int) -> tuple[list, int]:
 def sample_and_score(policy, reward, items: list, plan: SamplingPlan, generator: torch.Generator, writers: list,
                      first_group: int = 0, batch_size: int = 64, progress: bool = False) -> tuple[RewardResult, list[str]]:
     """Samples `items` with `plan` in batches of `batch_size`, scores each sample with `reward` (per sample: its group
-    stage runs after the gather) and hands each batch to `writers`. Each item is its own group, numbered from
-    `first_group`. Returns the reward result (``scores`` `[n]`, ``components`` each `[n]`, plus ``completion_tokens``
-    `[n]` for policies that write text, ``features`` `[n, ...]` or `None`, on the CPU, in the reward's dtypes) and the prompts (`n`). `progress` shows a progress bar over the
-    samples."""
+    stage runs after the gather) and hands each batch, with its reward artifacts, to `writers`. Each item is its own
+    group, numbered from `first_group`. Returns the reward result (``scores`` `[n]`, ``components`` each `[n]`, plus
+    ``completion_tokens`` `[n]` for policies that write text, ``features`` `[n, ...]` or `None`, on the CPU, in the
+    reward's dtypes) and the prompts (`n`). `progress` shows a progress bar over the samples."""
     from tqdm.auto import tqdm
 
     scores, components, features, prompts = [], {}, [], []
@@ -58,7 +58,7 @@ def sample_and_score(policy, reward, items: list, plan: SamplingPlan, generator:
                 features.append(result.features.cpu())
             prompts += batch.prompts
             for writer in writers:
-                writer.add(rollout.outputs, batch)
+                writer.add(rollout.outputs, batch, result.artifacts)  # what the reward declares for the writers
             bar.update(len(batch))
     return RewardResult(scores=torch.cat(scores), components={k: torch.cat(v) for k, v in components.items()},
                         features=torch.cat(features) if features else None), prompts
@@ -75,7 +75,8 @@ def gather_rewards(accelerator, result: RewardResult, group_ids: torch.Tensor,
     """Gathers this process's reward `result` (``scores`` `[n]`, ``components`` each `[n]`, ``features`` `[n, ...]`)
     and `group_ids` `[n]` from every process (a group may span processes), then applies the reward's `group_stage`
     (see [`mmgrpo.protocols.RewardFn`]) to the whole batch. Returns ``(result [N], groups [N])``: the final scores, in
-    the dtype the reward gave, and the global groups."""
+    the dtype the reward gave, and the global groups. The result's ``artifacts`` are not gathered: the sample writers
+    take them from each process's own result."""
 
     def gather(values: torch.Tensor) -> torch.Tensor:  # [n, ...] on every process -> [N, ...], rank order
         return accelerator.gather(values.to(accelerator.device)).cpu()
@@ -103,7 +104,7 @@ def evaluate_held_out(policy, reward, items: list, eval_config, accelerator, out
     from .visualize import write_per_prompt_scores
 
     world, rank = accelerator.num_processes, accelerator.process_index
-    writers = writers_for(policy.modalities, eval_config.grid_size)
+    writers = writers_for(policy.modalities, eval_config.grid_size, reward.artifacts)
     mine, first = process_share(items[: eval_config.num_prompts], world, rank)
     plan = deterministic_plan(policy.plan_families[0], policy.eval_num_steps)  # the pipeline's own family
     generator = torch.Generator()

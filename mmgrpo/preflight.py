@@ -65,22 +65,24 @@ def check_remote_code(config: ExperimentConfig, allowed: bool) -> None:
 
 
 def reward_modalities(name: str, options) -> frozenset[str]:
-    """The modalities reward `name` scores with `options`, read from its Config (``modality`` / ``modalities``; a
-    composite's components), else the reward class's own."""
-    specs = getattr(options, "specs", None)  # a composite: component -> (registry name, weight, options)
-    if isinstance(specs, dict):
-        return frozenset().union(*(reward_modalities(n, o) for n, _, o in specs.values()))
-    if isinstance(getattr(options, "modality", None), str):
-        return frozenset({options.modality})
-    if isinstance(getattr(options, "modalities", None), (list, tuple)):
-        return frozenset(options.modalities)
-    return frozenset(registry.get("reward", name).modalities)
+    """The modalities reward `name` scores with `options`, as its class declares them (``modalities_for``; see
+    [`mmgrpo.protocols.RewardFn`])."""
+    with _named("reward"):
+        return frozenset(registry.get("reward", name).modalities_for(options))
+
+
+def reward_artifacts(name: str, options) -> frozenset[str]:
+    """The artifact kinds reward `name`'s results carry with `options` for the sample writers, as its class declares
+    them (``artifacts_for``)."""
+    with _named("reward"):
+        return frozenset(registry.get("reward", name).artifacts_for(options))
 
 
 def check_modalities(config: ExperimentConfig) -> None:
-    """The pipeline declares output modalities that have a sample writer ([`mmgrpo.sample_writers.WRITERS`]), and
-    the reward scores only what the pipeline produces."""
-    from .sample_writers import WRITERS  # matplotlib: loaded only when checking
+    """The pipeline declares output modalities that have a sample writer ([`mmgrpo.sample_writers.WRITERS`]), the
+    reward scores only what the pipeline produces, and the writers of those modalities draw every artifact the reward
+    declares ([`mmgrpo.sample_writers.ARTIFACT_WRITERS`])."""
+    from .sample_writers import ARTIFACT_WRITERS, WRITERS  # matplotlib: loaded only when checking
 
     produced = frozenset(registry.get("pipeline", config.pipeline.name).modalities)
     unknown = sorted(produced - WRITERS.keys())
@@ -95,6 +97,15 @@ def check_modalities(config: ExperimentConfig) -> None:
         raise ConfigError(
             f"reward.name: reward {config.reward.name!r} scores {sorted(scored)} but pipeline "
             f"{config.pipeline.name!r} produces {sorted(produced)}: choose a matching reward (or its modality option)."
+        )
+    added = reward_artifacts(config.reward.name, config.reward.options)
+    drawn = frozenset().union(*(ARTIFACT_WRITERS.get(modality, frozenset()) for modality in produced))
+    if added - drawn:
+        raise ConfigError(
+            f"reward.name: reward {config.reward.name!r} adds the artifacts {sorted(added - drawn)} for the sample "
+            f"writers, which no writer of pipeline {config.pipeline.name!r}'s modalities {sorted(produced)} draws: turn "
+            "them off in the reward's options (sam_mask: attach_masks: false) or add a writer to "
+            "mmgrpo.sample_writers.ARTIFACT_WRITERS."
         )
 
 

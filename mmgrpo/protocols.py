@@ -86,11 +86,32 @@ class RewardFn(Protocol):
        returns the final ``scores`` `[N]` (and the components to log), from which the algorithm's advantages are
        computed. Examples: the per-group normalisation of ``composite``; a set-level diversity reward would put one
        embedding per sample in ``features`` and score each sample against the others of its group here.
+
+    What a reward scores and what it adds for the sample writers are declared by its class for given options, so the
+    checks read them before any model loads, and nothing is probed:
+
+    - ``modalities_for(config) -> frozenset[str]`` (a classmethod; `config` an instance of its `Config`): the output
+      modalities it scores (``{"text"}``, ``{"image"}``...), which the pipeline must produce. From a ``modality``
+      option where it has one (``clip_score``, ``pickscore``, ``aesthetic``...), the configured list (``remote``), the
+      union of the components' (``composite``), else fixed.
+    - ``artifacts_for(config) -> frozenset[str]`` (a classmethod): the artifact kinds its results carry in
+      ``RewardResult.artifacts`` for the sample writers (``sam_mask``: ``{"mask", "seg_prompts"}``, drawn as overlays
+      by the text writer; most: none). A reward never writes into the pipeline's `outputs`; the writers draw exactly
+      the declared kinds ([`mmgrpo.sample_writers.ARTIFACT_WRITERS`]) and refuse a result that lacks one.
+
+    An instance holds the declarations for its own options as ``modalities`` and ``artifacts``.
     """
 
     Config: type
-    modalities: frozenset[str]
+    modalities: frozenset[str]  # what this instance scores: its class's modalities_for(its options)
+    artifacts: frozenset[str]  # the kinds its results carry in RewardResult.artifacts: artifacts_for(its options)
     group_stage: Callable[[RewardResult, torch.Tensor | None], RewardResult] | None
+
+    @classmethod
+    def modalities_for(cls, config) -> frozenset[str]: ...
+
+    @classmethod
+    def artifacts_for(cls, config) -> frozenset[str]: ...
 
     def __call__(self, outputs: dict[str, Any], batch: PromptBatch) -> RewardResult: ...
 

@@ -9,8 +9,9 @@ one is refused there and by ``mmgrpo check``, before any model loads:
 - ``image``, ``outputs["images"]`` `[N, 3, H, W]`: ``step_XXXXX.png``, a grid, each image with its prompt and reward
   (``step_XXXXX`` is the evaluated step).
 - ``text``, ``outputs["texts"]`` (`N` strings): ``step_XXXXX.jsonl`` (prompt, text, reward) and ``step_XXXXX.html``
-  (the same rows with the prompt's input images); with a segmenter reward's ``outputs["masks"]``, also the overlays
-  ``step_XXXXX_seg.png`` and ``step_XXXXX_seg.html`` (see `mmgrpo._mask_overlays`).
+  (the same rows with the prompt's input images); with a reward that declares the artifacts ``mask`` (and
+  ``seg_prompts``), a segmenter such as `sam_mask`, also the overlays ``step_XXXXX_seg.png`` and ``step_XXXXX_seg.html``
+  (see `mmgrpo._mask_overlays`).
 - ``video``, ``outputs["videos"]`` `[N, F, 3, H, W]`: ``step_XXXXX_video/sample_NN.mp4`` (H.264), the frame strips
   with prompt and reward in ``step_XXXXX_video.png``, and ``step_XXXXX_video.html``, which plays and links them.
 - ``mask``, ``outputs["masks"]`` `[N, H, W]` or `N` tensors `[H_i, W_i]` (`None`: no mask): ``step_XXXXX_masks.png``,
@@ -18,6 +19,11 @@ one is refused there and by ``mmgrpo check``, before any model loads:
 
 Pixel values are in [0, 1]. A writer whose key is missing from the outputs raises: a pipeline that declares a
 modality must produce it.
+
+What a reward adds for the writers is a declared artifact of its result (``RewardResult.artifacts``, kinds declared by
+the reward class's ``artifacts_for``; see [`mmgrpo.protocols.RewardFn`]), never a key written into the outputs: each
+modality's writer draws the kinds of [`ARTIFACT_WRITERS`] that the reward declares, and refuses a result lacking one;
+``mmgrpo check`` refuses a reward declaring a kind no writer of the pipeline's modalities draws.
 """
 
 from __future__ import annotations
@@ -34,6 +40,9 @@ from .types import PromptBatch, as_list
 from .visualize import as_pil, save_image_grid, save_sample_table
 
 OUTPUT_KEYS = {"image": "images", "text": "texts", "video": "videos", "mask": "masks"}  # modality -> outputs key
+# modality -> the reward artifacts its writer draws (``RewardResult.artifacts`` kinds): the text writer's segmentation
+# overlays, the predicted ``mask`` (bool [H, W] or None per sample) with the VLM's ``seg_prompts`` (boxes and points)
+ARTIFACT_WRITERS = {"text": frozenset({"mask", "seg_prompts"})}
 VIDEO_FPS = 16  # frame rate of the MP4 files
 
 
@@ -43,26 +52,35 @@ class SampleWriter:
     Args:
         modality (`str`): a key of [`WRITERS`].
         limit (`int`): samples kept.
+        artifacts (`frozenset[str]`, *optional*): the artifact kinds the reward declares (its ``artifacts``); the
+            writer keeps those it draws ([`ARTIFACT_WRITERS`]) from each batch's reward result.
     """
 
-    def __init__(self, modality: str, limit: int):
+    def __init__(self, modality: str, limit: int, artifacts: frozenset[str] = frozenset()):
         if modality not in WRITERS:
             raise ValueError(
                 f"no sample writer for output modality {[modality]}; known: {sorted(WRITERS)}. Declare one of those in "
                 "the pipeline's `modalities`, or add a writer to mmgrpo.sample_writers.WRITERS."
             )
         self.modality, self.limit, self.prompts, self.items, self.inputs = modality, limit, [], [], []
+        self.artifacts = frozenset(artifacts) & ARTIFACT_WRITERS.get(modality, frozenset())  # the kinds it draws
         self.segmentation = []  # text samples with a segmenter reward's masks (mmgrpo._mask_overlays)
 
-    def add(self, outputs: dict[str, Any], batch: PromptBatch) -> None:
+    def add(self, outputs: dict[str, Any], batch: PromptBatch, artifacts: dict[str, list] | None = None) -> None:
         """Keeps the first samples of `batch` while fewer than `limit` are kept; `outputs` must hold the modality's
-        key ([`OUTPUT_KEYS`])."""
+        key ([`OUTPUT_KEYS`]), `artifacts` (the reward result's) every declared kind this writer draws."""
         key = OUTPUT_KEYS[self.modality]
         if key not in outputs:
             raise ValueError(
                 f"the pipeline declares modality {self.modality!r} but its outputs hold only {sorted(outputs)}: return "
                 f"outputs[{key!r}] from sample(), or declare the modalities it produces."
             )
+        given = artifacts or {}
+        missing = sorted(self.artifacts - given.keys())
+        if missing:
+            raise ValueError(f"the reward declares the artifacts {sorted(self.artifacts)} but its result holds only "
+                             f"{sorted(given)}: return RewardResult.artifacts[{missing[0]!r}] from __call__, or declare "
+                             "the artifacts it adds (artifacts_for).")
         k = min(self.limit - len(self.items), len(batch))
         if k <= 0:
             return
@@ -70,8 +88,11 @@ class SampleWriter:
         self.items.extend(outputs[key][i] for i in range(k))
         self.prompts.extend(batch.prompts[:k])
         self.inputs.extend(as_list(pictures[i]) for i in range(k))
-        if self.modality == "text" and "masks" in outputs:
-            self.segmentation.extend(_mask_overlays.keep(outputs, batch, k))
+        if self.artifacts:  # the text writer's segmentation overlays (mmgrpo._mask_overlays)
+            none = [None] * len(batch)
+            masks = given["mask"] if "mask" in self.artifacts else none
+            prompts = given["seg_prompts"] if "seg_prompts" in self.artifacts else none
+            self.segmentation.extend(_mask_overlays.keep(outputs[key], masks, prompts, batch, k))
 
     def write(self, folder: str | Path, step: int, rewards: list[float]) -> list[Path]:
         """Writes the kept samples, with their `rewards`, in `folder` for `step`; returns the files written."""
@@ -181,10 +202,11 @@ def write_mask_overlays(kept: SampleWriter, folder: Path, step: int, rewards: li
 WRITERS = {"image": write_image_grid, "text": write_text_table, "video": write_videos, "mask": write_mask_overlays}
 
 
-def writers_for(modalities, limit: int) -> list[SampleWriter]:
-    """One [`SampleWriter`] per modality in `modalities` (sorted), each keeping `limit` samples.
+def writers_for(modalities, limit: int, artifacts: frozenset[str] = frozenset()) -> list[SampleWriter]:
+    """One [`SampleWriter`] per modality in `modalities` (sorted), each keeping `limit` samples and drawing the
+    reward's declared `artifacts` it knows ([`ARTIFACT_WRITERS`]).
 
     Raises:
         ValueError: a modality without a write function in [`WRITERS`] (its name and the known ones).
     """
-    return [SampleWriter(modality, limit) for modality in sorted(modalities)]
+    return [SampleWriter(modality, limit, artifacts) for modality in sorted(modalities)]

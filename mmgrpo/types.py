@@ -130,12 +130,18 @@ class RewardResult:
             (a group stage that ends in the advantage step itself, e.g. TRL's ``normalize_then_sum`` in `composite`):
             the trainer uses them as they are (NaN: advantage 0, not scored) instead of ``algorithm.advantages``
             ([`mmgrpo.advantages.reward_advantages`]).
+        artifacts (`dict[str, list]`): what the reward adds for the sample writers, by artifact kind, each a list of
+            `N` per-sample values (`None`: nothing for that sample); exactly the kinds its class declares for its
+            options (``artifacts_for``, see [`mmgrpo.protocols.RewardFn`]), e.g. ``"mask"`` (bool `[H, W]` masks) and
+            ``"seg_prompts"`` (``{"boxes", "points", "labels"}``) of `sam_mask`. They stay in the process that scored
+            (the writers keep each process's own samples): never gathered, never sent by the reward server.
     """
 
     scores: torch.Tensor  # [N] float32
     components: dict[str, torch.Tensor] = field(default_factory=dict)  # name -> [N]
     features: torch.Tensor | None = None  # [N, ...]
     scores_are_advantages: bool = False
+    artifacts: dict[str, list] = field(default_factory=dict)  # kind -> N per-sample values
 
 
 @dataclass

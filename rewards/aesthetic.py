@@ -105,10 +105,19 @@ class AestheticScore:
     Config = AestheticScoreConfig
     modalities = frozenset({"image"})  # the default; an instance holds its configured modality
     group_stage = None  # each score depends on its sample only (see mmgrpo.protocols.RewardFn)
+    artifacts = frozenset()  # adds nothing for the sample writers
+
+    @classmethod
+    def modalities_for(cls, config: AestheticScoreConfig) -> frozenset[str]:
+        return frozenset({config.modality})  # its `modality` option (see mmgrpo.protocols.RewardFn)
+
+    @classmethod
+    def artifacts_for(cls, config: AestheticScoreConfig) -> frozenset[str]:
+        return cls.artifacts
 
     def __init__(self, config: AestheticScoreConfig):
         self.config = config
-        self.modalities = frozenset({config.modality})
+        self.modalities = self.modalities_for(config)
         self.model, _ = _clip.load_open_clip("aesthetic", config.model_name, config.pretrained, config.device)
         self.head = load_head(os.path.expanduser(config.head_path))
         width = self.model.visual.output_dim

@@ -118,6 +118,15 @@ class BoxIoU:
     Config = BoxIoUConfig
     modalities = frozenset({"text"})
     group_stage = None  # each score depends on its sample only (see mmgrpo.protocols.RewardFn)
+    artifacts = frozenset()  # adds nothing for the sample writers
+
+    @classmethod
+    def modalities_for(cls, config: BoxIoUConfig) -> frozenset[str]:
+        return cls.modalities  # whatever the options (see mmgrpo.protocols.RewardFn)
+
+    @classmethod
+    def artifacts_for(cls, config: BoxIoUConfig) -> frozenset[str]:
+        return cls.artifacts
 
     def __init__(self, config: BoxIoUConfig | None = None):
         self.config = config or BoxIoUConfig()

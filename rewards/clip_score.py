@@ -60,10 +60,19 @@ class ClipScore:
     Config = ClipScoreConfig
     modalities = frozenset({"image"})  # the default; an instance holds its configured modality
     group_stage = None  # each score depends on its sample only (see mmgrpo.protocols.RewardFn)
+    artifacts = frozenset()  # adds nothing for the sample writers
+
+    @classmethod
+    def modalities_for(cls, config: ClipScoreConfig) -> frozenset[str]:
+        return frozenset({config.modality})  # its `modality` option (see mmgrpo.protocols.RewardFn)
+
+    @classmethod
+    def artifacts_for(cls, config: ClipScoreConfig) -> frozenset[str]:
+        return cls.artifacts
 
     def __init__(self, config: ClipScoreConfig | None = None):
         self.config = config or ClipScoreConfig()
-        self.modalities = frozenset({self.config.modality})
+        self.modalities = self.modalities_for(self.config)
         self.model, self.tokenizer = _clip.load_open_clip(
             "clip_score", self.config.model_name, self.config.pretrained, self.config.device
         )

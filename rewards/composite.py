@@ -47,7 +47,9 @@ Config: ``rewards`` maps a component name to ``{name: <registered reward, defaul
         accuracy: {weight: 0.9, mode: numeric}
 
 `components` hold each reward's score under its component name, that reward's own components as ``<name>/<key>``, and
-``weighted_sum`` (after the components' group stages, before any normalisation).
+``weighted_sum`` (after the components' group stages, before any normalisation). Its modalities are the union of its
+components' and its artifacts (for the sample writers, e.g. `sam_mask`'s masks) are theirs, each kind added by one
+component only.
 """
 
 from __future__ import annotations
@@ -170,13 +172,33 @@ class CompositeReward:
 
     Config = CompositeConfig
     modalities = frozenset()  # depends on the components; an instance holds the union of theirs
+    artifacts = frozenset()  # likewise: its components' artifacts
     group_stage = None  # the class default; an instance that normalises or has group-level components holds its own
+
+    @classmethod
+    def modalities_for(cls, config: CompositeConfig) -> frozenset[str]:
+        """The union of its components' modalities, each for its own options (see mmgrpo.protocols.RewardFn)."""
+        return frozenset().union(*(registry.get("reward", name).modalities_for(options)
+                                   for name, _, options in config.specs.values()))
+
+    @classmethod
+    def artifacts_for(cls, config: CompositeConfig) -> frozenset[str]:
+        """Its components' artifacts; raises `ValueError` when two components add the same kind."""
+        owners = {}
+        for key, (name, _, options) in config.specs.items():
+            for kind in sorted(registry.get("reward", name).artifacts_for(options)):
+                if kind in owners:
+                    raise ValueError(f"composite: reward.rewards.{owners[kind]} and reward.rewards.{key} both add the "
+                                     f"artifact {kind!r} for the sample writers: keep it on one of them.")
+                owners[kind] = key
+        return frozenset(owners)
 
     def __init__(self, config: CompositeConfig):
         self.config = config
         self.rewards = {key: registry.get("reward", name)(options) for key, (name, _, options) in config.specs.items()}
         self.weights = {key: weight for key, (_, weight, _) in config.specs.items()}
         self.modalities = frozenset().union(*(reward.modalities for reward in self.rewards.values()))
+        self.artifacts = self.artifacts_for(config)
         # the components that score against their group, in order, and the width of the features each returned
         self.staged = [key for key, reward in self.rewards.items() if reward.group_stage is not None]
         self.feature_widths: dict[str, int] | None = None  # set by __call__, read by the group stage
@@ -185,11 +207,12 @@ class CompositeReward:
 
     def __call__(self, outputs: dict[str, Any], batch: PromptBatch) -> RewardResult:
         """Returns each sample's weighted sum `[N]` (NaN where no component applies), every component's score and
-        parts, each `[N]`, and the group-level components' features `[N, D_1 + D_2 + ...]` (None without any); the
-        group stage ([`stage_groups`]), if any, gives the final scores."""
-        components, features, widths = {}, [], {}
+        parts, each `[N]`, the group-level components' features `[N, D_1 + D_2 + ...]` (None without any) and the
+        components' artifacts; the group stage ([`stage_groups`]), if any, gives the final scores."""
+        components, features, widths, artifacts = {}, [], {}, {}
         for key, reward in self.rewards.items():
             result = reward(outputs, batch)
+            artifacts.update({kind: result.artifacts[kind] for kind in reward.artifacts})  # each declared kind
             components[key] = result.scores.detach().float().cpu()  # [N]
             components.update({f"{key}/{name}": value.detach().float().cpu() for name, value in result.components.items()})
             if key in self.staged:
@@ -201,7 +224,7 @@ class CompositeReward:
         total = self._weighted_sum(components)  # [N]
         components["weighted_sum"] = total
         features = torch.cat(features, dim=1) if features else None  # [N, D_1 + D_2 + ...]
-        return RewardResult(scores=total, components=components, features=features)
+        return RewardResult(scores=total, components=components, features=features, artifacts=artifacts)
 
     def stage_groups(self, result: RewardResult, group_ids: torch.Tensor | None) -> RewardResult:
         """The group stage: `result` of the whole batch (``scores`` `[N]`, ``components`` each `[N]`, ``features``) and

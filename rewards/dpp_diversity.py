@@ -98,10 +98,19 @@ class DppDiversity:
 
     Config = DppDiversityConfig
     modalities = frozenset({"video"})  # the default; an instance holds its configured modality
+    artifacts = frozenset()  # adds nothing for the sample writers
+
+    @classmethod
+    def modalities_for(cls, config: DppDiversityConfig) -> frozenset[str]:
+        return frozenset({config.modality})  # its `modality` option (see mmgrpo.protocols.RewardFn)
+
+    @classmethod
+    def artifacts_for(cls, config: DppDiversityConfig) -> frozenset[str]:
+        return cls.artifacts
 
     def __init__(self, config: DppDiversityConfig | None = None):
         self.config = config or DppDiversityConfig()
-        self.modalities = frozenset({self.config.modality})
+        self.modalities = self.modalities_for(self.config)
         self.model, self.tokenizer = _clip.load_open_clip(
             "dpp_diversity", self.config.model_name, self.config.pretrained, self.config.device
         )

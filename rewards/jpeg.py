@@ -67,10 +67,19 @@ class JpegReward:
     Config = JpegConfig
     modalities = frozenset({"image"})  # the default; an instance holds its configured modality
     group_stage = None  # each score depends on its sample only (see mmgrpo.protocols.RewardFn)
+    artifacts = frozenset()  # adds nothing for the sample writers
+
+    @classmethod
+    def modalities_for(cls, config: JpegConfig) -> frozenset[str]:
+        return frozenset({config.modality})  # its `modality` option (see mmgrpo.protocols.RewardFn)
+
+    @classmethod
+    def artifacts_for(cls, config: JpegConfig) -> frozenset[str]:
+        return cls.artifacts
 
     def __init__(self, config: JpegConfig | None = None):
         self.config = config or JpegConfig()
-        self.modalities = frozenset({self.config.modality})
+        self.modalities = self.modalities_for(self.config)
 
     def __call__(self, outputs: dict[str, Any], batch: PromptBatch) -> RewardResult:
         """Returns `scores` `[N]` (signed size; a video's frame scores reduced by `frame_reduce`) and `components`

@@ -106,6 +106,15 @@ class MaskIoU:
     Config = MaskIoUConfig
     modalities = frozenset({"mask"})
     group_stage = None  # each score depends on its sample only (see mmgrpo.protocols.RewardFn)
+    artifacts = frozenset()  # adds nothing for the sample writers
+
+    @classmethod
+    def modalities_for(cls, config: MaskIoUConfig) -> frozenset[str]:
+        return cls.modalities  # whatever the options (see mmgrpo.protocols.RewardFn)
+
+    @classmethod
+    def artifacts_for(cls, config: MaskIoUConfig) -> frozenset[str]:
+        return cls.artifacts
 
     def __init__(self, config: MaskIoUConfig | None = None):
         self.config = config or MaskIoUConfig()

@@ -156,6 +156,15 @@ class MiniGenEval:
     Config = MiniGenEvalConfig
     modalities = frozenset({"image"})
     group_stage = None  # each score depends on its sample only (see mmgrpo.protocols.RewardFn)
+    artifacts = frozenset()  # adds nothing for the sample writers
+
+    @classmethod
+    def modalities_for(cls, config: MiniGenEvalConfig) -> frozenset[str]:
+        return cls.modalities  # whatever the options (see mmgrpo.protocols.RewardFn)
+
+    @classmethod
+    def artifacts_for(cls, config: MiniGenEvalConfig) -> frozenset[str]:
+        return cls.artifacts
 
     def __init__(self, config: MiniGenEvalConfig | None = None):
         self.config = config or MiniGenEvalConfig()

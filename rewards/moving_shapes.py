@@ -97,6 +97,15 @@ class MovingShapesReward:
     Config = MovingShapesRewardConfig
     modalities = frozenset({"video"})
     group_stage = None  # each score depends on its sample only (see mmgrpo.protocols.RewardFn)
+    artifacts = frozenset()  # adds nothing for the sample writers
+
+    @classmethod
+    def modalities_for(cls, config: MovingShapesRewardConfig) -> frozenset[str]:
+        return cls.modalities  # whatever the options (see mmgrpo.protocols.RewardFn)
+
+    @classmethod
+    def artifacts_for(cls, config: MovingShapesRewardConfig) -> frozenset[str]:
+        return cls.artifacts
 
     def __init__(self, config: MovingShapesRewardConfig | None = None):
         self.config = config or MovingShapesRewardConfig()

@@ -69,12 +69,21 @@ class PickScore:
     Config = PickScoreConfig
     modalities = frozenset({"image"})  # the default; an instance holds its configured modality
     group_stage = None  # each score depends on its sample only (see mmgrpo.protocols.RewardFn)
+    artifacts = frozenset()  # adds nothing for the sample writers
+
+    @classmethod
+    def modalities_for(cls, config: PickScoreConfig) -> frozenset[str]:
+        return frozenset({config.modality})  # its `modality` option (see mmgrpo.protocols.RewardFn)
+
+    @classmethod
+    def artifacts_for(cls, config: PickScoreConfig) -> frozenset[str]:
+        return cls.artifacts
 
     def __init__(self, config: PickScoreConfig | None = None):
         from transformers import CLIPModel, CLIPProcessor
 
         self.config = config or PickScoreConfig()
-        self.modalities = frozenset({self.config.modality})
+        self.modalities = self.modalities_for(self.config)
         device = self.config.device
         self.device = ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device
         sources = {"pickscore.model": self.config.model, "pickscore.processor": self.config.processor or self.config.model}

@@ -138,10 +138,19 @@ class RemoteReward:
     Config = RemoteConfig
     modalities = frozenset()  # depends on the served reward; an instance holds its configured modalities
     group_stage = None  # the server scores per sample: serve a reward without a group stage
+    artifacts = frozenset()  # the server returns scores and components only
+
+    @classmethod
+    def modalities_for(cls, config: RemoteConfig) -> frozenset[str]:
+        return frozenset(config.modalities)  # the served reward's, as configured (see mmgrpo.protocols.RewardFn)
+
+    @classmethod
+    def artifacts_for(cls, config: RemoteConfig) -> frozenset[str]:
+        return cls.artifacts
 
     def __init__(self, config: RemoteConfig | None = None):
         self.config = config or RemoteConfig()
-        self.modalities = frozenset(self.config.modalities)
+        self.modalities = self.modalities_for(self.config)
         self.url = self.config.url.rstrip("/")
         self._token = self.config.token()
         self._opener = urllib.request.build_opener(_NoRedirect)

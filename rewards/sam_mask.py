@@ -26,9 +26,10 @@ image or tensor `[3, H, W]` in [0, 1]; the first of a list); the truth ``metadat
 encoding of `mmgrpo.rewards._seg_masks.load_mask`); ``image_size`` / ``input_size`` as in `box_iou` (``image_size`` is
 read from the image when absent). A sample without truth is not applicable (NaN). Components (each `[N]`): ``iou`` (its
 mean over an evaluation is the gIoU), ``intersection`` and ``union`` (pixels; ``mean(intersection) / mean(union)`` is
-the cIoU), ``s_measure``, ``num_boxes``, ``truncated`` and the parser's 0/1 counters. With `attach_masks`, the predicted
-masks (bool `[H, W]`, original pixels) and the parsed prompts are put in ``outputs["masks"]`` and
-``outputs["seg_prompts"]`` for the sample writers' overlays (in this process only: a remote reward returns scores).
+the cIoU), ``s_measure``, ``num_boxes``, ``truncated`` and the parser's 0/1 counters. With `attach_masks`, the result's
+artifacts (declared by ``artifacts_for``) hold the predicted masks, ``"mask"`` (bool `[H, W]`, original pixels; `None`
+for a sample without truth), and the parsed prompts, ``"seg_prompts"``, which the text sample writer draws as overlays
+(see `mmgrpo._mask_overlays`; in the process that scored only: a remote reward returns scores and components).
 Not checked: whether the reasoning in ``<think>`` is sound (add the ``format`` or ``seg_zero`` reward for layout).
 """
 
@@ -72,7 +73,8 @@ class SamMaskConfig:
         max_boxes (`int`, defaults to 16), max_points (`int`, defaults to 32): read from one answer at most.
         max_completion_chars (`int`, *optional*, defaults to 16384): the text length cap (component ``truncated``).
         decode_batch (`int`, defaults to 64): (sample, box) pairs per mask-decoder call.
-        attach_masks (`bool`, defaults to `True`): put ``masks`` and ``seg_prompts`` in the outputs for the writers.
+        attach_masks (`bool`, defaults to `True`): add the artifacts ``mask`` and ``seg_prompts`` to each result, for
+            the sample writers' overlays.
     """
 
     model: str
@@ -117,11 +119,22 @@ class SamMask:
     Config = SamMaskConfig
     modalities = frozenset({"text"})
     group_stage = None  # each score depends on its sample only (see mmgrpo.protocols.RewardFn)
+    artifacts = frozenset({"mask", "seg_prompts"})  # the default (attach_masks); an instance holds its options'
+
+    @classmethod
+    def modalities_for(cls, config: SamMaskConfig) -> frozenset[str]:
+        return cls.modalities  # whatever the options (see mmgrpo.protocols.RewardFn)
+
+    @classmethod
+    def artifacts_for(cls, config: SamMaskConfig) -> frozenset[str]:
+        """The predicted masks and parsed prompts (``mask``, ``seg_prompts``) with `attach_masks`, else none."""
+        return frozenset({"mask", "seg_prompts"}) if config.attach_masks else frozenset()
 
     def __init__(self, config: SamMaskConfig):
         from transformers import AutoModel, AutoProcessor
 
         self.config = config
+        self.artifacts = self.artifacts_for(config)
         device = config.device
         self.device = ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device
         self.dtype = DTYPES[config.dtype]
@@ -227,7 +240,8 @@ class SamMask:
         return prompts, masks
 
     def __call__(self, outputs: dict[str, Any], batch: PromptBatch) -> RewardResult:
-        """Returns `scores` `[N]` and the components of the module docstring, each `[N]`."""
+        """Returns `scores` `[N]`, the components of the module docstring, each `[N]`, and with `attach_masks` the
+        artifacts ``mask`` and ``seg_prompts`` (`N` values each). `outputs` is only read."""
         n, c = len(batch), self.config
         answers, truncated = cut_texts(texts(outputs, n, "sam_mask"), c.max_completion_chars)
         todo = [i for i in range(n) if c.gt_key in batch.metadata[i]]
@@ -247,11 +261,12 @@ class SamMask:
                       "score": (1 - c.s_measure_weight) * iou + c.s_measure_weight * structure}
             for name, value in values.items():
                 columns[name][i] = value
+        artifacts = {}  # kind -> N values, exactly the declared kinds (artifacts_for)
         if c.attach_masks:
-            outputs["masks"] = [masks.get(i) for i in range(n)]
-            outputs["seg_prompts"] = [_as_dict(prompts.get(i)) for i in range(n)]
+            artifacts = {"mask": [masks.get(i) for i in range(n)],
+                         "seg_prompts": [_as_dict(prompts.get(i)) for i in range(n)]}
         scores = columns.pop("score")
-        return RewardResult(scores=scores, components={**columns, "truncated": truncated})
+        return RewardResult(scores=scores, components={**columns, "truncated": truncated}, artifacts=artifacts)
 
 
 def _as_dict(prompt: SegPrompt | None) -> dict | None:

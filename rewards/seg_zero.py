@@ -103,6 +103,15 @@ class SegZero:
     Config = SegZeroConfig
     modalities = frozenset({"text"})
     group_stage = None  # each score depends on its sample only (see mmgrpo.protocols.RewardFn)
+    artifacts = frozenset()  # adds nothing for the sample writers
+
+    @classmethod
+    def modalities_for(cls, config: SegZeroConfig) -> frozenset[str]:
+        return cls.modalities  # whatever the options (see mmgrpo.protocols.RewardFn)
+
+    @classmethod
+    def artifacts_for(cls, config: SegZeroConfig) -> frozenset[str]:
+        return cls.artifacts
 
     def __init__(self, config: SegZeroConfig | None = None):
         self.config = config or SegZeroConfig()

@@ -69,6 +69,15 @@ class TemporalConsistency:
     Config = TemporalConsistencyConfig
     modalities = frozenset({"video"})
     group_stage = None  # each score depends on its sample only (see mmgrpo.protocols.RewardFn)
+    artifacts = frozenset()  # adds nothing for the sample writers
+
+    @classmethod
+    def modalities_for(cls, config: TemporalConsistencyConfig) -> frozenset[str]:
+        return cls.modalities  # whatever the options (see mmgrpo.protocols.RewardFn)
+
+    @classmethod
+    def artifacts_for(cls, config: TemporalConsistencyConfig) -> frozenset[str]:
+        return cls.artifacts
 
     def __init__(self, config: TemporalConsistencyConfig | None = None):
         self.config = config or TemporalConsistencyConfig()

@@ -57,6 +57,15 @@ class TemporalFlicker:
     Config = TemporalFlickerConfig
     modalities = frozenset({"video"})
     group_stage = None  # each score depends on its sample only (see mmgrpo.protocols.RewardFn)
+    artifacts = frozenset()  # adds nothing for the sample writers
+
+    @classmethod
+    def modalities_for(cls, config: TemporalFlickerConfig) -> frozenset[str]:
+        return cls.modalities  # whatever the options (see mmgrpo.protocols.RewardFn)
+
+    @classmethod
+    def artifacts_for(cls, config: TemporalFlickerConfig) -> frozenset[str]:
+        return cls.artifacts
 
     def __init__(self, config: TemporalFlickerConfig | None = None):
         self.config = config or TemporalFlickerConfig()

@@ -109,6 +109,15 @@ class TIoU:
     Config = TIoUConfig
     modalities = frozenset({"text"})
     group_stage = None  # each score depends on its sample only (see mmgrpo.protocols.RewardFn)
+    artifacts = frozenset()  # adds nothing for the sample writers
+
+    @classmethod
+    def modalities_for(cls, config: TIoUConfig) -> frozenset[str]:
+        return cls.modalities  # whatever the options (see mmgrpo.protocols.RewardFn)
+
+    @classmethod
+    def artifacts_for(cls, config: TIoUConfig) -> frozenset[str]:
+        return cls.artifacts
 
     def __init__(self, config: TIoUConfig | None = None):
         self.config = config or TIoUConfig()

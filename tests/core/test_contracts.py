@@ -285,11 +285,18 @@ def test_reward_contract(name, request):
     cls = registry.get("reward", name)
     assert dataclasses.is_dataclass(cls.Config)
     options = REWARD_OPTIONS.get(name, {})
-    reward = cls(cls.Config(**(options(request) if callable(options) else options)))
+    config = cls.Config(**(options(request) if callable(options) else options))
+    reward = cls(config)
     assert isinstance(reward, RewardFn) and reward.modalities
+    # the instance holds its class's declarations for its options (read before any model loads)
+    assert reward.modalities == cls.modalities_for(config) and reward.artifacts == cls.artifacts_for(config)
     outputs = {k: v for modality in sorted(reward.modalities) for k, v in SAMPLE_OUTPUTS[modality](5).items()}
+    keys = sorted(outputs)
     batch = REWARD_BATCHES.get(name, _task_batch)(5)
     first, second = reward(outputs, batch), reward(outputs, batch)
+    assert sorted(outputs) == keys  # a reward only reads the outputs: what it adds are its result's artifacts
+    assert first.artifacts.keys() == reward.artifacts  # exactly the declared kinds, each N per-sample values
+    assert all(len(values) == 5 for values in first.artifacts.values())
     assert first.scores.shape == (5,) and first.scores.dtype == torch.float32
     assert torch.isfinite(first.scores).all()
     torch.testing.assert_close(first.scores, second.scores, rtol=0, atol=0)  # deterministic

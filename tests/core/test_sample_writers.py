@@ -1,5 +1,6 @@
 """Sample writers chosen by output modality: the table, the video writer (MP4s that decode back to their frames, frame
-strips, an HTML page), mask overlays, and an unknown modality refused by the writer table and by preflight."""
+strips, an HTML page), mask overlays, segmentation overlays from a reward's declared artifacts, and an unknown modality
+refused by the writer table and by preflight."""
 
 import json
 
@@ -81,6 +82,32 @@ def test_text_writer_keeps_the_jsonl_layout(tmp_path):
     lines = (tmp_path / "step_00000.jsonl").read_text().splitlines()
     assert [json.loads(line) for line in lines] == [{"prompt": "how many?", "text": "<answer>3</answer>", "reward": 1}]
     assert "&lt;answer&gt;3" in (tmp_path / "step_00000.html").read_text()
+
+
+def test_a_reward_declaring_artifacts_gets_overlays_without_any_outputs_key(tmp_path):
+    """The text writer draws the masks and prompts a reward declares as artifacts of its result; a ``masks`` key in
+    the outputs that no reward declares is not drawn, and a declared artifact missing from a result is an error."""
+    image = Image.fromarray(np.full((12, 16, 3), 100, dtype=np.uint8))
+    mask = torch.zeros(12, 16, dtype=torch.bool)
+    mask[2:6, 3:9] = True
+    batch = PromptBatch(["find it", "b"], conditions={"images": [image, image]})
+    outputs = {"texts": ["<answer>x</answer>", "y"]}
+    artifacts = {"mask": [mask, None], "seg_prompts": [{"boxes": [[3, 2, 9, 6]], "points": [[[5, 4]]],
+                                                        "labels": [[1]]}, None]}
+    (writer,) = writers_for({"text"}, 4, artifacts=frozenset(artifacts))
+    writer.add(outputs, batch, artifacts)
+    written = sorted(p.name for p in writer.write(tmp_path, 2, [0.5, 0.0]))
+    assert written == ["step_00002.html", "step_00002.jsonl", "step_00002_seg.html", "step_00002_seg.png"]
+    assert (tmp_path / "step_00002_seg.html").read_text().count("<img") == 2
+    assert writer.segmentation[0]["mask"] is mask and writer.segmentation[1]["prompt"] is None
+    undeclared = SampleWriter("text", 4)  # a key in the outputs is no channel: nothing declared, nothing drawn
+    undeclared.add({**outputs, "masks": [mask, None]}, batch)
+    assert sorted(p.name for p in undeclared.write(tmp_path / "plain", 2, [0.5, 0.0])) == ["step_00002.html",
+                                                                                            "step_00002.jsonl"]
+    with pytest.raises(ValueError, match=r"declares the artifacts \['mask', 'seg_prompts'\].*artifacts\['seg_prompts'\]"):
+        writer.add(outputs, batch, {"mask": [mask, None]})
+    (image_writer,) = writers_for({"image"}, 4, artifacts=frozenset(artifacts))  # draws no artifacts of these kinds
+    assert image_writer.artifacts == frozenset()
 
 
 def test_preflight_refuses_a_pipeline_modality_without_writer(tmp_path, monkeypatch):

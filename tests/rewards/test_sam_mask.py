@@ -68,9 +68,8 @@ def test_batched_decoding_equals_decoding_each_sample_alone(reward):
     outputs = {"texts": [TEXTS[i % 4] for i in range(len(batch))]}
     whole = reward(outputs, batch)
     for i in range(len(batch)):
-        alone = {"texts": [outputs["texts"][i]]}
-        single = reward(alone, batch.select([i]))
-        assert torch.equal(alone["masks"][0], outputs["masks"][i])
+        single = reward({"texts": [outputs["texts"][i]]}, batch.select([i]))
+        assert torch.equal(single.artifacts["mask"][0], whole.artifacts["mask"][i])
         torch.testing.assert_close(single.scores, whole.scores[i : i + 1], rtol=0, atol=1e-6)
 
 
@@ -78,18 +77,20 @@ def test_masks_are_at_the_original_size_and_scored_by_their_iou(reward):
     batch = _batch(4, images=1)
     outputs = {"texts": TEXTS}
     result = reward(outputs, batch)
+    assert list(outputs) == ["texts"]  # the outputs are only read: masks and prompts are the result's artifacts
+    assert result.artifacts.keys() == reward.artifacts == SamMask.artifacts_for(reward.config) == {"mask", "seg_prompts"}
     truth = batch.metadata[0]["mask"].numpy()
-    for i, mask in enumerate(outputs["masks"]):
+    for i, mask in enumerate(result.artifacts["mask"]):
         pred = mask.numpy()
         assert pred.shape == (60, 80) and pred.dtype == bool
         inter, union = np.logical_and(pred, truth).sum(), np.logical_or(pred, truth).sum()
         assert result.components["intersection"][i] == inter and result.components["union"][i] == union
         assert result.scores[i].item() == pytest.approx(inter / union, abs=1e-6)
     # the junk answer predicts nothing: IoU 0 against the non-empty truth, and its counters say why
-    assert not outputs["masks"][2].any() and result.scores[2] == 0
+    assert not result.artifacts["mask"][2].any() and result.scores[2] == 0
     assert result.components["no_answer"][2] == 1 and result.components["no_box"][2] == 1
     assert result.components["num_boxes"].tolist() == [1, 1, 0, 1]
-    assert outputs["seg_prompts"][0] == {"boxes": [[20, 10, 50, 30]], "points": [[[30, 20], [40, 25]]],
+    assert result.artifacts["seg_prompts"][0] == {"boxes": [[20, 10, 50, 30]], "points": [[[30, 20], [40, 25]]],
                                          "labels": [[1, 1]]}
 
 
@@ -107,9 +108,8 @@ def test_seg_r1_scores_0_7_iou_plus_0_3_s_measure_and_unites_boxes(tiny_sam2_dir
     alone = []  # each box with its point alone: the two-box mask is the union of theirs
     for b, p in (("[20,10,50,30]", "[30,20]"), ("[0,0,15,15]", "[5,5]")):
         single = {"texts": [f"<bbox>{b}</bbox><points>[{p}]</points><labels>[1]</labels>"]}
-        reward(single, batch)
-        alone.append(single["masks"][0])
-    assert torch.equal(outputs["masks"][0], alone[0] | alone[1])
+        alone.append(reward(single, batch).artifacts["mask"][0])
+    assert torch.equal(result.artifacts["mask"][0], alone[0] | alone[1])
 
 
 def test_samples_without_truth_are_not_applicable_and_need_no_image(reward):

@@ -1,6 +1,6 @@
 """Segmentation overlays: the colours of one panel by hand (predicted mask red, truth outline green, box yellow,
-points cyan / magenta), and the text writer of an evaluation writing the grid and the HTML page when the segmenter
-reward attached its masks."""
+points cyan / magenta), and the text writer of an evaluation writing the grid and the HTML page from the masks and
+prompts the segmenter reward declares as artifacts of its result (none with attach_masks: false)."""
 
 import numpy as np
 import torch
@@ -39,15 +39,26 @@ def test_text_writer_writes_segmentation_overlays(tiny_sam2_dir, tmp_path):
     outputs = {"texts": ['<answer>{"bbox": [20, 10, 50, 30], "points_1": [30, 20], "points_2": [40, 25]}</answer>',
                          "no box"]}
     result = reward(outputs, batch)
-    writer = SampleWriter("text", limit=4)
-    writer.add(outputs, batch)
+    assert list(outputs) == ["texts"]  # the masks travel in the result, declared by the reward
+    writer = SampleWriter("text", limit=4, artifacts=reward.artifacts)
+    writer.add(outputs, batch, result.artifacts)
     files = writer.write(tmp_path, 7, result.scores.tolist())
     names = sorted(f.name for f in files)
     assert names == ["step_00007.html", "step_00007.jsonl", "step_00007_seg.html", "step_00007_seg.png"]
     page = (tmp_path / "step_00007_seg.html").read_text()
     assert page.count("<img") == 2 and "no box" in page and f"{result.scores[0].item():.3f}" in page
     assert Image.open(tmp_path / "step_00007_seg.png").size[0] > 0
-    plain = SampleWriter("text", limit=4)  # without masks: the text table only
-    plain.add({"texts": ["a", "b"]}, batch)
+    plain = SampleWriter("text", limit=4)  # a reward declaring no artifacts: the text table only
+    plain.add({"texts": ["a", "b"]}, batch, result.artifacts)
     assert sorted(f.name for f in plain.write(tmp_path / "plain", 7, [0.0, 1.0])) == ["step_00007.html",
                                                                                        "step_00007.jsonl"]
+
+
+def test_attach_masks_false_declares_and_returns_no_artifacts(tiny_sam2_dir):
+    config = SamMaskConfig(model=tiny_sam2_dir, coords="original", device="cpu", attach_masks=False)
+    assert SamMask.artifacts_for(config) == frozenset() and SamMask.modalities_for(config) == {"text"}
+    reward = SamMask(config)
+    truth = torch.zeros(60, 80, dtype=torch.bool)
+    batch = PromptBatch(["segment it"], metadata=[{"mask": truth}], conditions={"images": [Image.new("RGB", (80, 60))]})
+    result = reward({"texts": ['<answer>{"bbox": [20, 10, 50, 30]}</answer>']}, batch)
+    assert reward.artifacts == frozenset() and result.artifacts == {}
