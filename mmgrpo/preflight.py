@@ -123,7 +123,11 @@ def check_reward_advantages(config: ExperimentConfig) -> None:
                           "use spread, or normalize: group_normalize_then_sum.")
 
 
-SCORING_METHODS = {"trajectory": "log_prob", "likelihood": "likelihood"}  # Algorithm.scoring -> policy method
+SCORING_METHODS = {"trajectory": "log_prob", "likelihood": "likelihood"}  # Algorithm.scoring -> `provides` key
+SCORERS = {  # Algorithm.scoring -> the policy method of that `provides` key (a policy declares the ones it has)
+    "trajectory": lambda policy: policy.log_prob,
+    "likelihood": lambda policy: policy.likelihood,
+}
 
 
 def require_plan(pipeline, algorithm, num_steps: int, names) -> SamplingPlan:
@@ -140,6 +144,12 @@ def require_plan(pipeline, algorithm, num_steps: int, names) -> SamplingPlan:
             f"which pipeline {names.pipeline.name!r} does not implement: choose another pipeline or algorithm."
         )
     require_scores(pipeline, algorithm, names)
+    if ("ground_truth_member" in plan.features()) != algorithm.traits.ground_truth_member:
+        raise ConfigError(
+            f"algorithm.name: algorithm {names.algorithm.name!r} declares traits.ground_truth_member="
+            f"{algorithm.traits.ground_truth_member} but its plan says otherwise: declare the trait from the same "
+            "option as the plan's ground_truth_member."
+        )
     return plan
 
 

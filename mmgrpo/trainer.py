@@ -44,7 +44,7 @@ from .config import ExperimentConfig
 from .evaluation import evaluate_held_out, evaluation_due, finite_mean, gather_rewards
 from .metrics_log import MetricsLog, read_records
 from .optim import build_optimizer
-from .preflight import SCORING_METHODS, check_modalities, require_plan
+from .preflight import SCORERS, check_modalities, require_plan
 from .prompt_stream import PromptStream
 from .types import RewardResult, Score
 from .plans import SamplingPlan
@@ -86,7 +86,7 @@ def score_unit(policy, algorithm, sub, unit: list[int], device) -> tuple[Score, 
     EMA) or that of `new`, detached (``"current"``: no old model is read, no extra forward).
     `ref` is the reference policy's score when ``algorithm.traits.needs_reference``.
     """
-    score = getattr(policy, SCORING_METHODS[algorithm.scoring])
+    score = SCORERS[algorithm.scoring](policy)  # the method the policy declares in `provides`
     source = algorithm.traits.old_source
     if source == "old_model":
         with torch.no_grad(), algorithm.old_policy(policy):  # before `new`: a weight swap must not touch a live graph
@@ -233,7 +233,7 @@ class Trainer:
             self.stream.observe(all_scores, batch.group_ids - (self.step - 1) * cfg.train.prompts_per_step)
         local_adv = self._this_process(advantages, len(local))
         metrics = self._reward_metrics(all_scores, all_groups, whole.components)
-        if "ground_truth_member" in plan.features():  # TempSamp: the reward of the policy's own answers alone
+        if self.algorithm.traits.ground_truth_member:  # TempSamp: the reward of the policy's own answers alone
             metrics["reward/sampled_mean"] = finite_mean(all_scores[batch.member_ids != 0])
         with_signal, rewarded = groups_with_signal(advantages, all_groups), torch.isfinite(all_scores)  # [N], [N]
         metrics.update(self._update(rollout, plan, local_adv, with_signal, generator, rewarded))

@@ -234,6 +234,10 @@ class AlgorithmTraits:
         group_local_advantages (`bool`): each sample's advantage depends on its own group's scores only, so a process
             holding whole groups can compute them alone (``train.group_placement: contiguous``); `False` when they
             read the whole batch (a batch standard deviation: ``global_std``, ``scale_rewards: batch``).
+        ground_truth_member (`bool`): member 0 of each group is not sampled but teacher-forced on its prompt's ground
+            truth (TempSamp-R1's off-policy member; its plans' ``ground_truth_member``, which the checks before any
+            model loads compare with this): the trainer also logs ``reward/sampled_mean``, the mean reward of the
+            other, sampled members.
     """
 
     reads: frozenset[str] = frozenset({"log_prob"})
@@ -244,6 +248,7 @@ class AlgorithmTraits:
     old_source: Literal["rollout", "old_model", "current"] = "rollout"
     update_mean: Literal["samples", "entries"] = "samples"
     group_local_advantages: bool = True
+    ground_truth_member: bool = False
 
     def __post_init__(self):
         if self.update_mean not in ("samples", "entries"):

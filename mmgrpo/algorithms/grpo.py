@@ -76,6 +76,7 @@ class GRPO:
         self.kl = KLWeight.of(config)  # the KL weight, moving under a schedule
         self.traits = AlgorithmTraits(reads=TOKEN_READS, needs_reference=self.kl.ever_positive,
                                       has_state=self.kl.dynamic, after_update=self.kl.dynamic,
+                                      ground_truth_member=config.ground_truth_member,
                                       group_local_advantages=config.scale_rewards != "batch")
         attach_kl_members(self, self.kl)
 

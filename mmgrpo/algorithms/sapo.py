@@ -71,7 +71,8 @@ class SAPO:
         self.config = config
         self.kl = KLWeight.of(config)  # the KL weight, moving under a schedule
         self.traits = AlgorithmTraits(reads=TOKEN_READS, needs_reference=self.kl.ever_positive,
-                                      has_state=self.kl.dynamic, after_update=self.kl.dynamic)
+                                      has_state=self.kl.dynamic, after_update=self.kl.dynamic,
+                                      ground_truth_member=config.ground_truth_member)
         attach_kl_members(self, self.kl)
 
     def schedule(self, num_steps: int, generator: torch.Generator | None = None) -> TokenPlan:

@@ -107,6 +107,7 @@ def test_every_token_algorithm_has_the_option_and_mdlm_refuses_it(name):
     cls = registry.get("algorithm", name)
     algorithm = cls(cls.Config(ground_truth_member=True))
     assert algorithm.schedule(4).ground_truth_member
+    assert algorithm.traits.ground_truth_member and not cls(cls.Config()).traits.ground_truth_member  # declared
     with pytest.raises(ValueError, match="ground_truth_member: expected bool"):
         cls.Config(ground_truth_member="yes")
     names = SimpleNamespace(algorithm=SimpleNamespace(name=name), pipeline=SimpleNamespace(name="mdlm"))
@@ -115,6 +116,23 @@ def test_every_token_algorithm_has_the_option_and_mdlm_refuses_it(name):
                              plan_features=policy_cls.plan_features, provides=policy_cls.provides)
     with pytest.raises(ValueError, match=rf"algorithm '{name}' needs \['ground_truth_member'\]"):
         check_plan(holder, algorithm, names)
+
+
+def test_a_plan_and_traits_that_disagree_on_the_member_are_refused_before_loading():
+    """The trainer reads the member from ``traits.ground_truth_member`` (its ``reward/sampled_mean``), so an algorithm
+    whose plan teacher-forces member 0 without declaring it, or the reverse, is refused."""
+    import dataclasses
+
+    policy_cls = registry.get("pipeline", "qwen_vl")
+    names = SimpleNamespace(algorithm=SimpleNamespace(name="grpo"), pipeline=SimpleNamespace(name="qwen_vl"))
+    holder = SimpleNamespace(num_steps=4, plan_families=policy_cls.plan_families,
+                             plan_features=policy_cls.plan_features, provides=policy_cls.provides)
+    for member in (True, False):
+        algorithm = GRPO(GRPOConfig(ground_truth_member=member))
+        check_plan(holder, algorithm, names)  # consistent: accepted
+        algorithm.traits = dataclasses.replace(algorithm.traits, ground_truth_member=not member)
+        with pytest.raises(ValueError, match=f"declares traits.ground_truth_member={not member} but its plan"):
+            check_plan(holder, algorithm, names)
 
 
 def test_training_step_reports_the_sampled_members_reward_apart(tmp_path, tiny_qwen2_vl_dir):
