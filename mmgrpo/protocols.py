@@ -30,6 +30,10 @@ class StochasticPolicy(Protocol):
     # "token_scores", "ground_truth_member"; empty for plain plans only): the trainer refuses a plan asking for more
     plan_features: frozenset[str]
     eval_num_steps: int  # decisions per evaluation sample
+    # the optional members it implements beyond this protocol, declared (never probed); empty for none:
+    # "teacher_rollout": ``teacher_rollout(batch, completions) -> Rollout``, the rollout of given completion texts
+    # (teacher-forced, one per prompt), which ``mmgrpo sft`` trains on; sft refuses a pipeline without it
+    capabilities: frozenset[str]
 
     def prepare(self, accelerator) -> list[torch.nn.Module]:
         """Moves the policy to the accelerator's device, wraps its trainable modules with accelerate (DDP, FSDP...)

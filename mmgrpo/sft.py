@@ -72,9 +72,10 @@ def drop_thought(text: str) -> str:
 
 
 def sft_pipelines() -> list[str]:
-    """The registered pipelines that can be fine-tuned with ``mmgrpo sft`` (they build a teacher-forced rollout)."""
+    """The registered pipelines that can be fine-tuned with ``mmgrpo sft``: those declaring the ``teacher_rollout``
+    capability (a teacher-forced rollout of given answers; see [`mmgrpo.protocols.StochasticPolicy`])."""
     names = registry.available("pipeline")
-    return [name for name in names if hasattr(registry.get("pipeline", name), "teacher_rollout")]
+    return [name for name in names if "teacher_rollout" in registry.get("pipeline", name).capabilities]
 
 
 def check(config: ExperimentConfig) -> list[dict]:
@@ -85,11 +86,11 @@ def check(config: ExperimentConfig) -> list[dict]:
     check_output_dir(config)
     check_checkpoint(config, resuming=True)
     name = config.pipeline.name
-    if not hasattr(registry.get("pipeline", name), "teacher_rollout"):
+    if "teacher_rollout" not in registry.get("pipeline", name).capabilities:
         raise ConfigError(
-            f"pipeline.name: mmgrpo sft does not support pipeline {name!r}: it has no teacher_rollout (supervised "
-            f"fine-tuning of masked-diffusion LMs and of image / video generators is not implemented); supported: "
-            f"{sft_pipelines()}."
+            f"pipeline.name: mmgrpo sft does not support pipeline {name!r}: it declares no teacher_rollout capability "
+            f"(supervised fine-tuning of masked-diffusion LMs and of image / video generators is not implemented); "
+            f"supported: {sft_pipelines()}."
         )
     try:
         data = registry.get("data", config.data.name)(config.data.options)

@@ -203,6 +203,7 @@ class MDLMPolicy:
     # scoring method -> the Score fields it fills (both through `_pack`)
     provides = dict.fromkeys(("log_prob", "likelihood"),
                              frozenset({"log_prob", "mask", "token_log_prob", "token_mask", "old_token_log_prob"}))
+    capabilities = frozenset()  # no teacher_rollout: mmgrpo sft does not fine-tune masked-diffusion LMs
 
     def __init__(self, config: MDLMConfig):
         self.config = config

@@ -176,6 +176,7 @@ class QwenVLPolicy:
     plan_families = ("token",)  # it reads TokenPlan only
     plan_features = frozenset({"ground_truth_member"})  # TempSamp-R1's teacher-forced ground-truth member
     provides = {"log_prob": frozenset({"log_prob", "mask"})}  # scoring method -> the Score fields it fills
+    capabilities = frozenset({"teacher_rollout"})  # mmgrpo sft trains on teacher-forced rollouts of given answers
 
     def __init__(self, config: QwenVLConfig):
         import transformers

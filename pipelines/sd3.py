@@ -88,6 +88,7 @@ class SD3Policy:
     plan_families = ("flow",)  # it reads FlowPlan only
     plan_features = PLAN_FEATURES  # merged steps, branches, per-sample units, DPM solver, likelihood
     provides = SCORE_FIELDS  # scoring method -> the Score fields it fills
+    capabilities = frozenset()  # no optional members (no teacher_rollout: mmgrpo sft does not fine-tune it)
 
     def __init__(self, config: SD3Config):
         from diffusers import StableDiffusion3Pipeline

@@ -125,6 +125,7 @@ class WanPolicy:
     plan_families = ("flow",)  # it reads FlowPlan only
     plan_features = PLAN_FEATURES  # merged steps, branches, per-sample units, DPM solver, likelihood
     provides = SCORE_FIELDS  # scoring method -> the Score fields it fills
+    capabilities = frozenset()  # no optional members (no teacher_rollout: mmgrpo sft does not fine-tune it)
 
     def __init__(self, config: WanConfig):
         from diffusers import WanImageToVideoPipeline, WanPipeline

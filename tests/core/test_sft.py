@@ -197,6 +197,23 @@ def test_sft_reward_evaluation_equals_mmgrpo_eval_of_the_written_model(tmp_path)
     assert len({round(r["reward"], 6) for r in sft_scores}) > 1  # not vacuous: the prompts score apart
 
 
+def test_sft_reads_the_declared_teacher_rollout_capability(tmp_path, capsys, monkeypatch):
+    """Every pipeline declares its capabilities, `teacher_rollout` exactly where it implements it; sft reads the
+    declaration: a pipeline that has the method but does not declare it is refused before any model loads."""
+    from mmgrpo import registry
+    from mmgrpo.sft import sft_pipelines
+
+    for name in registry.available("pipeline"):
+        cls = registry.get("pipeline", name)
+        assert isinstance(cls.capabilities, frozenset)
+        assert ("teacher_rollout" in cls.capabilities) == ("teacher_rollout" in vars(cls)), name
+    assert sft_pipelines() == ["qwen_vl"]
+    monkeypatch.setattr(QwenVLPolicy, "capabilities", frozenset())  # the method stays; the declaration goes
+    assert sft_pipelines() == []
+    assert main(["sft", "vlm_count_sft", f"output_dir={tmp_path / 'v'}"]) == 2
+    assert "does not support pipeline 'qwen_vl': it declares no teacher_rollout capability" in capsys.readouterr().err
+
+
 def test_refusals_before_any_model_loads(tmp_path, capsys):
     assert main(["sft", "mdlm_arith", f"output_dir={tmp_path / 'm'}"]) == 2
     err = capsys.readouterr().err
