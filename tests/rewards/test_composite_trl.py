@@ -47,7 +47,7 @@ def gathered(none: bool) -> RewardResult:
 
 def grpo(**options):
     cls = registry.get("algorithm", "grpo")
-    return cls(cls.Config(**options))
+    return cls(build_dataclass(cls.Config, options, "algorithm"))  # as a config's algorithm section
 
 
 @pytest.mark.parametrize("scale, none", [("group", False), ("batch", False), ("group", True)])
