@@ -66,14 +66,15 @@ class HFDatasetConfig:
         check_range("max_image_pixels", self.max_image_pixels, 1, MAX_IMAGE_PIXELS_LIMIT,
                     fix="the default 67108864 is 8192 x 8192")
         resolve_pretrained(self.path, "data.path", what="dataset")  # an existing local folder or a hub id; checked before loading
-        for key in ("train_split", "question_column", "box_key"):
-            check_text(key, getattr(self, key))
+        for key, value in {"train_split": self.train_split, "question_column": self.question_column,
+                           "box_key": self.box_key}.items():
+            check_text(key, value)
         if "{question}" not in self.prompt_template:
             raise ValueError(f"data.prompt_template must contain '{{question}}', got {self.prompt_template!r}.")
         check_template("prompt_template", self.prompt_template, question="q")
-        for key in ("max_train_rows", "max_eval_rows"):
-            if getattr(self, key) is not None:
-                check_range(key, getattr(self, key), 1, 10**9, fix="unset it to use the whole split")
+        for key, value in {"max_train_rows": self.max_train_rows, "max_eval_rows": self.max_eval_rows}.items():
+            if value is not None:
+                check_range(key, value, 1, 10**9, fix="unset it to use the whole split")
         try:
             import datasets  # noqa: F401
         except ImportError as err:

@@ -22,8 +22,7 @@ class PromptFileConfig:
 
     def __post_init__(self):
         check_fields(self)
-        for key in ("train_file", "eval_file"):
-            value = getattr(self, key)
+        for key, value in {"train_file": self.train_file, "eval_file": self.eval_file}.items():
             if value is None:
                 continue
             path = Path(value).expanduser()

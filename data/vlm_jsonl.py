@@ -61,8 +61,7 @@ class VLMJsonlConfig:
         check_template("prompt_template", self.prompt_template, question="q")
         if self.image_root is not None and not Path(self.image_root).expanduser().is_dir():
             raise ValueError(f"data.image_root: {self.image_root!r} is not a folder; give the folder of the images.")
-        for key in ("train_file", "eval_file"):
-            value = getattr(self, key)
+        for key, value in {"train_file": self.train_file, "eval_file": self.eval_file}.items():
             if value is not None and not Path(value).expanduser().is_file():
                 raise ValueError(f"data.{key}: {value!r} does not exist; give a JSONL file (see data/vlm_jsonl.py).")
 

@@ -194,7 +194,8 @@ def main(argv: list[str] | None = None) -> int:
 
             items = check_sft(config)  # the pipeline takes teacher-forced targets; every item has one
         else:
-            preflight(config, getattr(args, "split", None))  # what else can be checked before any model loads
+            split = args.split if args.command == "eval" else None  # only `mmgrpo eval` has --split
+            preflight(config, split)  # what else can be checked before any model loads
     except (ConfigError, ValueError, OSError) as err:
         print(f"mmgrpo: config error: {' '.join(str(err).split())}", file=sys.stderr)
         return 2

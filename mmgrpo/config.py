@@ -109,8 +109,9 @@ class TrainConfig:
             raise ConfigError(f"train.mixed_precision: fp16 does not combine with train.sharding: {self.sharding} "
                               "(sharded fp16 needs a sharded loss scaler): use bf16 (bf16 compute, fp32 reductions) "
                               "or no.")
+        values = vars(self)  # field name -> value
         for name, high in SIZE_LIMITS.items():
-            check_range(f"train.{name}", getattr(self, name), 1, high, fix=SIZE_FIXES.get(name, ""))
+            check_range(f"train.{name}", values[name], 1, high, fix=SIZE_FIXES.get(name, ""))
         check_range("train.max_seconds", self.max_seconds, 0, SECONDS_LIMIT, fix="0: no time limit")
         if self.group_size < 2:
             raise ConfigError("train.group_size must be >= 2: group-relative advantages need at least two samples.")
@@ -262,11 +263,13 @@ class ExperimentConfig:
 
     def to_dict(self) -> dict:
         out = {"output_dir": self.output_dir, "seed": self.seed, "log_every": self.log_every}
-        for kind in ("pipeline", "algorithm", "reward", "data"):
-            spec = getattr(self, kind)
+        plugins = {"pipeline": self.pipeline, "algorithm": self.algorithm, "reward": self.reward, "data": self.data}
+        for kind, spec in plugins.items():
             out[kind] = {"name": spec.name, **dataclasses.asdict(spec.options)}
-        for name in ("train", "eval", "checkpoint", "tracking", "sft"):
-            out[name] = dataclasses.asdict(getattr(self, name))
+        sections = {"train": self.train, "eval": self.eval, "checkpoint": self.checkpoint, "tracking": self.tracking,
+                    "sft": self.sft}
+        for name, section in sections.items():
+            out[name] = dataclasses.asdict(section)
         return out
 
 

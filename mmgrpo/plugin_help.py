@@ -92,8 +92,8 @@ def describe(name: str, kind: str | None = None) -> str:
         `ValueError`: see [`find`]; a plugin without a ``Config`` dataclass.
     """
     kind, plugin = find(name, kind)
-    config = getattr(plugin, "Config", None)
-    if config is None or not dataclasses.is_dataclass(config):
+    config = plugin.Config  # every plugin declares its Config (mmgrpo.protocols)
+    if not dataclasses.is_dataclass(config):
         raise ValueError(f"{kind} {name!r} ({plugin.__name__}) has no Config dataclass to describe")
     summary = (plugin.__doc__ or "").strip().split("\n\n")[0]
     docs = argument_docs(config.__doc__)

@@ -211,16 +211,16 @@ def check_items(config: ExperimentConfig, split: str = "eval") -> None:
     if evaluating and split == "eval" and not data.eval_items():
         raise ConfigError(
             f"eval.every: prompt source {config.data.name!r} has no held-out items to evaluate: give it some "
-            f"({held_out_options(data)}) or set eval.every=0 and eval.every_seconds=0."
+            f"({held_out_options(config.data.options)}) or set eval.every=0 and eval.every_seconds=0."
         )
 
 
-def held_out_options(data) -> str:
-    """The options of prompt source `data` that give it held-out items (``data.eval_split``...), for an error."""
+def held_out_options(options) -> str:
+    """The options of a prompt source (`options`, its Config instance) that give it held-out items
+    (``data.eval_split``...), for an error."""
     import dataclasses
 
-    config = getattr(data, "config", None)
-    names = [f.name for f in dataclasses.fields(config)] if dataclasses.is_dataclass(config) else []
+    names = [f.name for f in dataclasses.fields(options)] if dataclasses.is_dataclass(options) else []
     names = [n for n in names if n.startswith(("eval_", "n_eval")) and not n.startswith("eval_seed")]
     return ", ".join(f"data.{n}" for n in names) or "see `mmgrpo show NAME --kind data`"
 

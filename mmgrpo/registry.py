@@ -40,7 +40,7 @@ def _plugin_summary(path: Path) -> str | None:
         return cached[1]
     tree = ast.parse(path.read_text(encoding="utf-8"))
     defines_plugin = any(
-        isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "PLUGIN" for t in node.targets)
+        isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "PLUGIN" for t in node.targets)
         for node in tree.body
     )
     doc = ast.get_docstring(tree) or ""

@@ -60,12 +60,12 @@ from .validation import check_fields, check_range
 ROUTES = {"/info": "GET", "/score": "POST"}
 
 
-def load_reward(path: str | Path, overrides: list[str] = ()) -> tuple[str, Any]:
+def load_reward(path: str | Path, overrides: list[str] = ()) -> tuple[str, Any, Any]:
     """Reads a reward from YAML: an experiment config (its ``reward:`` section is used) or a mapping with ``name`` and
     the reward's options. ``key=value`` overrides apply to that file (``reward.x=...`` in an experiment config).
 
     Returns:
-        `tuple`: the reward's registry name and an instance.
+        `tuple`: the reward's registry name, an instance and its options (its `Config` instance).
     """
     raw = apply_overrides(read_yaml(path), list(overrides))  # YAML 1.2 scalars, duplicate keys refused
     section = raw.get("reward", raw) if isinstance(raw, dict) else raw
@@ -77,7 +77,7 @@ def load_reward(path: str | Path, overrides: list[str] = ()) -> tuple[str, Any]:
             "a batch sent to it may hold part of a group. Serve it with normalize: none, and normalise in training "
             "with a local composite whose components are `remote` rewards."
         )
-    return spec.name, reward
+    return spec.name, reward, spec.options
 
 
 def require_token_off_loopback(host: str, token: str | None) -> None:
@@ -130,8 +130,9 @@ class ServerLimits:
 
     def __post_init__(self):
         check_fields(self)
+        values = dataclasses.asdict(self)  # field name -> value
         for key, (low, high, low_open) in LIMIT_RANGES.items():
-            check_range(key, getattr(self, key), low, high, low_open=low_open,
+            check_range(key, values[key], low, high, low_open=low_open,
                         fix=f"set --{key.replace('_', '-')} (mmgrpo serve-reward --help)")
 
     @property
@@ -149,15 +150,17 @@ class RewardServer:
     Args:
         reward: any `RewardFn`.
         name (`str`): its registry name, reported by ``/info``.
+        options (*optional*): its options (a `Config` dataclass instance), reported by ``/info`` (`{}` without).
         host (`str`, defaults to `"127.0.0.1"`), port (`int`, defaults to 0: a free port).
         token (`str`, *optional*): the shared secret every request must carry; required off loopback.
         limits ([`ServerLimits`], *optional*): body and decoded sizes, connections and their timeouts, threads.
     """
 
     def __init__(self, reward, name: str, host: str = "127.0.0.1", port: int = 0, token: str | None = None,
-                 limits: ServerLimits | None = None):
+                 limits: ServerLimits | None = None, options=None):
         require_token_off_loopback(host, token)
         self.reward, self.name, self.limits = reward, name, limits or ServerLimits()
+        self.options = dataclasses.asdict(options) if dataclasses.is_dataclass(options) else {}
         self._token = None if token is None else check_token(token, "the token argument").encode("ascii")
         self.lock = threading.Lock()
         self._map: dict = {}  # waitress's socket map: closing everything in it stops the server
@@ -181,9 +184,7 @@ class RewardServer:
         return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
     def info(self) -> dict:
-        config = getattr(self.reward, "config", None)
-        options = dataclasses.asdict(config) if dataclasses.is_dataclass(config) else {}
-        return {"reward": self.name, "modalities": sorted(self.reward.modalities), "config": options,
+        return {"reward": self.name, "modalities": sorted(self.reward.modalities), "config": self.options,
                 "max_body_bytes": self.limits.max_body_bytes, "max_decoded_pixels": self.limits.max_decoded_pixels}
 
     def _authorized(self, header: str) -> bool:
@@ -263,12 +264,12 @@ def serve(config: str, overrides: list[str], host: str, port: int, token_file: s
         server_limits = ServerLimits(**limits)
         token = read_token(token_file)
         require_token_off_loopback(host, token)  # before loading a (possibly large) reward model
-        name, reward = load_reward(config, overrides)
+        name, reward, options = load_reward(config, overrides)
     except (ConfigError, ValueError, RuntimeError) as err:  # RuntimeError: weights that cannot be loaded
         print(f"mmgrpo: config error: {err}", file=sys.stderr)
         return 2
     try:
-        server = RewardServer(reward, name, host, port, token, server_limits)
+        server = RewardServer(reward, name, host, port, token, server_limits, options)
     except (OSError, ValueError) as err:  # port taken, unknown interface, a name with several addresses
         print(f"mmgrpo: cannot listen on {host}:{port}: {err}", file=sys.stderr)
         return 1

@@ -137,7 +137,8 @@ def held_out_targets(config: ExperimentConfig, data=None) -> list[dict]:
     if not items:
         raise ConfigError(
             f"eval.every: mmgrpo sft scores the target loss of held-out items, and prompt source {config.data.name!r} "
-            f"has none: give it some ({held_out_options(data)}) or set eval.every=0 and eval.every_seconds=0."
+            f"has none: give it some ({held_out_options(config.data.options)}) or set eval.every=0 and "
+            "eval.every_seconds=0."
         )
     missing = first_without_target(items, key)
     if missing:

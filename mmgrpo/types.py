@@ -194,7 +194,8 @@ class Score:
 
     def provided(self) -> frozenset[str]:
         """The fields that are not `None`."""
-        return frozenset(f.name for f in fields(self) if getattr(self, f.name) is not None)
+        values = vars(self)  # the fields' values by name
+        return frozenset(f.name for f in fields(self) if values[f.name] is not None)
 
 
 @dataclass(frozen=True)

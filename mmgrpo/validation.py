@@ -151,10 +151,10 @@ def coerce(value: Any, tp: Any, key: str) -> Any:
 def check_fields(config: Any) -> None:
     """Checks (and converts, see [`coerce`]) every field of dataclass instance `config` against its annotation; the
     first thing a ``Config.__post_init__`` does. Errors name the field."""
-    hints = typing.get_type_hints(type(config))
+    hints, values = typing.get_type_hints(type(config)), vars(config)  # field name -> annotation, value
     for f in dataclasses.fields(config):
         if f.init:
-            setattr(config, f.name, coerce(getattr(config, f.name), hints[f.name], f.name))
+            setattr(config, f.name, coerce(values[f.name], hints[f.name], f.name))
 
 
 def check_range(key: str, value: float, low: float | None = None, high: float | None = None, *,

@@ -141,8 +141,9 @@ class QwenVLConfig:
         check_range("top_p", self.top_p, 0, 1, low_open=True, fix="1 disables nucleus truncation")
         check_limit("top_k", self.top_k, 0, find_int(model, "vocab_size"), VOCAB_LIMIT, "the vocabulary size",
                     fix="0 disables top-k truncation")
-        for prefix, cell in (("", 28), ("video_", 56)):  # qwen-vl-utils' resize grid (frame lists: 56 first)
-            low, high = getattr(self, f"{prefix}min_pixels"), getattr(self, f"{prefix}max_pixels")
+        bounds = (("", 28, self.min_pixels, self.max_pixels),
+                  ("video_", 56, self.video_min_pixels, self.video_max_pixels))
+        for prefix, cell, low, high in bounds:  # qwen-vl-utils' resize grid (frame lists: 56 first)
             # one image's tokens (a token per 28 x 28 pixels) must fit in the model's positions
             most = positions * 28**2 if positions else PIXELS_LIMIT
             if low is not None:

@@ -81,8 +81,7 @@ class FormatConfig:
 
     def __post_init__(self):
         check_fields(self)
-        for key in ("pattern", "answer_pattern"):
-            value = getattr(self, key)
+        for key, value in {"pattern": self.pattern, "answer_pattern": self.answer_pattern}.items():
             check_text(key, value)
             try:
                 re.compile(value or "")

@@ -96,8 +96,9 @@ class SamMaskConfig:
 
     def __post_init__(self):
         check_fields(self)
-        for key in ("model", "gt_key", "image_key", "device"):
-            check_text(key, getattr(self, key))
+        for key, value in {"model": self.model, "gt_key": self.gt_key, "image_key": self.image_key,
+                           "device": self.device}.items():
+            check_text(key, value)
         check_range("s_measure_weight", self.s_measure_weight, 0, 1, fix="0 for IoU only, 0.3 as Seg-R1")
         check_range("max_boxes", self.max_boxes, 1, 1024, fix="e.g. 16")
         check_range("max_points", self.max_points, 0, 1024, fix="e.g. 32")

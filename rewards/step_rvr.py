@@ -69,9 +69,9 @@ class StepRVRConfig:
 
     def __post_init__(self):
         check_fields(self)
-        for key in ("step_prefix", "answer_header"):
-            if not getattr(self, key).strip():
-                raise ValueError(f"{key} must be a non-empty header, got {getattr(self, key)!r}.")
+        for key, value in {"step_prefix": self.step_prefix, "answer_header": self.answer_header}.items():
+            if not value.strip():
+                raise ValueError(f"{key} must be a non-empty header, got {value!r}.")
         if any(c.isdecimal() for c in self.step_prefix):
             raise ValueError(f"step_prefix must hold no digit (the step number follows it), got {self.step_prefix!r}.")
         check_range("min_steps", self.min_steps, 1, 1024, fix="e.g. 1")

@@ -116,7 +116,8 @@ def test_server_side_errors_are_reported_without_retrying(jpeg_server):
 def test_load_reward_reads_an_experiment_config_or_a_reward_file(tmp_path):
     experiment = tmp_path / "experiment.yaml"
     experiment.write_text("output_dir: out\nreward:\n  name: jpeg\n  quality: 50\n")
-    name, reward = load_reward(experiment, ["reward.mode=incompressibility"])
+    name, reward, options = load_reward(experiment, ["reward.mode=incompressibility"])
+    assert options == reward.config  # what /info reports
     assert name == "jpeg" and reward.config.quality == 50 and reward.config.mode == "incompressibility"
     alone = tmp_path / "reward.yaml"
     alone.write_text("name: box_iou\ncoords: norm1000\n")
@@ -149,6 +150,7 @@ def test_serve_reward_command(tmp_path):
         url = line.split(" on ")[1].split()[0]
         status, body = exchange(int(url.rsplit(":", 1)[1]), request("GET", "/info", token=TOKEN))
         assert status == 200 and json.loads(body)["max_body_bytes"] == 2 * 2**20
+        assert json.loads(body)["config"]["quality"] == 80  # the options it was started with
         images = torch.rand(2, 3, 16, 16, generator=torch.Generator().manual_seed(1))
         expected = JpegReward(JpegReward.Config(quality=80))({"images": images}, PromptBatch(["a", "b"]))
         reward = remote(url, encoding="float32", token_file=str(token_file))
