@@ -1,6 +1,7 @@
-"""Pieces shared by the flow-matching image adapters (`sd3`, `flux`): the trained transformer (LoRA adapter or full
-fine-tuning, its reference, its checkpoints) and the checks of their configs. Sampling, replay and likelihood
-follow the plan in [`mmgrpo.samplers.flow_plan`].
+"""Pieces shared by the flow-matching adapters (`sd3`, `flux`, `wan`): the checks of their configs, classifier-free
+guidance, and one trained transformer (LoRA adapter or full fine-tuning, its reference, its checkpoints). The
+pipeline wiring built on them is [`mmgrpo.pipelines._flow_policy`]; sampling, replay and likelihood follow the plan in
+[`mmgrpo.samplers.flow_plan`].
 
 Not a plugin: it defines no ``PLUGIN`` and its name starts with an underscore, so the registry skips it.
 """
@@ -38,6 +39,28 @@ def check_flow_config(config, max_tokens: int) -> tuple[str, dict]:
     if config.eval_num_steps is not None:
         check_range("eval_num_steps", config.eval_num_steps, 1, 1000, fix="leave it out to use num_steps")
     return location, transformer
+
+
+def image_bytes(resolution: int) -> int:
+    """Bytes of one decoded square image, float32 RGB of side `resolution` (the `Config.output_size` of the image
+    adapters)."""
+    return 3 * resolution**2 * 4
+
+
+def decode_images(vae, latents: torch.Tensor) -> torch.Tensor:
+    """Latents `[N, C, h, w]` -> images `[N, 3, H, W]` in [0, 1] through a diffusers `AutoencoderKL` (its scaling and
+    shift factors undone, as the SD3 and FLUX pipelines do)."""
+    z = latents.to(vae.dtype) / vae.config.scaling_factor + (vae.config.shift_factor or 0.0)
+    images = vae.decode(z, return_dict=False)[0]
+    return (images.float() / 2 + 0.5).clamp(0, 1)
+
+
+def guided(v: torch.Tensor, scale: float) -> torch.Tensor:
+    """Classifier-free guidance of velocities `[2n, ...]` (unconditional first, then conditional) -> `[n, ...]`:
+    ``v_uncond + scale (v_text - v_uncond)``."""
+    n = v.shape[0] // 2
+    v_uncond, v_text = v[:n], v[n:]
+    return v_uncond + scale * (v_text - v_uncond)
 
 
 def _adapters_off(transformer: torch.nn.Module) -> Callable[[], contextlib.AbstractContextManager]:

@@ -12,13 +12,11 @@ from typing import Literal
 
 import torch
 
-from mmgrpo.hub import DTYPES, load_diffusers_pipeline
 from mmgrpo.model_limits import RESOLUTION_LIMIT, check_limit, find_int, read_json
-from mmgrpo.pipelines._checkpointing import checkpoint_diffusers
-from mmgrpo.pipelines._flow_common import TrainableTransformer, check_flow_config
-from mmgrpo.samplers.flow_plan import PLAN_FEATURES, SCORE_FIELDS, plan_likelihood, replay_plan, run_plan
-from mmgrpo.types import PromptBatch, Rollout, Score
-from mmgrpo.plans import FlowPlan
+from mmgrpo.pipelines._flow_common import check_flow_config, decode_images, guided, image_bytes
+from mmgrpo.pipelines import _flow_policy as flow_policy
+from mmgrpo.pipelines._flow_policy import load_flow_pipeline
+from mmgrpo.samplers.flow_plan import PLAN_FEATURES, SCORE_FIELDS
 
 
 @dataclass
@@ -71,17 +69,18 @@ class SD3Config:
                     "pos_embed_max_size x patch_size x the VAE's downsampling")
         if self.guidance_scale < 1:
             raise ValueError(f"guidance_scale must be >= 1 (1 disables CFG), got {self.guidance_scale}.")
-        if self.lora_rank < 0:
-            raise ValueError(f"lora_rank must be >= 0 (0 = full fine-tuning), got {self.lora_rank}.")
 
     def output_size(self) -> tuple[int, str]:
-        """Bytes of one sample's decoded image (float32 RGB), and the keys that set them: the memory check of
-        [`~mmgrpo.preflight.preflight`] reads it."""
-        return 3 * self.resolution**2 * 4, "pipeline.resolution"
+        """Bytes of one sample's decoded image, and the keys that set them (the memory check of
+        [`~mmgrpo.preflight.preflight`] reads it)."""
+        return image_bytes(self.resolution), "pipeline.resolution"
 
 
 class SD3Policy:
-    """SD3 sampler as a policy: `sample` draws SDE/ODE trajectories, `log_prob` replays their transitions."""
+    """SD3 sampler as a policy: `sample` draws SDE/ODE trajectories of latents `[N, C, h, w]` (the trajectory keeps
+    ``latents`` `[N, S + 1, C, h, w]` and the text embeddings), `log_prob` replays their transitions, `likelihood`
+    scores the final latents; outputs ``images`` `[N, 3, H, W]` in [0, 1]. Set-up, sampling, replay and checkpoints are
+    shared with `flux` and `wan` ([`mmgrpo.pipelines._flow_policy`], at the end of the class)."""
 
     Config = SD3Config
     modalities = frozenset({"image"})
@@ -89,53 +88,19 @@ class SD3Policy:
     plan_features = PLAN_FEATURES  # merged steps, branches, per-sample units, DPM solver, likelihood
     provides = SCORE_FIELDS  # scoring method -> the Score fields it fills
     capabilities = frozenset()  # no optional members (no teacher_rollout: mmgrpo sft does not fine-tune it)
+    input_names = ("prompt_embeds", "pooled", "negative_prompt_embeds", "negative_pooled")  # kept for replay
 
     def __init__(self, config: SD3Config):
         from diffusers import StableDiffusion3Pipeline
 
         self.config = config
-        dtype = DTYPES[config.weights_dtype]
-        self.pipe = load_diffusers_pipeline(StableDiffusion3Pipeline, config.pretrained, dtype=dtype)
-        self.pipe.set_progress_bar_config(disable=True)
-        for name in ("text_encoder", "text_encoder_2", "text_encoder_3", "vae", "transformer"):
-            module = getattr(self.pipe, name, None)
-            if module is not None:
-                module.requires_grad_(False).eval()
-        self.trainable = TrainableTransformer(
-            self.pipe.transformer, lora_rank=config.lora_rank, lora_alpha=config.lora_alpha,
-            lora_targets=config.lora_targets, base_model=config.pretrained,
-        )
+        self.flow = load_flow_pipeline(StableDiffusion3Pipeline, config)
+        self.pipe = self.flow.pipe
+        self.trainable = self.flow.experts[0]
         self.transformer = self.trainable.module  # the unwrapped module (checkpoints, adapters)
-        if config.gradient_checkpointing:
-            checkpoint_diffusers(self.transformer)
         self.device = torch.device("cpu")
 
-    # ----------------------------------------------------------------------------------------------------- set-up
-    def trainable_parameters(self):
-        return self.trainable.parameters()
-
-    def trainable_modules(self) -> dict[str, torch.nn.Module]:
-        return {"transformer": self.transformer}
-
-    @property
-    def num_steps(self) -> int:
-        return self.config.num_steps
-
-    @property
-    def eval_num_steps(self) -> int:
-        return self.config.eval_num_steps or self.config.num_steps
-
-    def prepare(self, accelerator) -> list[torch.nn.Module]:
-        """Moves every component to the accelerator's device and wraps the trainable module for distribution."""
-        self.device = accelerator.device
-        self.pipe.to(self.device)
-        return self.trainable.prepare(accelerator)
-
-    def reference(self):
-        """The reference policy: LoRA adapter disabled, or the frozen initial transformer when fully fine-tuned."""
-        return self.trainable.reference()
-
-    # --------------------------------------------------------------------------------------------------- sampling
+    # ------------------------------------------------------------------------------------------------------ model
     def sigmas(self, num_steps: int) -> torch.Tensor:
         """The scheduler's sigmas for `num_steps` steps, `[num_steps + 1]`, ending at 0."""
         scheduler = self.pipe.scheduler
@@ -175,13 +140,11 @@ class SD3Policy:
             out.update(negative_prompt_embeds=npe, negative_pooled=npooled)
         return out
 
-    def velocity(self, latents, sigma, embeds, module=None, guidance: bool = True) -> torch.Tensor:
+    def velocity(self, latents, sigma, embeds, guidance: bool = True) -> torch.Tensor:
         """Velocity `[n, C, h, w]` for latents `[n, C, h, w]` at noise level `sigma`, guided (CFG) unless
         ``guidance=False`` (the conditional velocity, which the flow-matching likelihood scores)."""
-        module = self.trainable.forward if module is None else module
         cfg = self.do_cfg and guidance
         dtype = self.pipe.transformer.dtype
-        n = latents.shape[0]
         x = latents.to(dtype)
         text, pooled = embeds["prompt_embeds"], embeds["pooled"]
         if cfg:
@@ -189,31 +152,16 @@ class SD3Policy:
             text = torch.cat([embeds["negative_prompt_embeds"], text])
             pooled = torch.cat([embeds["negative_pooled"], pooled])
         timestep = (sigma * self.pipe.scheduler.config.num_train_timesteps).to(self.device).expand(x.shape[0])
-        v = module(
+        v = self.trainable.forward(
             hidden_states=x, timestep=timestep, encoder_hidden_states=text.to(dtype), pooled_projections=pooled.to(dtype),
             return_dict=False,
         )[0].float()
-        if cfg:
-            v_uncond, v_text = v[:n], v[n:]
-            v = v_uncond + self.config.guidance_scale * (v_text - v_uncond)
-        return v
+        return guided(v, self.config.guidance_scale) if cfg else v
 
     @torch.no_grad()
     def decode(self, latents: torch.Tensor) -> torch.Tensor:
         """Latents `[N, C, h, w]` -> images `[N, 3, H, W]` in [0, 1]."""
-        vae = self.pipe.vae
-        z = latents.to(vae.dtype) / vae.config.scaling_factor + (vae.config.shift_factor or 0.0)
-        images = vae.decode(z, return_dict=False)[0]
-        return (images.float() / 2 + 0.5).clamp(0, 1)
-
-    def _model(self, embeds: dict[str, torch.Tensor], guidance: bool = True):
-        """``velocity(latents [r, ...], sigma, rows)`` over the samples `rows` (None: all) of `embeds`."""
-
-        def velocity(x, sigma, rows=None):
-            picked = embeds if rows is None else {k: v[rows.to(v.device)] for k, v in embeds.items()}
-            return self.velocity(x, sigma, picked, guidance=guidance)
-
-        return velocity
+        return decode_images(self.pipe.vae, latents)
 
     def _noise(self, count: int, generator: torch.Generator | None) -> torch.Tensor:
         """Initial latents `[count, C, h, w]`, standard normal, drawn on the CPU as the diffusers pipeline does."""
@@ -221,73 +169,12 @@ class SD3Policy:
         shape = (count, self.pipe.transformer.config.in_channels, side, side)
         return torch.randn(shape, generator=generator).to(self.device)
 
-    def _embeds(self, trajectory: dict) -> dict[str, torch.Tensor]:
-        names = ("prompt_embeds", "pooled", "negative_prompt_embeds", "negative_pooled")
-        return {k: trajectory[k].to(self.device) for k in names if k in trajectory}
-
-    @torch.no_grad()
-    def sample(self, batch: PromptBatch, plan: FlowPlan, *, generator: torch.Generator | None = None) -> Rollout:
-        """Samples one image per prompt following `plan` (SDE on `plan.sde_steps`, ODE elsewhere; merged steps,
-        branches from a shared anchor, the DPM solver: see `mmgrpo.samplers.flow_plan`).
-
-        The trajectory keeps every latent (`latents` `[N, S + 1, C, h, w]`), the text embeddings and the noise level
-        of each step, so `log_prob` can re-score exactly the transitions taken.
-        """
-        n = len(batch)
-        embeds = self.encode(batch.prompts)
-        group_ids = batch.group_ids if batch.group_ids is not None else torch.arange(n)
-        trajectory, log_probs, mask, group_ids = run_plan(
-            self._model(embeds), self._noise, self.sigmas(plan.num_steps), plan, group_ids, batch.member_ids, generator
-        )
-        return Rollout(
-            group_ids=group_ids,
-            outputs={"images": self.decode(trajectory["latents"][:, -1]).cpu()},
-            old_log_probs=log_probs,  # [N, S]
-            mask=mask,
-            trajectory={**trajectory, **embeds},  # latents [N, S + 1, C, h, w], embeddings, shared_* step parameters
-        )
-
-    def log_prob(self, rollout: Rollout, steps: list[int]) -> Score:
-        """Replays transitions `steps` under the current parameters (with gradients), for the samples that train
-        them (`rollout.mask`).
-
-        Returns:
-            [`Score`] with `log_prob` `[n, k]`, `mean` `[n, k, C, h, w]`, ``std`` `[n, k, 1, 1, 1]` and ``mask``
-            `[n, k]` (which entries are replayed transitions).
-        """
-        model = self._model(self._embeds(rollout.trajectory))
-        return replay_plan(model, rollout.trajectory, rollout.group_ids, rollout.mask, steps, self.device)
-
-    def likelihood(self, rollout: Rollout, steps: list[int]) -> Score:
-        """Minus the flow-matching loss of the final latents at noise levels ``sigmas[j]``, `j` in `steps`, with noise
-        shared within a group; the conditional velocity (no CFG), with gradients.
-
-        Returns:
-            [`Score`] with `log_prob` `[n, k]`, `velocity` `[n, k, C, h, w]` and ``group_ids`` `[n]`.
-        """
-        model = self._model(self._embeds(rollout.trajectory), guidance=False)
-        return plan_likelihood(model, self._noise, rollout.trajectory, rollout.group_ids, steps, self.device)
-
-    # ------------------------------------------------------------------------------------------------ checkpoints
-    def save_pretrained(self, path: str) -> None:
-        """Writes the trainable weights: a diffusers LoRA file (``pipe.load_lora_weights(path)`` reads it) or, when
-        fully fine-tuned, a ``transformer/`` folder that replaces the base pipeline's."""
-        from diffusers import StableDiffusion3Pipeline
-
-        self.trainable.save(path, StableDiffusion3Pipeline)
-
-    def load_trainable(self, path: str) -> None:
-        """Loads weights written by [`~SD3Policy.save_pretrained`] into this policy."""
-        self.trainable.load(path)
-
-    def export_pretrained(self, path: str, merge_lora: bool = False) -> None:
-        """Writes the whole diffusers pipeline with the trained weights (a LoRA fused in, or in ``lora/``), loadable
-        with ``StableDiffusion3Pipeline.from_pretrained`` (see [`mmgrpo.export.export_diffusers`])."""
-        from diffusers import StableDiffusion3Pipeline
-
-        from mmgrpo.export import export_diffusers
-
-        export_diffusers(self, StableDiffusion3Pipeline, self.config.pretrained, path, merge_lora, self.trainable.lora)
+    # ------------------------------------------------------------------------- shared with every flow adapter
+    # the protocol's members that do not depend on the model: pipelines/_flow_policy.py (`FlowModel`: what they read)
+    num_steps, eval_num_steps, trainable_parameters, trainable_modules, prepare, reference = flow_policy.SETUP
+    sample, log_prob, likelihood = flow_policy.SAMPLING
+    save_pretrained, load_trainable, export_pretrained = flow_policy.CHECKPOINTS
+    _inputs, _pick, _outputs = flow_policy.IMAGE_IO  # prompt embeddings in (a row per sample), images out
 
 
 PLUGIN = SD3Policy

@@ -19,23 +19,21 @@ Wan: https://arxiv.org/abs/2503.20314 ; Flow-GRPO (video on Wan 2.1): https://ar
 
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass, field
 from typing import Literal
 
 import torch
 
-from mmgrpo.hub import DTYPES, load_diffusers_pipeline
 from mmgrpo.model_limits import GUIDANCE_LIMIT, SHIFT_LIMIT
-from mmgrpo.pipelines._flow_common import TrainableTransformer, check_flow_config
+from mmgrpo.pipelines._flow_common import check_flow_config, guided
+from mmgrpo.pipelines import _flow_policy as flow_policy
+from mmgrpo.pipelines._flow_policy import load_flow_pipeline
 from mmgrpo.pipelines._wan_condition import encode_first_frames, final_latents, model_input
 from mmgrpo.pipelines._wan_geometry import geometry_of, read_geometry
-from mmgrpo.samplers.flow_plan import PLAN_FEATURES, SCORE_FIELDS, plan_likelihood, replay_plan, run_plan
-from mmgrpo.types import PromptBatch, Rollout, Score
-from mmgrpo.plans import FlowPlan
+from mmgrpo.samplers.flow_plan import PLAN_FEATURES, SCORE_FIELDS
+from mmgrpo.types import PromptBatch
 from mmgrpo.validation import check_range
 
-EXPERTS = ("transformer", "transformer_2")
 TEXT_TOKENS = 4096  # UMT5 has relative positions; Wan is trained with 512 tokens
 
 
@@ -118,7 +116,11 @@ class WanConfig:
 
 
 class WanPolicy:
-    """Wan sampler as a policy: `sample` draws SDE/ODE trajectories of video latents, `log_prob` replays them."""
+    """Wan sampler as a policy: `sample` draws SDE/ODE trajectories of video latents `[N, C, T, h, w]` (the trajectory
+    keeps ``latents`` `[N, S + 1, C, T, h, w]` and the text embeddings once per prompt; on the CPU with ``offload``),
+    `log_prob` replays their transitions, each through the expert of its noise level, `likelihood` scores the final
+    latents; outputs ``videos`` `[N, F, 3, H, W]` in [0, 1]. Set-up, sampling, replay and checkpoints are shared
+    with `sd3` and `flux` ([`mmgrpo.pipelines._flow_policy`], at the end of the class)."""
 
     Config = WanConfig
     modalities = frozenset({"video"})
@@ -126,14 +128,15 @@ class WanPolicy:
     plan_features = PLAN_FEATURES  # merged steps, branches, per-sample units, DPM solver, likelihood
     provides = SCORE_FIELDS  # scoring method -> the Score fields it fills
     capabilities = frozenset()  # no optional members (no teacher_rollout: mmgrpo sft does not fine-tune it)
+    input_names = ("prompt_index", "shared_prompt_embeds", "shared_negative_prompt_embeds", "condition")  # for replay
 
     def __init__(self, config: WanConfig):
         from diffusers import WanImageToVideoPipeline, WanPipeline
 
         self.config = config
-        self.pipeline_cls = WanImageToVideoPipeline if config.image_to_video else WanPipeline
-        self.pipe = load_diffusers_pipeline(self.pipeline_cls, config.pretrained, dtype=DTYPES[config.weights_dtype])
-        self.pipe.set_progress_bar_config(disable=True)
+        pipeline_cls = WanImageToVideoPipeline if config.image_to_video else WanPipeline
+        self.flow = load_flow_pipeline(pipeline_cls, config, offload=config.offload)
+        self.pipe = self.flow.pipe
         self.geometry = geometry_of(self.pipe)  # the loaded model's (a hub id's files are read only now)
         self.geometry.check_size(config.num_frames, config.height, config.width)
         self.geometry.check_model(config, where="pipeline")
@@ -141,55 +144,12 @@ class WanPolicy:
             scheduler = self.pipe.scheduler
             key = "flow_shift" if "flow_shift" in scheduler.config else "shift"
             self.pipe.scheduler = type(scheduler).from_config(scheduler.config, **{key: config.flow_shift})
-        for name in ("text_encoder", "vae", "image_encoder", *EXPERTS):
-            module = getattr(self.pipe, name, None)
-            if module is not None:
-                module.requires_grad_(False).eval()
-        self.experts = []  # one trained transformer per expert: [high-noise, low-noise (Wan 2.2 A14B)]
-        for name in EXPERTS:
-            module = getattr(self.pipe, name, None)
-            if module is None:
-                continue
-            if config.gradient_checkpointing:
-                module.enable_gradient_checkpointing()
-            self.experts.append(TrainableTransformer(
-                module, lora_rank=config.lora_rank, lora_alpha=config.lora_alpha, lora_targets=config.lora_targets,
-                base_model=config.pretrained,
-            ))
+        self.experts = self.flow.experts  # one trained transformer per expert: [high-noise, low-noise (A14B)]
         self.transformer = self.experts[0].module  # the unwrapped (high-noise) transformer
         self.boundary = self.pipe.config.boundary_ratio if len(self.experts) > 1 else None
         self.device = torch.device("cpu")
 
-    # ----------------------------------------------------------------------------------------------------- set-up
-    def trainable_parameters(self):
-        return [p for expert in self.experts for p in expert.parameters()]
-
-    def trainable_modules(self) -> dict[str, torch.nn.Module]:
-        return {name: expert.module for name, expert in zip(EXPERTS, self.experts)}
-
-    @property
-    def num_steps(self) -> int:
-        return self.config.num_steps
-
-    @property
-    def eval_num_steps(self) -> int:
-        return self.config.eval_num_steps or self.config.num_steps
-
-    def prepare(self, accelerator) -> list[torch.nn.Module]:
-        """Moves every component to the accelerator's device and wraps the trainable module(s) for distribution."""
-        self.device = accelerator.device
-        self.pipe.to(self.device)
-        return [wrapped for expert in self.experts for wrapped in expert.prepare(accelerator)]
-
-    @contextlib.contextmanager
-    def reference(self):
-        """The reference policy: LoRA adapters disabled, or the frozen initial transformer(s) when fully fine-tuned."""
-        with contextlib.ExitStack() as stack:
-            for expert in self.experts:
-                stack.enter_context(expert.reference())
-            yield
-
-    # --------------------------------------------------------------------------------------------------- sampling
+    # ------------------------------------------------------------------------------------------------------ model
     def sigmas(self, num_steps: int) -> torch.Tensor:
         """The scheduler's sigmas for `num_steps` steps, `[num_steps + 1]`, ending at 0 (Wan ships UniPC with flow
         sigmas, ``s u / (1 + (s - 1) u)`` of ``u = linspace(1, 1/1000, S + 1)[:-1]``; a flow-matching Euler scheduler
@@ -239,6 +199,8 @@ class WanPolicy:
             out.update(encode_first_frames(self, batch))
         return out
 
+    _inputs = encode  # the model inputs of a prompt batch, for the shared sampling
+
     def _pick(self, embeds: dict, rows: torch.Tensor | None) -> dict[str, torch.Tensor]:
         """The per-sample inputs of samples `rows` (None: all): ``prompt_embeds`` `[r, L, D]`, maybe
         ``negative_prompt_embeds`` and ``condition``."""
@@ -272,7 +234,6 @@ class WanPolicy:
         expert = self.experts[k]
         cfg = self.do_cfg and guidance
         dtype = expert.module.dtype
-        n = latents.shape[0]
         x, mask = model_input(self, latents.float(), embeds.get("condition"))  # [n, C', T, h, w], first-frame mask
         text = embeds["prompt_embeds"]  # [n, L, D]
         if cfg:
@@ -282,11 +243,8 @@ class WanPolicy:
             return_dict=False,
         )[0].float()
         if cfg:
-            scale = self.config.guidance_scale
-            if k == 1 and self.config.guidance_scale_2 is not None:
-                scale = self.config.guidance_scale_2
-            v_uncond, v_text = v[:n], v[n:]
-            v = v_uncond + scale * (v_text - v_uncond)
+            second = k == 1 and self.config.guidance_scale_2 is not None
+            v = guided(v, self.config.guidance_scale_2 if second else self.config.guidance_scale)
         if mask is not None:  # the conditioned frame is not generated: its velocity is no model output
             v = v * mask
         return v
@@ -305,90 +263,19 @@ class WanPolicy:
             videos.append((video.float() / 2 + 0.5).clamp(0, 1).transpose(1, 2).cpu())  # [b, F, 3, H, W]
         return torch.cat(videos)
 
-    def _model(self, embeds: dict[str, torch.Tensor], guidance: bool = True):
-        """``velocity(latents [r, ...], sigma, rows)`` over the samples `rows` (None: all) of `embeds`."""
-
-        def velocity(x, sigma, rows=None):
-            return self.velocity(x, sigma, self._pick(embeds, rows), guidance=guidance)
-
-        return velocity
+    def _outputs(self, latents: torch.Tensor, embeds: dict) -> dict[str, torch.Tensor]:
+        return {"videos": self.decode(final_latents(self, latents, embeds.get("condition")))}  # [N, F, 3, H, W]
 
     def _noise(self, count: int, generator: torch.Generator | None) -> torch.Tensor:
         """Initial latents `[count, z_dim, (F - 1) / t + 1, H / s, W / s]`, standard normal, drawn on the CPU."""
         shape = self.geometry.latent_shape(self.config.num_frames, self.config.height, self.config.width)
         return torch.randn((count, *shape), generator=generator).to(self.device)
 
-    def _embeds(self, trajectory: dict) -> dict[str, torch.Tensor]:
-        names = ("prompt_index", "shared_prompt_embeds", "shared_negative_prompt_embeds", "condition")
-        return {k: trajectory[k] for k in names if k in trajectory}
-
-    @torch.no_grad()
-    def sample(self, batch: PromptBatch, plan: FlowPlan, *, generator: torch.Generator | None = None) -> Rollout:
-        """Samples one video per prompt following `plan` (SDE on `plan.sde_steps`, ODE elsewhere; merged steps,
-        branches from a shared anchor, the DPM solver: see `mmgrpo.samplers.flow_plan`).
-
-        The trajectory keeps every latent (`latents` `[N, S + 1, C, T, h, w]`), the text embeddings (once per prompt)
-        and the noise level of each step, so `log_prob` can re-score exactly the transitions taken; with ``offload``
-        its tensors are kept on the CPU.
-        """
-        n = len(batch)
-        embeds = self.encode(batch)
-        group_ids = batch.group_ids if batch.group_ids is not None else torch.arange(n)
-        trajectory, log_probs, mask, group_ids = run_plan(
-            self._model(embeds), self._noise, self.sigmas(plan.num_steps), plan, group_ids, batch.member_ids, generator
-        )
-        videos = self.decode(final_latents(self, trajectory["latents"][:, -1], embeds.get("condition")))
-        trajectory = {**trajectory, **embeds}
-        if self.config.offload:
-            trajectory = {k: v.cpu() if isinstance(v, torch.Tensor) else v for k, v in trajectory.items()}
-        return Rollout(
-            group_ids=group_ids,
-            outputs={"videos": videos},  # [N, F, 3, H, W] in [0, 1]
-            old_log_probs=log_probs,  # [N, S]
-            mask=mask,
-            trajectory=trajectory,  # latents [N, S + 1, C, T, h, w], embeddings, shared_* step parameters
-        )
-
-    def log_prob(self, rollout: Rollout, steps: list[int]) -> Score:
-        """Replays transitions `steps` under the current parameters (with gradients), for the samples that train
-        them (`rollout.mask`).
-
-        Returns:
-            [`Score`] with `log_prob` `[n, k]`, `mean` `[n, k, C, T, h, w]`, ``std`` `[n, k, 1, 1, 1, 1]` and ``mask``
-            `[n, k]` (which entries are replayed transitions).
-        """
-        model = self._model(self._embeds(rollout.trajectory))
-        return replay_plan(model, rollout.trajectory, rollout.group_ids, rollout.mask, steps, self.device)
-
-    def likelihood(self, rollout: Rollout, steps: list[int]) -> Score:
-        """Minus the flow-matching loss of the final latents at noise levels ``sigmas[j]``, `j` in `steps`, with noise
-        shared within a group; the conditional velocity (no CFG), with gradients.
-
-        Returns:
-            [`Score`] with `log_prob` `[n, k]`, `velocity` `[n, k, C, T, h, w]` and ``group_ids`` `[n]`.
-        """
-        model = self._model(self._embeds(rollout.trajectory), guidance=False)
-        return plan_likelihood(model, self._noise, rollout.trajectory, rollout.group_ids, steps, self.device)
-
-    # ------------------------------------------------------------------------------------------------ checkpoints
-    def save_pretrained(self, path: str) -> None:
-        """Writes the trainable weights: a diffusers LoRA file (``pipe.load_lora_weights(path)`` reads it; the second
-        expert's in ``transformer_2/``, read with ``load_into_transformer_2=True``) or, when fully fine-tuned,
-        ``transformer/`` (and ``transformer_2/``) folders that replace the base pipeline's."""
-        for name, expert in zip(EXPERTS, self.experts):
-            expert.save(path, self.pipeline_cls, name=name)
-
-    def load_trainable(self, path: str) -> None:
-        """Loads weights written by [`~WanPolicy.save_pretrained`] into this policy."""
-        for name, expert in zip(EXPERTS, self.experts):
-            expert.load(path, name=name)
-
-    def export_pretrained(self, path: str, merge_lora: bool = False) -> None:
-        """Writes the whole diffusers pipeline with the trained weights (LoRA fused into each expert, or in
-        ``lora/``), loadable with the pipeline class's ``from_pretrained`` (see [`mmgrpo.export.export_diffusers`])."""
-        from mmgrpo.export import export_diffusers
-
-        export_diffusers(self, self.pipeline_cls, self.config.pretrained, path, merge_lora, self.config.lora_rank > 0)
+    # ------------------------------------------------------------------------- shared with every flow adapter
+    # the protocol's members that do not depend on the model: pipelines/_flow_policy.py (`FlowModel`: what they read)
+    num_steps, eval_num_steps, trainable_parameters, trainable_modules, prepare, reference = flow_policy.SETUP
+    sample, log_prob, likelihood = flow_policy.SAMPLING
+    save_pretrained, load_trainable, export_pretrained = flow_policy.CHECKPOINTS
 
 
 PLUGIN = WanPolicy
