@@ -24,148 +24,30 @@ Each image (each video frame) is resized once, by qwen-vl-utils, within one pixe
 saved budget; the processor does not resize again, and its saved budget becomes this one (see `_qwen_vl_inputs.py`).
 When a prompt has images and its metadata has ``image_size``, `sample` writes ``input_size`` = the first image's
 ``[width, height]`` as the model saw it (the frame Qwen2.5-VL answers boxes in; see `rewards/box_iou.py`).
+
+**Modules.** This file holds the policy (sampling, replay, teacher-forced rollouts); its options and their checks
+are `_qwen_vl_config.py`, the prompt and vision inputs `_qwen_vl_inputs.py`, the prefix-shared group forward
+`_qwen_vl_forward.py`, the LoRA adapter and the saved weights `_qwen_vl_weights.py`.
 """
 
 from __future__ import annotations
 
-import contextlib
-from dataclasses import dataclass, field
-from typing import Literal
-
 import torch
 
 from mmgrpo.hub import DTYPES, resolve_pretrained
-from mmgrpo.model_limits import (
-    PIXELS_LIMIT, TOKEN_LIMIT, VOCAB_LIMIT, check_limit, check_lora, check_temperature, find_int, hidden_size,
-    max_positions, read_json,
-)
 from mmgrpo.reference import ReferenceSwitch
 from mmgrpo.sharding import any_process
 from mmgrpo.pipelines._checkpointing import checkpoint_transformers
+from mmgrpo.pipelines._qwen_vl_config import QwenVLConfig  # the options (imported from here by configs and tests)
 from mmgrpo.pipelines._qwen_vl_forward import GroupForward, collate_prompts, unique_rows
 from mmgrpo.pipelines._qwen_vl_inputs import PromptEncoder, vision_inputs
+from mmgrpo.pipelines._qwen_vl_weights import PEFT_PREFIX  # noqa: F401 (imported from here by tests)
+from mmgrpo.pipelines._qwen_vl_weights import adapters_off, inject_lora, load_weights, save_weights
 from mmgrpo.types import PromptBatch, Rollout, Score
 from mmgrpo.plans import TokenPlan
-from mmgrpo.validation import ConfigError, check_fields, check_range
 
-# transformers' attention backends (besides hub kernels "org/name")
-ATTENTION = ("sdpa", "eager", "flash_attention_2", "flash_attention_3", "flash_attention_4", "flex_attention",
-             "paged|eager")
 MODEL_CLASSES = {"qwen2_vl": "Qwen2VLForConditionalGeneration", "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration"}
 VISION_TOKENS = ("<|image_pad|>", "<|video_pad|>", "<|vision_start|>", "<|vision_end|>", "<|vision_pad|>")
-LANGUAGE_LORA = r".*language_model.*\.({names})$"
-# peft's `PeftModel` names the base model's parameters under this prefix: adapters saved with it load there
-PEFT_PREFIX = "base_model.model."
-LORA_FILE = "adapter_model.safetensors"
-VISION_LORA = r".*visual\.blocks.*\.(qkv|proj|fc1|fc2|gate_proj|up_proj|down_proj)$"
-
-
-@dataclass
-class QwenVLConfig:
-    """Options of [`QwenVLPolicy`].
-
-    Args:
-        pretrained (`str`): a transformers folder (model + processor, as ``save_pretrained`` writes them), a hub id
-            (``Qwen/Qwen2.5-VL-3B-Instruct``) or ``mmgrpo:<name>`` for a shipped toy model.
-        max_new_tokens (`int`): completion tokens per training rollout (the policy's ``num_steps``).
-        eval_max_new_tokens (`int`, *optional*): completion tokens at evaluation (default: `max_new_tokens`).
-        temperature (`float`): sampling temperature; also the temperature of the scored policy.
-        top_p (`float`), top_k (`int`): nucleus / top-k truncation of sampling only (1.0 / 0 disable them).
-        system_prompt (`str`, *optional*): a system message put before every prompt.
-        min_pixels (`int`, *optional*), max_pixels (`int`, *optional*): per-image pixel budget: each image is resized
-            once to a multiple of 28 pixels with an area in ``[min_pixels, max_pixels]``; unset: the processor's saved
-            value. At least 784 (28 x 28).
-        video_fps (`float`): frames per second of video inputs given as frame lists (temporal M-RoPE spacing).
-        video_min_pixels (`int`, *optional*), video_max_pixels (`int`, *optional*): per-frame pixel budget, likewise
-            (``video_max_pixels`` at least 3136: qwen-vl-utils first resizes frame lists on a 56-pixel grid).
-        lora_rank (`int`): LoRA rank on the language model; 0 trains the whole language model (and the vision
-            tower unless `freeze_vision`), with a frozen copy as the reference.
-        lora_alpha (`int`), lora_dropout (`float`): LoRA scaling numerator and dropout.
-        lora_targets (`list[str]`): names of the language-model linear layers that get LoRA.
-        freeze_vision (`bool`): keep the vision tower (and its merger) frozen; with LoRA, ``False`` also puts LoRA
-            on the vision blocks.
-        prefix_sharing (`bool`): in the training forward, run each group's prompt and images once and expand its KV
-            cache to the group; ``False`` forwards every sample whole (the naive reference: same values, G times the
-            prompt and vision cost). Sampling always shares the prompt's cache (it is the same for every member).
-        weights_dtype (`str`): dtype of the frozen base under LoRA; trainable parameters are always float32, and a
-            fully fine-tuned model runs in float32.
-        attn_implementation (`str`): transformers attention backend (``"sdpa"``, ``"eager"``, ``"flash_attention_2"``).
-        gradient_checkpointing (`bool`): recompute each decoder layer (and vision block) in the backward pass (same
-            gradients, activations of one layer at a time, about one more forward per backward). It needs
-            ``prefix_sharing: false``: a checkpointed layer cannot fill the KV cache the group forward shares.
-    """
-
-    pretrained: str
-    max_new_tokens: int = 256
-    eval_max_new_tokens: int | None = None
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    system_prompt: str | None = None
-    min_pixels: int | None = None
-    max_pixels: int | None = None
-    video_fps: float = 2.0
-    video_min_pixels: int | None = None
-    video_max_pixels: int | None = None
-    lora_rank: int = 64
-    lora_alpha: int = 128
-    lora_dropout: float = 0.0
-    lora_targets: list[str] = field(
-        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-    )
-    freeze_vision: bool = True
-    prefix_sharing: bool = True
-    weights_dtype: Literal["float32", "bfloat16", "float16"] = "float32"
-    attn_implementation: str = "sdpa"
-    gradient_checkpointing: bool = False
-
-    @property
-    def num_steps(self) -> int:
-        """Decisions per training rollout: completion tokens (what `Algorithm.schedule` receives)."""
-        return self.max_new_tokens
-
-    def output_size(self) -> tuple[int, str]:
-        """Bytes one sample's rollout record holds at least (token ids, log-probs, mask per completion token), and the
-        key that sets them: the memory check of [`~mmgrpo.preflight.preflight`] reads it."""
-        return self.max_new_tokens * (8 + 4 + 1), "pipeline.max_new_tokens"
-
-    def __post_init__(self):
-        check_fields(self)  # types and finiteness of every field
-        model = read_json(resolve_pretrained(self.pretrained, "pipeline.pretrained"))  # {} when not readable here
-        positions = max_positions(model)
-        for key, tokens in (("max_new_tokens", self.max_new_tokens), ("eval_max_new_tokens", self.eval_max_new_tokens)):
-            if tokens is not None:
-                check_limit(key, tokens, 1, positions, TOKEN_LIMIT, "max_position_embeddings",
-                            fix="or leave it unset (max_new_tokens)" if key.startswith("eval") else "")
-        check_temperature("temperature", self.temperature)  # evaluation decodes greedily
-        check_range("top_p", self.top_p, 0, 1, low_open=True, fix="1 disables nucleus truncation")
-        check_limit("top_k", self.top_k, 0, find_int(model, "vocab_size"), VOCAB_LIMIT, "the vocabulary size",
-                    fix="0 disables top-k truncation")
-        bounds = (("", 28, self.min_pixels, self.max_pixels),
-                  ("video_", 56, self.video_min_pixels, self.video_max_pixels))
-        for prefix, cell, low, high in bounds:  # qwen-vl-utils' resize grid (frame lists: 56 first)
-            # one image's tokens (a token per 28 x 28 pixels) must fit in the model's positions
-            most = positions * 28**2 if positions else PIXELS_LIMIT
-            if low is not None:
-                check_range(f"{prefix}min_pixels", low, 1, most, fix="or leave it unset (the processor's saved value)")
-            if high is not None:
-                check_range(f"{prefix}max_pixels", high, cell**2, most, fix=f"qwen-vl-utils resizes to {cell}-pixel "
-                            "cells, and one image's tokens (one per 28 x 28 pixels) fit in the model's positions")
-            if low is not None and high is not None:
-                check_range(f"{prefix}min_pixels", low, high=high, fix=f"lower it or raise {prefix}max_pixels")
-        check_range("video_fps", self.video_fps, 0.01, 1000, fix="the frame rate of frame-list videos, e.g. 2.0")
-        check_lora(self, hidden_size(model))
-        check_range("lora_dropout", self.lora_dropout, 0, 1, high_open=True, fix="e.g. 0.05, or 0 for none")
-        if not self.lora_targets or not all(self.lora_targets):
-            raise ConfigError(f"lora_targets must be a non-empty list of layer names (e.g. ['q_proj', 'v_proj']), "
-                              f"got {self.lora_targets!r}.")
-        if self.attn_implementation not in ATTENTION and "/" not in self.attn_implementation:
-            raise ConfigError(f"attn_implementation must be one of {list(ATTENTION)} or a hub kernel ('org/name'), "
-                              f"got {self.attn_implementation!r}.")
-        if self.gradient_checkpointing and self.prefix_sharing:
-            raise ConfigError("gradient_checkpointing needs prefix_sharing: false (a checkpointed layer runs without "
-                              "the KV cache that the prefix-shared group forward expands): set "
-                              "pipeline.prefix_sharing: false, or gradient_checkpointing: false.")
 
 
 class QwenVLPolicy:
@@ -205,9 +87,8 @@ class QwenVLPolicy:
         suppress = [vocab[t] for t in VISION_TOKENS if t in vocab]
         self.model.requires_grad_(False)
         self.lora = config.lora_rank > 0
-        if self.lora:
-            self._add_lora()
-        else:  # full fine-tuning runs in float32 (weights_dtype then only sets the loading dtype)
+        self.lora_config = inject_lora(self.model, config) if self.lora else None
+        if not self.lora:  # full fine-tuning runs in float32 (weights_dtype then only sets the loading dtype)
             self.model.float()
             for name, param in self.model.named_parameters():
                 param.requires_grad_(not (config.freeze_vision and ".visual." in f".{name}"))
@@ -215,46 +96,8 @@ class QwenVLPolicy:
         # same forward with the adapter off, or a frozen copy of the initial model when fully fine-tuned
         if config.gradient_checkpointing:
             checkpoint_transformers(self.model)
-        self.switch = ReferenceSwitch(GroupForward(self.model, suppress), self._adapters_off if self.lora else None)
+        self.switch = ReferenceSwitch(GroupForward(self.model, suppress), adapters_off(self.model) if self.lora else None)
         self.device = torch.device("cpu")
-
-    def _add_lora(self) -> None:
-        """Injects a peft LoRA adapter into the model's language-model linear layers (and vision blocks when
-        `freeze_vision` is off), in place: the model keeps its transformers class."""
-        from peft import LoraConfig, inject_adapter_in_model
-
-        c = self.config
-        pattern = LANGUAGE_LORA.format(names="|".join(c.lora_targets))
-        if not c.freeze_vision:
-            pattern = f"({pattern})|({VISION_LORA})"
-        self.lora_config = LoraConfig(
-            r=c.lora_rank, lora_alpha=c.lora_alpha, lora_dropout=c.lora_dropout, target_modules=pattern,
-            init_lora_weights="gaussian", base_model_name_or_path=c.pretrained,  # as configured, not resolved
-        )
-        inject_adapter_in_model(self.lora_config, self.model)
-        for name, param in self.model.named_parameters():
-            if "lora_" in name:
-                param.data = param.data.float()  # trainable parameters are always float32
-                param.requires_grad_(True)
-        if not self.trainable_parameters():
-            raise ValueError(f"lora_targets {c.lora_targets} matched no language-model layer of {c.pretrained!r}.")
-
-    @contextlib.contextmanager
-    def _adapters_off(self):
-        """The model's LoRA layers disabled inside the context (the adapter was injected, so there is no peft
-        ``disable_adapter`` context); on exit only LoRA weights are trainable again."""
-        from peft.tuners.tuners_utils import BaseTunerLayer
-
-        layers = [m for m in self.model.modules() if isinstance(m, BaseTunerLayer)]
-        for layer in layers:
-            layer.enable_adapters(False)
-        try:
-            yield
-        finally:
-            for layer in layers:
-                layer.enable_adapters(True)  # this marks the whole layer trainable: keep only LoRA weights trained
-                for name, param in layer.named_parameters():
-                    param.requires_grad_("lora_" in name)
 
     # ------------------------------------------------------------------------------------------------------ set-up
     @property
@@ -458,39 +301,12 @@ class QwenVLPolicy:
         """Writes the LoRA adapter in peft's format (``adapter_config.json`` + ``adapter_model.safetensors``, which
         ``PeftModel.from_pretrained(base_model, path)`` reads) or, when fully fine-tuned, the whole model; the
         processor is saved beside it."""
-        from pathlib import Path
-
-        Path(path).mkdir(parents=True, exist_ok=True)
-        if self.lora:
-            from peft.utils import get_peft_model_state_dict
-            from safetensors.torch import save_file
-
-            self.lora_config.save_pretrained(path)
-            state = get_peft_model_state_dict(self.model)  # keys of the injected model; PeftModel's carry a prefix
-            save_file({PEFT_PREFIX + k: v.detach().contiguous().cpu() for k, v in state.items()},
-                      str(Path(path) / LORA_FILE))
-        else:
-            self.model.save_pretrained(path)
+        save_weights(self.model, self.lora_config, path)
         self.processor.save_pretrained(path)
 
     def load_trainable(self, path: str) -> None:
         """Loads weights written by [`~QwenVLPolicy.save_pretrained`] into this policy."""
-        from pathlib import Path
-
-        if self.lora:
-            from peft.utils import set_peft_model_state_dict
-            from safetensors.torch import load_file
-
-            state = {k.removeprefix(PEFT_PREFIX): v for k, v in load_file(str(Path(path) / LORA_FILE)).items()}
-            result = set_peft_model_state_dict(self.model, state)
-            if getattr(result, "unexpected_keys", None):
-                raise ValueError(f"{path}: adapter weights {result.unexpected_keys[:3]}... do not fit this model.")
-        else:
-            import transformers
-
-            model_cls = getattr(transformers, type(self.model).__name__)
-            loaded = model_cls.from_pretrained(path, dtype=torch.float32, use_safetensors=True)  # never a pickle
-            self.model.load_state_dict(loaded.state_dict())
+        load_weights(self.model, self.lora, path)
 
     def export_pretrained(self, path: str, merge_lora: bool = False) -> None:
         """Writes the whole model and its processor (a LoRA merged by peft, or the base model plus the adapter in
