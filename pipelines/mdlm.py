@@ -13,183 +13,29 @@ Models: LLaDA (https://arxiv.org/abs/2502.09992) and Dream (https://hkunlp.githu
 that exist in each), or any transformers model mapping ``input_ids -> logits`` whose attention is made bidirectional
 (``config.is_causal = False``), such as the tests' tiny builder (`tests/builders/mdlm.py`).
 CJ-GRPO: https://arxiv.org/abs/2509.23924
+
+**Modules.** This file holds the policy: decoding (`sample`) and the trajectory replay (`log_prob`); its options and
+their checks are `_mdlm_config.py`, loading the model (families, mask / EOS ids, LoRA) `_mdlm_model.py`, and the two
+likelihood estimators `_mdlm_one_step.py` (d1) and `_mdlm_elbo.py` (GDPO).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
 
 import torch
 
-from mmgrpo.hub import DTYPES, resolve_pretrained
-from mmgrpo.model_limits import (
-    VOCAB_LIMIT, check_limit, check_lora, check_temperature, find_int, hidden_size, max_positions, read_json,
-)
+from mmgrpo.hub import resolve_pretrained
+from mmgrpo.pipelines import _mdlm_elbo, _mdlm_one_step
 from mmgrpo.pipelines._checkpointing import checkpoint_transformers
+from mmgrpo.pipelines._mdlm_config import MDLMConfig  # the options (imported from here by configs and tests)
+from mmgrpo.pipelines._mdlm_model import FAMILIES, add_lora, eos_token_ids, load_model, lora_targets, mask_token_id
 from mmgrpo.reference import ReferenceSwitch
-from mmgrpo.samplers.masked_diffusion import eoser_gamma, make_schedule, rebuild_state, token_log_probs, unmask_step
+from mmgrpo.samplers.masked_diffusion import eoser_gamma, rebuild_state, token_log_probs, unmask_step
 from mmgrpo.types import PromptBatch, Rollout, Score
 from mmgrpo.plans import MaskedPlan, TokenPlan
-from mmgrpo.validation import check_fields, check_range
-
-from mmgrpo.pipelines import _mdlm_elbo
 
 ADAPTER_FILE = "adapter_model.safetensors"
-# family -> (LoRA targets, whether logit j predicts token j + 1, extra end-of-turn tokens)
-FAMILIES = {
-    # LLaDA's blocks name their projections q/k/v_proj, attn_out, ff_proj, up_proj, ff_out (no o/gate/down_proj)
-    "llada": (["q_proj", "k_proj", "v_proj", "attn_out", "ff_proj", "up_proj", "ff_out"], False, ["<|eot_id|>"]),
-    "dream": (["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"], True, ["<|im_end|>"]),
-    "generic": (["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "query", "key", "value"],
-                False, []),
-}
-
-
-@dataclass
-class MDLMConfig:
-    """Options of [`MDLMPolicy`].
-
-    Args:
-        pretrained (`str`): a local folder, a hub id, or ``mmgrpo:<name>`` for a shipped toy model.
-        family (`str`): ``"llada"``, ``"dream"``, ``"generic"`` (any transformers model, made bidirectional) or
-            ``"auto"`` (from the config's ``model_type``).
-        trust_remote_code (`bool`): needed by LLaDA and Dream (their code lives on the hub); never turned on for you.
-        revision (`str`, *optional*): hub revision (pin a commit with remote code).
-        mask_token_id (`int`, *optional*): default: the model config's ``mask_token_id``, else the tokenizer's.
-        eos_token_ids (`list[int]`, *optional*): tokens that end a completion (EOSER damps them). Default: the
-            tokenizer's EOS plus the family's end-of-turn token (LLaDA ``<|eot_id|>``, Dream ``<|im_end|>``).
-        shift_logits (`bool`, *optional*): logit `j` predicts token `j + 1` (Dream). Default: the family's.
-        chat_template (`bool`): wrap each prompt as a user turn with the tokenizer's chat template.
-        gen_length (`int`): completion tokens `L`.
-        block_length (`int`, *optional*): tokens per block; default `gen_length` (full diffusion).
-        steps_per_block (`int`): steps per block of the ``"fixed"`` schedule.
-        schedule (`str`): ``"fixed"`` (LLaDA's uniform tokens per step) or ``"ass"`` (2^i tokens at step i in each
-            block, ``ceil(log2(block_length + 1))`` steps per block).
-        remasking (`str`): ``"low_confidence"`` or ``"random"``.
-        temperature (`float`): sampling temperature of training rollouts (log-probs use the same temperature).
-        eval_temperature (`float`): temperature of evaluation samples (0: greedy).
-        eoser (`bool`): EOS early rejection.
-        eoser_gamma_min (`float`), eoser_gamma_max (`float`): EOSER's factor at the first and last step.
-        eoser_kind (`str`): ``"linear"``, ``"power"`` or ``"auto"`` (power with ASS, linear otherwise).
-        prompt_mask_prob (`float`): `likelihood` (d1's estimator) masks each prompt token with this probability.
-        elbo_points (`int`): Gauss-Legendre nodes of GDPO's ELBO over the masking ratio (see `pipelines/_mdlm_elbo.py`).
-        elbo_masks (`int`): masks drawn per node of the ELBO.
-        elbo_masking (`str`): ``"count"`` (a fixed share of the scored tokens per node) or ``"bernoulli"``.
-        lora_rank (`int`): LoRA rank; 0 trains the whole model (a frozen copy is then the reference).
-        lora_alpha (`int`): LoRA scaling numerator.
-        lora_targets (`list[str]`, *optional*): module names that get LoRA; default: the family's names that exist.
-        weights_dtype (`str`): dtype of the frozen weights; trainable parameters are float32.
-        gradient_checkpointing (`bool`): recompute each transformer layer in the backward pass (same gradients,
-            activations of one layer at a time, about one more forward per backward); the model's class must support
-            transformers' activation checkpointing (remote-code models may not: a clear error says so).
-    """
-
-    pretrained: str
-    family: Literal["auto", "llada", "dream", "generic"] = "auto"
-    trust_remote_code: bool = False
-    revision: str | None = None
-    mask_token_id: int | None = None
-    eos_token_ids: list[int] | None = None
-    shift_logits: bool | None = None
-    chat_template: bool = False
-    gen_length: int = 64
-    block_length: int | None = None
-    steps_per_block: int = 16
-    schedule: Literal["fixed", "ass"] = "fixed"
-    remasking: Literal["low_confidence", "random"] = "low_confidence"
-    temperature: float = 1.0
-    eval_temperature: float = 0.0
-    eoser: bool = False
-    eoser_gamma_min: float = 0.4
-    eoser_gamma_max: float = 1.0
-    eoser_kind: Literal["auto", "linear", "power"] = "auto"
-    prompt_mask_prob: float = 0.15
-    elbo_points: int = 2
-    elbo_masks: int = 1
-    elbo_masking: Literal["count", "bernoulli"] = "count"
-    lora_rank: int = 32
-    lora_alpha: int = 64
-    lora_targets: list[str] | None = None
-    weights_dtype: Literal["float32", "bfloat16", "float16"] = "float32"
-    gradient_checkpointing: bool = False
-
-    def __post_init__(self):
-        check_fields(self)
-        location = resolve_pretrained(self.pretrained, "pipeline.pretrained")  # kept as configured (adapters record it)
-        model = read_json(location)  # {} when not readable here (a hub id not in the local cache)
-        check_limit("gen_length", self.gen_length, 1, max_positions(model), 65536, "max_position_embeddings",
-                    fix="the completion must fit in the model's positions")
-        self.block_length = self.block_length or self.gen_length
-        check_range("block_length", self.block_length, 1, self.gen_length, fix="it divides gen_length")
-        if self.schedule == "fixed":
-            check_range("steps_per_block", self.steps_per_block, 1, self.block_length,
-                        fix="a fixed schedule commits at least one token per step")
-        vocab = find_int(model, "vocab_size", "embedding_size")
-        tokens = [(f"eos_token_ids[{i}]", token) for i, token in enumerate(self.eos_token_ids or [])]
-        for key, token in tokens + ([("mask_token_id", self.mask_token_id)] if self.mask_token_id is not None else []):
-            check_limit(key, token, 0, vocab - 1 if vocab else None, VOCAB_LIMIT, "the last token id")
-        check_lora(self, hidden_size(model))
-        self.decoding = make_schedule(self.gen_length, self.block_length, self.steps_per_block, self.schedule)
-        check_temperature("temperature", self.temperature, greedy=True)
-        check_temperature("eval_temperature", self.eval_temperature, greedy=True)
-        check_range("eoser_gamma_max", self.eoser_gamma_max, high=10.0, fix="EOSER damps EOS by a factor up to 1")
-        if not 0 < self.eoser_gamma_min <= self.eoser_gamma_max:
-            raise ValueError(f"need 0 < eoser_gamma_min <= eoser_gamma_max, got {self.eoser_gamma_min}, {self.eoser_gamma_max}.")
-        if not 0 <= self.prompt_mask_prob < 1:
-            raise ValueError(f"prompt_mask_prob must be in [0, 1), got {self.prompt_mask_prob}.")
-        _mdlm_elbo.check_options(self)
-        if self.lora_rank < 0:
-            raise ValueError(f"lora_rank must be >= 0 (0 = full fine-tuning), got {self.lora_rank}.")
-
-    @property
-    def num_steps(self) -> int:
-        """Decoding steps of one completion (set by the schedule, not a key)."""
-        return self.decoding.num_steps
-
-    def output_size(self) -> tuple[int, str]:
-        """Bytes one sample's rollout record holds at least (token ids, log-probs, mask per completion token), and the
-        key that sets them: the memory check of [`~mmgrpo.preflight.preflight`] reads it."""
-        return self.gen_length * (8 + 4 + 1), "pipeline.gen_length"
-
-
-def make_bidirectional(model: torch.nn.Module) -> torch.nn.Module:
-    """Turns off causal masking in a transformers decoder (the config flag and every module's ``is_causal``)."""
-    model.config.is_causal = False
-    for module in model.modules():
-        if hasattr(module, "is_causal"):
-            module.is_causal = False
-    return model
-
-
-def _load(config: MDLMConfig):
-    """``(model, tokenizer, family)`` for `config`: remote code for LLaDA / Dream, a bidirectional stock model else."""
-    from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, AutoModelForMaskedLM, AutoTokenizer
-
-    kwargs = {"revision": config.revision, "trust_remote_code": config.trust_remote_code}
-    location = resolve_pretrained(config.pretrained, "pipeline.pretrained")
-    try:
-        model_config = AutoConfig.from_pretrained(location, **kwargs)
-    except ValueError as err:
-        raise ValueError(
-            f"pipeline.pretrained {config.pretrained!r} could not be configured ({err}). LLaDA and Dream ship their "
-            "code on the hub: set pipeline.trust_remote_code: true (and pin pipeline.revision)."
-        ) from err
-    family = config.family
-    if family == "auto":
-        kind = str(getattr(model_config, "model_type", "")).lower()
-        family = "llada" if kind.startswith("llada") else "dream" if kind == "dream" else "generic"
-    dtype = DTYPES[config.weights_dtype]
-    tokenizer = AutoTokenizer.from_pretrained(location, **kwargs)
-    if family in ("llada", "dream"):
-        model = AutoModel.from_pretrained(location, dtype=dtype, use_safetensors=True, **kwargs)
-    elif any("MaskedLM" in a for a in getattr(model_config, "architectures", None) or []):
-        model = AutoModelForMaskedLM.from_pretrained(location, dtype=dtype, use_safetensors=True, **kwargs)
-    else:
-        model = AutoModelForCausalLM.from_pretrained(location, dtype=dtype, use_safetensors=True, **kwargs)
-        model = make_bidirectional(model)
-    return model.requires_grad_(False).eval(), tokenizer, family
 
 
 class MDLMPolicy:
@@ -207,26 +53,17 @@ class MDLMPolicy:
 
     def __init__(self, config: MDLMConfig):
         self.config = config
-        model, self.tokenizer, self.family = _load(config)
+        model, self.tokenizer, self.family = load_model(config)
         targets, shift, end_of_turn = FAMILIES[self.family]
         self.shift_logits = shift if config.shift_logits is None else config.shift_logits
-        self.mask_id = self._mask_id(model)
-        self.eos_ids = self._eos_ids(end_of_turn)
+        self.mask_id = mask_token_id(config, model, self.tokenizer)
+        self.eos_ids = eos_token_ids(config, self.tokenizer, end_of_turn)
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.eos_ids[0]
         if self.pad_id == self.mask_id:
             raise ValueError("The tokenizer's pad token is the mask token: give it another pad token.")
         self.lora = config.lora_rank > 0
         if self.lora:
-            from peft import LoraConfig, get_peft_model
-
-            model = get_peft_model(model, LoraConfig(
-                r=config.lora_rank, lora_alpha=config.lora_alpha, lora_dropout=0.0,
-                target_modules=self._lora_targets(model, config.lora_targets or targets, config.lora_targets is None),
-            ))
-            model.peft_config["default"].base_model_name_or_path = config.pretrained  # as configured, not resolved
-            for param in model.parameters():
-                if param.requires_grad:
-                    param.data = param.data.float()
+            model = add_lora(model, config, targets)
         else:
             model.float().requires_grad_(True)
         self.model = model.eval()  # no dropout: replay must see the rollout's logits
@@ -235,36 +72,9 @@ class MDLMPolicy:
         self.switch = ReferenceSwitch(model, model.disable_adapter if self.lora else None)
         self.device = torch.device("cpu")
 
+    _lora_targets = staticmethod(lora_targets)  # the LoRA target names that exist in a model
+
     # ----------------------------------------------------------------------------------------------------- set-up
-    def _mask_id(self, model) -> int:
-        for value in (self.config.mask_token_id, getattr(model.config, "mask_token_id", None), self.tokenizer.mask_token_id):
-            if value is not None:
-                return int(value)
-        raise ValueError("No mask token id: set pipeline.mask_token_id (LLaDA: 126336, Dream: 151666).")
-
-    def _eos_ids(self, end_of_turn: list[str]) -> list[int]:
-        if self.config.eos_token_ids:
-            return list(self.config.eos_token_ids)
-        ids = [self.tokenizer.eos_token_id] if self.tokenizer.eos_token_id is not None else []
-        vocab = self.tokenizer.get_vocab()
-        ids += [vocab[t] for t in end_of_turn if t in vocab and vocab[t] not in ids]
-        if not ids:
-            raise ValueError("The tokenizer has no EOS token: set pipeline.eos_token_ids.")
-        return ids
-
-    @staticmethod
-    def _lora_targets(model, wanted: list[str], defaults: bool) -> list[str]:
-        """The target names that exist in `model` (peft ignores missing names silently; we refuse them)."""
-        names = {name.rsplit(".", 1)[-1] for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
-        present = [t for t in wanted if t in names]
-        missing = [t for t in wanted if t not in names]
-        if (missing and not defaults) or not present:
-            raise ValueError(
-                f"LoRA targets {missing or wanted} are not linear layers of this model; its linear layers are named "
-                f"{sorted(names)}: set pipeline.lora_targets from these."
-            )
-        return present
-
     def trainable_parameters(self):
         return [p for p in self.model.parameters() if p.requires_grad]
 
@@ -397,7 +207,7 @@ class MDLMPolicy:
         if "elbo" in plan.features():
             old, mask = _mdlm_elbo.record(self, trajectory, plan)
         elif "likelihood" in plan.features():
-            old, mask = self._record_likelihood(trajectory, plan)
+            old, mask = _mdlm_one_step.record(self, trajectory, plan)
         else:
             mask &= committed.any(-1).cpu()
         texts = [self.decode_text(row) for row in completion.cpu()]
@@ -448,53 +258,18 @@ class MDLMPolicy:
         )
 
     # ------------------------------------------------------------------------------------------------- likelihood
-    def _one_step(self, prompt_ids, prompt_attention, completion, prompt_masked) -> torch.Tensor:
-        """d1's one-step token log-probs `[n, L]`: the prompt with `prompt_masked` `[n, P]` tokens masked, the
-        completion fully masked, one forward."""
-        prompt = torch.where(prompt_masked, torch.full_like(prompt_ids, self.mask_id), prompt_ids)
-        logits = self._completion_logits(prompt, prompt_attention, torch.full_like(completion, self.mask_id))
-        return token_log_probs(logits, completion)  # [n, L]
-
-    def _record_likelihood(self, trajectory: dict, plan: MaskedPlan) -> tuple[torch.Tensor, torch.Tensor]:
-        """Draws the prompt masks of the plan's likelihood draws (from ``plan.seed``) and records the sampling
-        policy's one-step log-probs (d1 computes its "old" log-probs at rollout time with the same masks)."""
-        generator = torch.Generator().manual_seed(plan.seed)
-        prompt_ids, attention = trajectory["prompt_ids"], trajectory["prompt_attention"]
-        n, steps = prompt_ids.shape[0], plan.num_steps
-        draws = torch.rand((n, steps, prompt_ids.shape[1]), generator=generator) < self.config.prompt_mask_prob
-        trajectory["prompt_masked"] = draws & attention[:, None]  # [N, S, P]
-        old_tokens = torch.zeros(n, steps, self.config.gen_length)  # [N, S, L]
-        completion = trajectory["completion"].to(self.device)
-        keep = self.completion_mask(trajectory["completion"])  # [N, L]
-        for j in plan.trained_steps:
-            masked = trajectory["prompt_masked"][:, j].to(self.device)
-            old_tokens[:, j] = self._one_step(prompt_ids.to(self.device), attention.to(self.device), completion, masked).cpu()
-        trajectory["likelihood_token_log_probs"] = old_tokens
-        mask = torch.zeros(n, steps, dtype=torch.bool)
-        mask[:, plan.trained_steps] = True
-        return (old_tokens * keep[:, None]).sum(-1), mask  # [N, S], [N, S]
-
     def likelihood(self, rollout: Rollout, steps: list[int]) -> Score:
-        """d1's one-step estimate for the draws `steps` (prompt masks recorded at sampling), with gradients: every
-        completion token up to the first EOS is scored from the fully masked completion in one forward. A rollout
-        sampled with an ``"elbo"`` plan is scored by GDPO's ELBO instead ([`_mdlm_elbo.score`]).
+        """The likelihood draws `steps` of a rollout, with gradients, by the estimator its plan asked for (masks
+        drawn at sampling): d1's one-step estimate ([`mmgrpo.pipelines._mdlm_one_step.score`]) or GDPO's ELBO
+        ([`mmgrpo.pipelines._mdlm_elbo.score`]).
 
         Returns:
-            The [`Score`] of [`~MDLMPolicy.log_prob`], with `token_mask` the completion mask and
-            `old_token_log_prob` the sampling policy's one-step log-probs under the same masks.
+            The [`Score`] of [`~MDLMPolicy.log_prob`], with `token_mask` the scored tokens and `old_token_log_prob`
+            the sampling policy's per-token terms under the same masks.
         """
-        t = rollout.trajectory
-        if "elbo_masked" in t:
+        if "elbo_masked" in rollout.trajectory:
             return _mdlm_elbo.score(self, rollout, steps)
-        if "prompt_masked" not in t:
-            raise ValueError("This rollout was not sampled with a likelihood plan: no prompt masks were drawn.")
-        prompt_ids, attention = t["prompt_ids"].to(self.device), t["prompt_attention"].to(self.device)
-        completion = t["completion"].to(self.device)
-        token_lp = torch.stack(
-            [self._one_step(prompt_ids, attention, completion, t["prompt_masked"][:, j].to(self.device)) for j in steps], 1
-        )  # [n, k, L]
-        keep = self.completion_mask(completion)[:, None].expand_as(token_lp)  # [n, k, L]
-        return self._pack(token_lp, keep, t["likelihood_token_log_probs"], rollout, steps)
+        return _mdlm_one_step.score(self, rollout, steps)
 
     # ------------------------------------------------------------------------------------------------ checkpoints
     def save_pretrained(self, path: str) -> None:
