@@ -22,7 +22,6 @@ checkpoint when started again with the same arguments)::
 from __future__ import annotations
 
 import argparse
-import copy
 import json
 import os
 import sys
@@ -31,6 +30,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the tiny-model builders (tests/builders/)
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # _shapes_common, when imported from elsewhere
 
 import numpy as np
 import torch
@@ -39,17 +39,17 @@ from PIL import Image, ImageDraw, ImageFont
 
 from mmgrpo.data.shapes import KINDS, VOCABULARY, ShapesPrompts, prompt_from_metadata, render
 from mmgrpo.rewards.mini_geneval import MiniGenEval
-from mmgrpo.state_io import load_state, save_state
+from mmgrpo.state_io import save_state
 from mmgrpo.types import PromptBatch
 
+import _shapes_common as common  # the scaffolding shared with train_t2v_shapes.py
+from _shapes_common import learning_rate  # the warm-up + cosine schedule (a module name tests can replace)
 from builders.sd3 import tiny_sd3_pipeline
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--output", required=True, help="folder for the pipeline, metrics.json and samples.png")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (1 is fastest on a busy machine)")
+    common.add_run_arguments(parser)
     parser.add_argument("--device", default="cpu", help="torch device (results differ slightly from CPU)")
     # model
     parser.add_argument("--layers", type=int, default=3)
@@ -70,28 +70,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--vae-lr", type=float, default=4e-3)
     parser.add_argument("--vae-kl", type=float, default=1e-6)
     # flow-matching stage
-    parser.add_argument("--steps", type=int, default=4800, help="most flow-matching steps")
-    parser.add_argument("--batch", type=int, default=64)
-    parser.add_argument("--lr", type=float, default=3e-3)
-    parser.add_argument("--warmup", type=int, default=100)
-    parser.add_argument("--schedule", choices=["cosine", "constant"], default="cosine",
-                        help="learning rate after warm-up: cosine decay to 10%% at --steps, or constant")
-    parser.add_argument("--ema", type=float, default=0.99, help="EMA decay of the evaluated weights (0: none)")
+    common.add_flow_arguments(parser, steps=4800)
     parser.add_argument("--t-sampling", choices=["logit_normal", "uniform"], default="logit_normal",
                         help="distribution of the training noise level s")
-    parser.add_argument("--dropout", type=float, default=0.1, help="empty-prompt probability (for CFG)")
     parser.add_argument("--kind-weights", type=float, nargs=4, default=[2.0, 2.0, 1.0, 1.0],
                         help=f"train sampling weights of the prompt kinds {KINDS}")
     # selection / evaluation
-    parser.add_argument("--eval-every", type=int, default=250)
-    parser.add_argument("--eval-start", type=int, default=3000, help="first step of the selection evaluations")
-    parser.add_argument("--n-select", type=int, default=300, help="held-out items used to pick the checkpoint")
-    parser.add_argument("--n-eval", type=int, default=600, help="held-out items of the final measurement")
-    parser.add_argument("--target", type=float, nargs=2, default=[0.36, 0.6],
-                        help="strict-accuracy range: training stops once the mean of the last two evals is in it")
-    parser.add_argument("--eval-steps", type=int, default=10)
-    parser.add_argument("--checkpoint-every", type=int, default=250,
-                        help="steps between resumable checkpoints (<output>/resume.safetensors, deleted at the end)")
+    common.add_selection_arguments(parser, eval_start=3000, n_select=300, n_eval=600, target=[0.36, 0.6],
+                                   checkpoint_every=250)
     return parser.parse_args(argv)
 
 
@@ -206,24 +192,10 @@ def evaluate(pipe, items: list[dict], reward: MiniGenEval, seed: int, steps: int
     return metrics, images
 
 
-def learning_rate(step: int, args) -> float:
-    """Linear warm-up, then constant or cosine decay to 10% of `args.lr` at `args.steps`."""
-    if step < args.warmup:
-        return args.lr * step / args.warmup
-    if args.schedule == "constant":
-        return args.lr
-    progress = (step - args.warmup) / max(1, args.steps - args.warmup)
-    return args.lr * (0.1 + 0.9 * 0.5 * (1 + np.cos(np.pi * progress)))
-
-
 def train_flow(pipe, pools, select_items, reward, args, rng, log, checkpoint=None) -> tuple[dict, list[dict]]:
-    """Trains both text encoders and the transformer with the rectified-flow loss; evaluates the EMA weights on
-    `select_items` every `eval_every` steps from `eval_start` and stops once the mean of the last two evaluations
-    is inside `target` (or above it).
-
-    `checkpoint` (*optional*) is a `(state, save)` pair: a state saved earlier to resume from (or None), and a
-    function called with the complete training state every `checkpoint_every` steps. Resuming gives exactly the
-    same result as an uninterrupted run.
+    """Trains both text encoders and the transformer with the rectified-flow loss on images rendered for the train
+    prompts, `args.dropout` of them empty; the EMA weights are evaluated on `select_items` and training stops inside
+    `args.target` (see [`_shapes_common.train_selected`], which also resumes from `checkpoint`).
 
     Returns:
         `tuple[dict, list[dict]]`: the chosen checkpoint ``{"step", "strict", "state"}`` (already loaded into the
@@ -232,33 +204,11 @@ def train_flow(pipe, pools, select_items, reward, args, rng, log, checkpoint=Non
     shift, scale = pipe.vae.config.shift_factor, pipe.vae.config.scaling_factor
     device = pipe.transformer.device
     modules = {name: getattr(pipe, name) for name in ("transformer", "text_encoder", "text_encoder_2")}
-    params = [p for m in modules.values() for p in m.parameters()]
-    opt = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.99), weight_decay=0.0)
-    ema = {name: copy.deepcopy(m.state_dict()) for name, m in modules.items()}
     gen = torch.Generator().manual_seed(args.seed + 1)
     weights = np.asarray(args.kind_weights, dtype=np.float64)
     pools = {kind: pools[kind] for kind in KINDS if kind in pools}
-    history, chosen, first_step = [], None, 1
-    state, save = checkpoint or (None, None)
-    if state is not None:
-        for name, m in modules.items():
-            m.load_state_dict(state["modules"][name])
-        opt.load_state_dict(state["optimizer"])
-        ema, history, chosen = state["ema"], state["history"], state["chosen"]
-        rng.bit_generator.state = state["rng"]
-        gen.set_state(state["generator"])
-        first_step = state["step"] + 1
-        log(f"resumed at step {first_step}")
 
-    def swap_in_ema():
-        live = {name: copy.deepcopy(m.state_dict()) for name, m in modules.items()}
-        for name, m in modules.items():
-            m.load_state_dict(ema[name])
-        return live
-
-    for step in range(first_step, args.steps + 1):
-        for m in modules.values():
-            m.train()
+    def batch_loss() -> torch.Tensor:
         metadata = sample_metadata(pools, weights, args.batch, rng)
         prompts = [("" if rng.random() < args.dropout else prompt_from_metadata(m)) for m in metadata]
         with torch.no_grad():
@@ -278,48 +228,12 @@ def train_flow(pipe, pools, select_items, reward, args, rng, log, checkpoint=Non
             hidden_states=xs, timestep=s * 1000, encoder_hidden_states=embeds, pooled_projections=pooled,
             return_dict=False,
         )[0]  # [B, 4, 16, 16]
-        loss = F.mse_loss(pred, noise - x0)
-        for group in opt.param_groups:
-            group["lr"] = learning_rate(step, args)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        opt.step()
-        with torch.no_grad():
-            decay = min(args.ema, (1 + step) / (10 + step))
-            for name, m in modules.items():
-                for key, value in m.state_dict().items():
-                    if value.dtype.is_floating_point:
-                        ema[name][key].mul_(decay).add_(value, alpha=1 - decay)
-        if step % 50 == 0:
-            log(f"step {step} loss {loss.item():.4f}")
-        if (step >= args.eval_start and step % args.eval_every == 0) or step == args.steps:
-            live = swap_in_ema()
-            for m in modules.values():
-                m.eval()
-            metrics, _ = evaluate(pipe, select_items, reward, args.seed + 7, args.eval_steps, args.pad_length)
-            history.append({"step": step, **metrics})
-            log(f"select eval step {step}: {json.dumps({k: round(v, 3) for k, v in metrics.items()})}")
-            # judged on the mean of the last two evaluations, to chase noise less
-            smoothed = float(np.mean([h["strict"] for h in history[-2:]]))
-            in_range = args.target[0] <= smoothed <= args.target[1]
-            overshoot = smoothed > args.target[1]
-            if chosen is None or in_range or (chosen["strict"] < smoothed and not overshoot):
-                chosen = {"step": step, "strict": smoothed,
-                          "state": {n: copy.deepcopy(m.state_dict()) for n, m in modules.items()}}
-            for name, m in modules.items():
-                m.load_state_dict(live[name])
-            if in_range or overshoot:
-                break
-        if save is not None and step % args.checkpoint_every == 0:
-            save({"step": step, "modules": {n: m.state_dict() for n, m in modules.items()},
-                  "optimizer": opt.state_dict(), "ema": ema, "history": history, "chosen": chosen,
-                  "rng": rng.bit_generator.state, "generator": gen.get_state()})
-    log(f"keeping the EMA weights of step {chosen['step']} (smoothed selection strict {chosen['strict']:.3f})")
-    for name, m in modules.items():
-        m.load_state_dict(chosen["state"][name])
-        m.eval()
-    return chosen, history
+        return F.mse_loss(pred, noise - x0)
+
+    def select() -> dict:
+        return evaluate(pipe, select_items, reward, args.seed + 7, args.eval_steps, args.pad_length)[0]
+
+    return common.train_selected(modules, batch_loss, select, args, rng, gen, log, checkpoint, rate=learning_rate)
 
 
 @torch.no_grad()
@@ -360,29 +274,15 @@ def save_grid(images: torch.Tensor, prompts: list[str], scores: list[float], pat
 
 def main(argv=None) -> None:
     args = parse_args(argv)
-    torch.set_num_threads(args.threads)
-    torch.manual_seed(args.seed)
-    rng = np.random.default_rng(args.seed)
-    start = time.time()
-
-    def log(message: str) -> None:
-        print(f"[{time.time() - start:7.1f}s] {message}", flush=True)
-
+    rng, log, start = common.start_run(args)
     source = ShapesPrompts(ShapesPrompts.Config(seed=args.seed, n_eval=args.n_select))
     select_items = source.eval_items()
     final_items = ShapesPrompts(ShapesPrompts.Config(seed=args.seed + 1000, n_eval=args.n_eval)).eval_items()
     reward = MiniGenEval(MiniGenEval.Config(score="strict"))
     pipe = build_pipeline(args).to(args.device)
-    sizes = {name: sum(p.numel() for p in getattr(pipe, name).parameters())
-             for name in ("transformer", "text_encoder", "text_encoder_2", "vae")}
+    sizes = common.parameter_counts(pipe, ("transformer", "text_encoder", "text_encoder_2", "vae"))
     log(f"parameters {sizes}")
-
-    os.makedirs(args.output, exist_ok=True)
-    resume_path = os.path.join(args.output, "resume.safetensors")  # tensors + JSON (state_io): no pickle is read
-    if os.path.isfile(os.path.join(args.output, "resume.pt")) and not os.path.isfile(resume_path):
-        raise SystemExit(f"{args.output}/resume.pt is a pickled state of an older version of this script, which is not "
-                         "loaded (it could run code): delete it to start over.")
-    state = load_state(resume_path) if os.path.isfile(resume_path) else None
+    resume_path, state = common.open_resume(args.output)
     elapsed_before = state["seconds"] if state else 0.0
 
     # ---- (1) VAE
@@ -417,27 +317,16 @@ def main(argv=None) -> None:
     show = list(range(0, min(len(final_items), 32)))
     save_grid(images[show], [final_items[i]["prompt"] for i in show], strict[show].tolist(),
               os.path.join(args.output, "samples.png"))
-    weight_bytes = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(args.output) for f in fs
-                       if f.endswith(".safetensors"))
     report = {
         "heldout": metrics,
         "heldout_n": len(final_items),
         "sampling": {"num_inference_steps": args.eval_steps, "guidance_scale": 1.0, "height": 32, "width": 32,
                      "max_sequence_length": args.pad_length, "scheduler_shift": args.shift},
-        "selected_step": chosen["step"],
-        "selection_history": history,
-        "vae_reconstruction_strict": vae_accuracy,
-        "train_seconds": round(train_seconds, 1),
-        "weights_bytes": weight_bytes,
-        "parameters": sizes,
+        **common.run_record(args.output, chosen, history, vae_accuracy, train_seconds, sizes),
         "transformer_forward_ms_batch32": round(forward_ms(pipe, args), 1),
         "args": {k: v for k, v in vars(args).items() if k != "output"},
     }
-    with open(os.path.join(args.output, "metrics.json"), "w") as f:
-        json.dump(report, f, indent=2)
-    if os.path.isfile(resume_path):
-        os.remove(resume_path)
-    log(f"saved to {args.output} ({weight_bytes / 1e6:.2f} MB of weights)")
+    common.write_report(args.output, report, resume_path, log)
 
 
 if __name__ == "__main__":

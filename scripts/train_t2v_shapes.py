@@ -41,7 +41,6 @@ data/weights/t2v_shapes`` reuses the same VAE weights and skips the 24-minute VA
 from __future__ import annotations
 
 import argparse
-import copy
 import json
 import os
 import sys
@@ -49,6 +48,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the tiny-model builders (tests/builders/)
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # _shapes_common, when imported from elsewhere
 
 import numpy as np
 import torch
@@ -57,19 +57,18 @@ import torch.nn.functional as F
 from mmgrpo.data.moving_shapes import KINDS, MOTIONS, VOCABULARY, MovingShapesPrompts, prompt_from_metadata, render_clip
 from mmgrpo.rewards.moving_shapes import MovingShapesReward
 from mmgrpo.sample_writers import frame_strip
-from mmgrpo.state_io import load_state, save_state
+from mmgrpo.state_io import save_state
 from mmgrpo.types import PromptBatch
 from mmgrpo.visualize import save_image_grid
 
+import _shapes_common as common  # the scaffolding shared with train_t2i_shapes.py
+from _shapes_common import learning_rate  # the warm-up + cosine schedule (a module name tests can replace)
 from builders._tokenizers import t5_tokenizer
-from train_t2i_shapes import learning_rate  # same warm-up + cosine schedule as the image model
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--output", required=True, help="folder for the pipeline, metrics.json and samples.png")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (1 is fastest on a busy machine)")
+    common.add_run_arguments(parser)
     parser.add_argument("--num-frames", type=int, default=5)
     parser.add_argument("--size", type=int, default=32)
     parser.add_argument("--kinds", nargs="+", default=["single"], choices=list(KINDS),
@@ -102,24 +101,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--vae-probe-every", type=int, default=0,
                         help="log the strict accuracy of 60 reconstructions every this many VAE steps (0: never)")
     parser.add_argument("--bank", type=int, default=2048, help="rendered train clips encoded once for stage 2")
-    # flow-matching stage
-    parser.add_argument("--steps", type=int, default=6000, help="most flow-matching steps")
-    parser.add_argument("--batch", type=int, default=64)
-    parser.add_argument("--lr", type=float, default=3e-3)
-    parser.add_argument("--warmup", type=int, default=100)
-    parser.add_argument("--schedule", choices=["cosine", "constant"], default="cosine")
-    parser.add_argument("--ema", type=float, default=0.99, help="EMA decay of the evaluated weights")
-    parser.add_argument("--dropout", type=float, default=0.1, help="empty-prompt probability (for CFG)")
-    # selection / evaluation
-    parser.add_argument("--eval-every", type=int, default=250)
-    parser.add_argument("--eval-start", type=int, default=1500, help="first step of the selection evaluations")
-    parser.add_argument("--n-select", type=int, default=120, help="held-out items used to pick the checkpoint")
-    parser.add_argument("--n-eval", type=int, default=300, help="held-out items of the final measurement")
-    parser.add_argument("--target", type=float, nargs=2, default=[0.3, 0.5],
-                        help="strict-accuracy range: training stops once the mean of the last two evals is in it")
-    parser.add_argument("--eval-steps", type=int, default=10)
-    parser.add_argument("--checkpoint-every", type=int, default=100,
-                        help="steps between resumable checkpoints (<output>/resume.safetensors, deleted at the end)")
+    # flow-matching stage, selection / evaluation
+    common.add_flow_arguments(parser, steps=6000)
+    common.add_selection_arguments(parser, eval_start=1500, n_select=120, n_eval=300, target=[0.3, 0.5],
+                                   checkpoint_every=100)
     return parser.parse_args(argv)
 
 
@@ -280,40 +265,19 @@ def evaluate(pipe, items: list[dict], reward, seed: int, args, batch_size: int =
 
 
 def train_flow(pipe, bank, select_items, reward, args, rng, log, checkpoint=None) -> tuple[dict, list[dict]]:
-    """Trains the text encoder and the transformer with the rectified-flow loss on latents from `bank`; evaluates the
-    EMA weights on `select_items` every `eval_every` steps from `eval_start` and stops once the mean of the last two
-    evaluations is inside `target` (or above it).
-
-    `checkpoint` (*optional*) is a `(state, save)` pair: a state saved earlier to resume from (or None), and a
-    function called with the complete training state every `checkpoint_every` steps. Resuming gives exactly the same
-    result as an uninterrupted run.
+    """Trains the text encoder and the transformer with the rectified-flow loss on latents from `bank`,
+    `args.dropout` of the prompts empty; the EMA weights are evaluated on `select_items` and training stops inside
+    `args.target` (see [`_shapes_common.train_selected`], which also resumes from `checkpoint`).
 
     Returns:
         `tuple[dict, list[dict]]`: the chosen checkpoint ``{"step", "strict", "state"}`` (already loaded into the
         pipeline) and the evaluation history.
     """
     modules = {"transformer": pipe.transformer, "text_encoder": pipe.text_encoder}
-    params = [p for m in modules.values() for p in m.parameters()]
-    opt = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.99), weight_decay=0.0)
-    ema = {name: copy.deepcopy(m.state_dict()) for name, m in modules.items()}
     gen = torch.Generator().manual_seed(args.seed + 1)
     prompts_of_bank = [prompt_from_metadata(m) for m in bank["metadata"]]
-    history, chosen, first_step = [], None, 1
-    state, save = checkpoint or (None, None)
-    if state is not None:
-        for name, m in modules.items():
-            m.load_state_dict(state["modules"][name])
-        opt.load_state_dict(state["optimizer"])
-        ema, history, chosen = state["ema"], state["history"], state["chosen"]
-        rng.bit_generator.state = state["rng"]
-        gen.set_state(state["generator"])
-        torch.set_rng_state(state["torch_rng"])  # the text encoder's dropout
-        first_step = state["step"] + 1
-        log(f"resumed at step {first_step}")
 
-    for step in range(first_step, args.steps + 1):
-        for m in modules.values():
-            m.train()
+    def batch_loss() -> torch.Tensor:
         index = torch.from_numpy(rng.integers(len(prompts_of_bank), size=args.batch))  # [B]
         prompts = [("" if rng.random() < args.dropout else prompts_of_bank[i]) for i in index.tolist()]
         x0 = normalise(pipe.vae, bank["mean"][index])  # [B, z, T, h, w]
@@ -324,48 +288,13 @@ def train_flow(pipe, bank, select_items, reward, args, rng, log, checkpoint=None
         xs = (1 - s.view(-1, 1, 1, 1, 1)) * x0 + s.view(-1, 1, 1, 1, 1) * noise
         pred = pipe.transformer(hidden_states=xs, timestep=s * 1000, encoder_hidden_states=embeds,
                                 return_dict=False)[0]  # [B, z, T, h, w]
-        loss = F.mse_loss(pred, noise - x0)
-        for group in opt.param_groups:
-            group["lr"] = learning_rate(step, args)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        opt.step()
-        with torch.no_grad():
-            decay = min(args.ema, (1 + step) / (10 + step))
-            for name, m in modules.items():
-                for key, value in m.state_dict().items():
-                    if value.dtype.is_floating_point:
-                        ema[name][key].mul_(decay).add_(value, alpha=1 - decay)
-        if step % 25 == 0:
-            log(f"step {step} loss {loss.item():.4f}")
-        if (step >= args.eval_start and step % args.eval_every == 0) or step == args.steps:
-            live = {name: copy.deepcopy(m.state_dict()) for name, m in modules.items()}
-            for name, m in modules.items():
-                m.load_state_dict(ema[name])
-                m.eval()
-            metrics, _, _ = evaluate(pipe, select_items, reward, args.seed + 7, args)
-            history.append({"step": step, **metrics})
-            log(f"select eval step {step}: {json.dumps({k: round(v, 3) for k, v in metrics.items()})}")
-            smoothed = float(np.mean([h["strict"] for h in history[-2:]]))  # chase noise less
-            in_range = args.target[0] <= smoothed <= args.target[1]
-            overshoot = smoothed > args.target[1]
-            if chosen is None or in_range or (chosen["strict"] < smoothed and not overshoot):
-                chosen = {"step": step, "strict": smoothed,
-                          "state": {n: copy.deepcopy(m.state_dict()) for n, m in modules.items()}}
-            for name, m in modules.items():
-                m.load_state_dict(live[name])
-            if in_range or overshoot:
-                break
-        if save is not None and step % args.checkpoint_every == 0:
-            save({"step": step, "modules": {n: m.state_dict() for n, m in modules.items()},
-                  "optimizer": opt.state_dict(), "ema": ema, "history": history, "chosen": chosen,
-                  "rng": rng.bit_generator.state, "generator": gen.get_state(), "torch_rng": torch.get_rng_state()})
-    log(f"keeping the EMA weights of step {chosen['step']} (smoothed selection strict {chosen['strict']:.3f})")
-    for name, m in modules.items():
-        m.load_state_dict(chosen["state"][name])
-        m.eval()
-    return chosen, history
+        return F.mse_loss(pred, noise - x0)
+
+    def select() -> dict:
+        return evaluate(pipe, select_items, reward, args.seed + 7, args)[0]
+
+    return common.train_selected(modules, batch_loss, select, args, rng, gen, log, checkpoint, rate=learning_rate,
+                          log_every=25)
 
 
 @torch.no_grad()
@@ -381,14 +310,7 @@ def reconstruction_accuracy(vae, items: list[dict], reward, args) -> float:
 
 def main(argv=None) -> None:
     args = parse_args(argv)
-    torch.set_num_threads(args.threads)
-    torch.manual_seed(args.seed)
-    rng = np.random.default_rng(args.seed)
-    start = time.time()
-
-    def log(message: str) -> None:
-        print(f"[{time.time() - start:7.1f}s] {message}", flush=True)
-
+    rng, log, start = common.start_run(args)
     task = {"image_size": args.size, "num_frames": args.num_frames, "kinds": tuple(args.kinds)}
     source = MovingShapesPrompts(MovingShapesPrompts.Config(seed=args.seed, n_eval=args.n_select, **task))
     select_items = source.eval_items()
@@ -396,13 +318,9 @@ def main(argv=None) -> None:
         MovingShapesPrompts.Config(seed=args.seed + 1000, n_eval=args.n_eval, **task)).eval_items()
     reward = MovingShapesReward(MovingShapesReward.Config(score="strict", exact_scene=True))
     pipe = build_pipeline(args)
-    sizes = {name: sum(p.numel() for p in getattr(pipe, name).parameters())
-             for name in ("transformer", "text_encoder", "vae")}
+    sizes = common.parameter_counts(pipe, ("transformer", "text_encoder", "vae"))
     log(f"parameters {sizes}")
-
-    os.makedirs(args.output, exist_ok=True)
-    resume_path = os.path.join(args.output, "resume.safetensors")  # tensors + JSON (state_io): no pickle is read
-    state = load_state(resume_path) if os.path.isfile(resume_path) else None
+    resume_path, state = common.open_resume(args.output)
     elapsed_before = state["seconds"] if state else 0.0
 
     # ---- (1) VAE, (2) the latent bank
@@ -450,27 +368,16 @@ def main(argv=None) -> None:
     save_image_grid([frame_strip(videos[i]) for i in show],
                     [f"{final_items[i]['prompt']} strict={strict[i]:.0f}" for i in show],
                     os.path.join(args.output, "samples.png"), columns=3)
-    weight_bytes = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(args.output) for f in fs
-                       if f.endswith(".safetensors") and f != "resume.safetensors")
     report = {
         "heldout": metrics,
         "heldout_n": len(final_items),
         "sampling": {"num_inference_steps": args.eval_steps, "guidance_scale": 1.0, "height": args.size,
                      "width": args.size, "num_frames": args.num_frames, "max_sequence_length": args.text_length,
                      "scheduler_shift": args.shift},
-        "selected_step": chosen["step"],
-        "selection_history": history,
-        "vae_reconstruction_strict": vae_accuracy,
-        "train_seconds": round(train_seconds, 1),
-        "weights_bytes": weight_bytes,
-        "parameters": sizes,
+        **common.run_record(args.output, chosen, history, vae_accuracy, train_seconds, sizes),
         "args": {k: v for k, v in vars(args).items() if k != "output"},
     }
-    with open(os.path.join(args.output, "metrics.json"), "w") as f:
-        json.dump(report, f, indent=2)
-    if os.path.isfile(resume_path):
-        os.remove(resume_path)
-    log(f"saved to {args.output} ({weight_bytes / 1e6:.2f} MB of weights)")
+    common.write_report(args.output, report, resume_path, log)
 
 
 if __name__ == "__main__":
