@@ -4,10 +4,11 @@
   (one, or Wan 2.2 A14B's two experts), kept by the policy as ``self.flow`` (a [`FlowPipeline`]);
 - the members of the `StochasticPolicy` protocol that do not depend on the model, as functions of the policy, which
   each adapter's class takes into its body by name: [`SETUP`] (``num_steps``, ``eval_num_steps``,
-  ``trainable_parameters``, ``trainable_modules``, ``prepare``, ``reference``), [`SAMPLING`] (``sample``, ``log_prob``, ``likelihood``: the plan interpreted by
-  [`mmgrpo.samplers.flow_plan`]) and [`CHECKPOINTS`] (``save_pretrained``, ``load_trainable``,
-  ``export_pretrained``). What they read of the policy is [`FlowModel`]; the text-to-image adapters also share
-  their [`IMAGE_IO`] (text embeddings of the prompts in, one row per sample; decoded images out).
+  ``trainable_parameters``, ``trainable_modules``, ``prepare``, ``reference``), [`SAMPLING`] (``sample``,
+  ``log_prob``, ``likelihood``: the plan interpreted by [`mmgrpo.samplers.flow_plan`]) and [`CHECKPOINTS`]
+  (``save_pretrained``, ``load_trainable``, ``export_pretrained``). What they read of the policy is [`FlowModel`];
+  the text-to-image adapters also share their [`IMAGE_IO`] (text embeddings of the prompts in, one row per sample;
+  decoded images out).
 
 An adapter keeps what is its model's own: the options and their checks, the noise levels, text encoding, the
 velocity (guidance, timesteps, latent layout), the initial noise and the decoding of the final latents.

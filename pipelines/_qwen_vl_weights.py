@@ -47,7 +47,8 @@ def inject_lora(model: torch.nn.Module, config):
             param.data = param.data.float()  # trainable parameters are always float32
             param.requires_grad_(True)
     if not any(param.requires_grad for param in model.parameters()):
-        raise ValueError(f"lora_targets {config.lora_targets} matched no language-model layer of {config.pretrained!r}.")
+        raise ValueError(f"lora_targets {config.lora_targets} matched no language-model layer of "
+                         f"{config.pretrained!r}.")
     return lora_config
 
 
