@@ -194,6 +194,10 @@ class MaskedPlan:
             (``token_log_prob``, ``token_mask``, ``old_token_log_prob``).
         likelihood (`str`): with ``"likelihood"`` scoring, the estimator: ``"one_step"`` (d1's one-step estimate) or,
             feature ``"elbo"``, ``"elbo"`` (GDPO's semi-deterministic Monte Carlo ELBO of the whole completion).
+        elbo_convention (`str`): with ``likelihood="elbo"``, the positions the ELBO scores and how masks are counted:
+            ``"to_first_eos"`` (the tokens up to and including the first EOS; a mask of ``round(t L_y)``, at least 1,
+            weighted ``L_y / k``) or ``"full_width"`` (every completion position; ``floor(t W)`` positions, weighted
+            ``1 / t``: GDPO's released code). See `pipelines/_mdlm_elbo.py`.
     """
 
     family: ClassVar[str] = "masked"
@@ -204,12 +208,16 @@ class MaskedPlan:
     scoring: str = "trajectory"
     token_scores: bool = False
     likelihood: str = "one_step"
+    elbo_convention: str = "to_first_eos"
 
     def __post_init__(self):
         if self.scoring not in ("trajectory", "likelihood"):
             raise ValueError(f"MaskedPlan.scoring must be 'trajectory' or 'likelihood', got {self.scoring!r}.")
         if self.likelihood not in ("one_step", "elbo"):
             raise ValueError(f"MaskedPlan.likelihood must be 'one_step' or 'elbo', got {self.likelihood!r}.")
+        if self.elbo_convention not in ("to_first_eos", "full_width"):
+            raise ValueError(f"MaskedPlan.elbo_convention must be 'to_first_eos' or 'full_width', "
+                             f"got {self.elbo_convention!r}.")
         check_units(self)
 
     def features(self) -> set[str]:

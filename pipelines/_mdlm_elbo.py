@@ -12,20 +12,28 @@ weights `w_n` summing to 1; ``pipeline.elbo_points`` of them) and keeps Monte Ca
 
     ELBO ~= sum_n w_n (1 / K) sum_k c_nk sum_{i masked by draw (n, k)} log pi(y^i | y^(n, k), q)
 
-Masking (``pipeline.elbo_masking``):
+Two conventions (``MaskedPlan.elbo_convention``, set by the algorithm: GDPO's ``elbo_convention``):
 
-- ``"count"`` (default): exactly ``k_n = clamp(floor(t_n * L_y + 1/2), 1, L_y)`` of the `L_y` scored tokens, chosen
+- ``"to_first_eos"`` (default): the scored tokens of a completion are those up to and including its first EOS (the
+  completion mask d1 scores); the tokens after it stay as sampled in the input. Masking (``pipeline.elbo_masking``):
+  ``"count"`` masks exactly ``k_n = clamp(floor(t_n * L_y + 1/2), 1, L_y)`` of the `L_y` scored tokens, chosen
   uniformly, with ``c_nk = L_y / k_n``: the unbiased weight of a fixed-size mask (LLaDA's likelihood estimator), which
-  is ``1 / t_n`` whenever ``t_n * L_y`` is whole and removes the spread of a binomial count.
-- ``"bernoulli"``: each scored token masked with probability `t_n`, ``c_nk = 1 / t_n`` (the formula's inner
-  expectation as written).
+  is ``1 / t_n`` whenever ``t_n * L_y`` is whole and removes the spread of a binomial count; ``"bernoulli"`` masks
+  each scored token with probability `t_n`, ``c_nk = 1 / t_n`` (the formula's inner expectation as written).
+- ``"full_width"``: GDPO's released code (``NumericalIntegrationEstimator`` of github.com/KevinRojas1499/GDPO): every
+  one of the `W` completion positions is scored, the EOS tokens that fill the canvas after the answer included.
+  ``"count"`` masks exactly ``k_n = floor(t_n * W)`` positions chosen uniformly among all `W` (0 when ``t_n W < 1``:
+  the node then adds nothing), with ``c_nk = 1 / t_n``; ``"bernoulli"`` masks each of the `W` positions with
+  probability `t_n`, ``c_nk = 1 / t_n``. The authors' recipe is ``elbo_masks: 1`` (one mask per node) with
+  ``elbo_points`` 2 (their config's default) or 3 (their released scripts). Two things are not theirs: the masks are
+  the same for the policy, the sampling policy and the reference (their code draws the old ELBO's masks in a call of
+  its own; the co-authors' NeMo-RL port shares them), and a left-padded prompt's padding is masked out of attention
+  (their code passes no attention mask).
 
-The scored tokens of a completion are those up to and including its first EOS (the completion mask d1 scores, on
-whose code GDPO builds); the tokens after it stay as sampled in the input. The prompt is never masked. The masks are
-drawn from the plan's seed at sampling, where the sampling policy's ELBO is recorded ("old" value), so every later
-score of the rollout (policy, reference) uses the same masks and the ratio measures the policy change, not mask noise.
-Each likelihood draw (a train unit) is one full SDMC estimate with its own masks; it costs
-``elbo_points * elbo_masks`` forwards.
+The prompt is never masked. The masks are drawn from the plan's seed at sampling, where the sampling policy's ELBO is
+recorded ("old" value), so every later score of the rollout (policy, reference) uses the same masks and the ratio
+measures the policy change, not mask noise. Each likelihood draw (a train unit) is one full SDMC estimate with its own
+masks; it costs ``elbo_points * elbo_masks`` forwards.
 """
 
 from __future__ import annotations
@@ -54,14 +62,16 @@ def check_options(config) -> None:
 
 
 def draw_masks(scored: torch.Tensor, draws: int, points: int, masks: int, masking: str,
-               generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+               generator: torch.Generator, convention: str = "to_first_eos") -> tuple[torch.Tensor, torch.Tensor]:
     """The masks and weights of `draws` SDMC estimates.
 
     Args:
-        scored (`torch.BoolTensor` of shape `[N, L]`): the tokens each completion's ELBO scores (at least one per row).
+        scored (`torch.BoolTensor` of shape `[N, L]`): the tokens each completion's ELBO scores (at least one per row;
+            every position with ``"full_width"``).
         draws (`int`): independent estimates (likelihood draws); points, masks: nodes and masks per node.
         masking (`str`): ``"count"`` or ``"bernoulli"`` (see the module docstring).
         generator (`torch.Generator`): CPU generator the masks are drawn from.
+        convention (`str`): ``"to_first_eos"`` or ``"full_width"``: how ``"count"`` sizes and weights a mask.
 
     Returns:
         ``(masked, weights)``: `masked` `[N, draws, M, L]` (bool, ``M = points * masks``, node-major) and `weights`
@@ -76,13 +86,17 @@ def draw_masks(scored: torch.Tensor, draws: int, points: int, masks: int, maskin
     if masking == "bernoulli":
         masked = live & (noise < times[None, None, :, None])
         weights = (node_weights / times / masks).expand(n, draws, -1)  # [N, D, M]
+        return masked, weights.float().contiguous()
+    count = scored.sum(-1).double()[:, None]  # [N, 1]
+    if convention == "full_width":  # the authors' int(t W) positions, weighted 1 / t
+        k = torch.floor(times[None, :] * count)  # [N, M], may be 0
+        weights = (node_weights / times / masks)[None, None, :].expand(n, draws, -1)  # [N, D, M]
     else:
-        count = scored.sum(-1).double()[:, None]  # [N, 1]
         k = torch.floor(times[None, :] * count + 0.5).clamp(min=1.0)  # [N, M]
         k = torch.minimum(k, count)
-        ranks = noise.masked_fill(~live, float("inf")).argsort(-1).argsort(-1)  # [N, D, M, L]: scored ones first
-        masked = live & (ranks < k[:, None, :, None])
         weights = (node_weights[None, :] * count / k / masks)[:, None, :].expand(-1, draws, -1)  # [N, D, M]
+    ranks = noise.masked_fill(~live, float("inf")).argsort(-1).argsort(-1)  # [N, D, M, L]: scored ones first
+    masked = live & (ranks < k[:, None, :, None])
     return masked, weights.float().contiguous()
 
 
@@ -107,10 +121,14 @@ def record(policy, trajectory: dict, plan: MaskedPlan) -> tuple[torch.Tensor, to
     """
     c = policy.config
     completion = trajectory["completion"]  # [N, L]
-    scored = policy.completion_mask(completion)  # [N, L]
+    if plan.elbo_convention == "full_width":
+        scored = torch.ones_like(completion, dtype=torch.bool)  # [N, L]: every position
+    else:
+        scored = policy.completion_mask(completion)  # [N, L]: up to and including the first EOS
     n, steps = completion.shape[0], plan.num_steps
     generator = torch.Generator().manual_seed(plan.seed)
-    masked, weights = draw_masks(scored, steps, c.elbo_points, c.elbo_masks, c.elbo_masking, generator)
+    masked, weights = draw_masks(scored, steps, c.elbo_points, c.elbo_masks, c.elbo_masking, generator,
+                                 plan.elbo_convention)
     trajectory.update(elbo_masked=masked, elbo_weights=weights, elbo_scored=scored)  # [N, S, M, L], [N, S, M], [N, L]
     old_terms = torch.zeros(n, steps, completion.shape[1])  # [N, S, L]
     prompt_ids, attention = trajectory["prompt_ids"].to(policy.device), trajectory["prompt_attention"].to(policy.device)
