@@ -9,14 +9,14 @@ import torch
 
 StdEstimator = Literal["population", "unbiased"]
 STD_ESTIMATORS = ("population", "unbiased")
+REWARD_SCALINGS = ("group", "batch", "none")
 
 
 def group_normalize(
     scores: torch.Tensor,
     group_ids: torch.Tensor,
     *,
-    scale: bool = True,
-    global_std: bool = False,
+    scale: Literal["group", "batch", "none"] = "group",
     eps: float = 1e-4,
     clip: float | None = None,
     std: StdEstimator = "population",
@@ -29,8 +29,9 @@ def group_normalize(
             score them at all, see the skip rules of `mmgrpo.trainer`). A group whose valid scores are all equal gets
             exactly 0.
         group_ids (`torch.LongTensor` of shape `[N]`): group of each sample.
-        scale (`bool`): divide by the standard deviation (``False``: mean-centring only, as Dr. GRPO).
-        global_std (`bool`): divide by the standard deviation of all valid scores instead of the group's.
+        scale (`str`): the standard deviation the centred scores are divided by: ``"group"``, the group's;
+            ``"batch"``, that of all valid scores (the mean stays the group's); ``"none"``, none (mean-centring only,
+            as Dr. GRPO).
         eps (`float`): added to the standard deviation.
         clip (`float`, *optional*): clamp advantages to ``[-clip, clip]``.
         std (`str`): the standard deviation's estimator: ``"population"`` divides the squared deviations by `n`
@@ -42,11 +43,13 @@ def group_normalize(
     """
     if std not in STD_ESTIMATORS:
         raise ValueError(f"std must be 'population' or 'unbiased', got {std!r}.")
+    if scale not in REWARD_SCALINGS:
+        raise ValueError(f"scale must be 'group', 'batch' or 'none', got {scale!r}.")
     unbiased = std == "unbiased"
     scores = scores.float()
     valid = torch.isfinite(scores)
     advantages = torch.zeros_like(scores)
-    global_scale = scores[valid].std(unbiased=unbiased) if global_std and valid.sum() > 1 else None
+    global_scale = scores[valid].std(unbiased=unbiased) if scale == "batch" and valid.sum() > 1 else None
     for gid in torch.unique(group_ids):
         members = (group_ids == gid) & valid
         if members.sum() == 0:
@@ -55,7 +58,7 @@ def group_normalize(
         if bool((group == group[0]).all()):
             continue  # identical rewards: exactly 0 (a mean's rounding error over eps would not be)
         centred = group - group.mean()
-        if scale:
+        if scale != "none":
             scale_by = global_scale if global_scale is not None else group.std(unbiased=unbiased)
             centred = centred / (scale_by + eps)
         advantages[members] = centred
@@ -117,3 +120,4 @@ def tempsamp_soft(scores: torch.Tensor, threshold: float = 0.8, alpha_high: floa
     above = threshold + alpha_high * torch.log1p((r - threshold).clamp_min(0))  # [N]
     below = threshold - torch.expm1(alpha_low * (threshold - r).clamp_min(0)) / math.expm1(alpha_low)  # [N]
     return torch.where(r >= threshold, above, below)  # NaN compares false: `below` keeps it NaN
+

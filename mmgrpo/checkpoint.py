@@ -4,7 +4,7 @@ A checkpoint is a folder ``<output_dir>/checkpoints/step_XXXXXXX`` holding the t
 written by the policy's ``save_pretrained`` as safetensors), ``optimizer.safetensors``, ``lr_scheduler.safetensors``,
 one ``rng_rank{r}.safetensors`` per process, ``algorithm.safetensors`` when the algorithm has state of its own
 (``state_dict`` / ``load_state_dict``, e.g. DGPO's fast-EMA old model) and ``trainer_state.json`` (the step, the
-format of the state files and the mmgrpo version that wrote them). Each state file is
+format of the state files, the mmgrpo version that wrote them, the KL weight's update count). Each state file is
 written by [`~mmgrpo.state_io.save_state`]: tensors as safetensors, everything else as JSON, nothing that can carry
 code. The folder is written under a temporary name and renamed when complete, so a crash while saving leaves the
 previous checkpoint intact and loadable; a folder whose ``trainer_state.json`` is missing or not valid JSON is
@@ -150,9 +150,11 @@ def save(
     root = Path(root)
     final = root / f"{PREFIX}{step:07d}"
     tmp = root / f"{PREFIX}{step:07d}.tmp"
+    meta = {"step": step, "format": FORMAT, "mmgrpo_version": __version__, **state}
+    if algorithm is not None:
+        meta["kl"] = algorithm.kl.state_dict()  # the KL weight's update count (every algorithm has one)
     try:
-        _write(accelerator, tmp, policy, optimizer, lr_scheduler, {"step": step, "format": FORMAT, "mmgrpo_version": __version__, **state}, algorithm,
-               modules)
+        _write(accelerator, tmp, policy, optimizer, lr_scheduler, meta, algorithm, modules)
     except (OSError, SafetensorError) as err:  # a full disk, a quota, a vanished folder: nothing half-written stays
         shutil.rmtree(tmp, ignore_errors=True)
         raise CheckpointError(
@@ -288,6 +290,9 @@ def load(accelerator, path: Path, policy, optimizer, lr_scheduler, algorithm=Non
         _load_trainable(policy, path)
     if has_state:
         algorithm.load_state_dict(_read_state(path, ALGORITHM_FILE))
+    if algorithm is not None:  # checkpoints before "kl" kept a KL schedule's count in ALGORITHM_FILE, or had none
+        earlier = _read_state(path, ALGORITHM_FILE) if "kl" not in meta and (path / ALGORITHM_FILE).is_file() else {}
+        algorithm.kl.load_state_dict(meta.get("kl") or {"kl_updates": earlier.get("kl_updates", 0)})
     optimizer.load_state_dict(sharding.optimizer_to_layout(_read_state(path, OPTIMIZER_FILE), optimizer))
     lr_scheduler.load_state_dict(_read_state(path, SCHEDULER_FILE))
     if (path / rng_file(accelerator.process_index)).is_file():

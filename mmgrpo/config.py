@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import dataclasses
 import re
-import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -24,8 +23,8 @@ from .config_yaml import parse_yaml, read_yaml
 from .tracking import TrackingConfig
 from .vas import VASConfig, check_sampling
 from .validation import (  # noqa: F401 (ConfigError and build_dataclass are imported from here by callers)
-    NULL_WORDS, ConfigError, build_dataclass, check_fields, check_range, check_seed, check_text, coerce, takes_none,
-    takes_text,
+    NULL_WORDS, ConfigError, build_dataclass, check_fields, check_range, check_seed, check_text, coerce, flat_dict,
+    flat_hints, takes_none, takes_text,
 )
 
 STEPS_LIMIT = 10**9  # trainer steps (and the step counts of warm-up, evaluation, checkpoints, logging)
@@ -265,7 +264,7 @@ class ExperimentConfig:
         out = {"output_dir": self.output_dir, "seed": self.seed, "log_every": self.log_every}
         plugins = {"pipeline": self.pipeline, "algorithm": self.algorithm, "reward": self.reward, "data": self.data}
         for kind, spec in plugins.items():
-            out[kind] = {"name": spec.name, **dataclasses.asdict(spec.options)}
+            out[kind] = {"name": spec.name, **flat_dict(spec.options)}  # embedded records written flat
         sections = {"train": self.train, "eval": self.eval, "checkpoint": self.checkpoint, "tracking": self.tracking,
                     "sft": self.sft}
         for name, section in sections.items():
@@ -327,7 +326,7 @@ def field_type(raw: dict, parts: list[str]) -> Any:
     else:
         return None
     for part in parts[1:]:
-        hints = typing.get_type_hints(tp) if dataclasses.is_dataclass(tp) else {}
+        hints = flat_hints(tp) if dataclasses.is_dataclass(tp) else {}  # with embedded records' keys
         if part not in hints:
             return None
         tp = hints[part]

@@ -74,3 +74,24 @@ def clipped_surrogate(
             "approx_kl": masked_mean(0.5 * log_ratio**2, mask).item(),
         }
     return loss, metrics
+
+
+def gaussian_mean_kl(mean: torch.Tensor, ref_mean: torch.Tensor, std: torch.Tensor,
+                     mask: torch.Tensor | None = None) -> torch.Tensor:
+    """``(mean - ref_mean)^2 / (2 std^2)`` averaged over the elements of the transitions `mask` marks (all without
+    one): the KL between two Gaussians of std `std` when `std` is the transition's, Flow-GRPO's term when it is
+    ``sigma_t``. Entries with std 0 (deterministic transitions, placeholders) contribute nothing.
+
+    Args:
+        mean (`torch.FloatTensor` of shape `[n, k, ...]`), ref_mean (`torch.FloatTensor` of shape `[n, k, ...]`): the
+            transitions' means under the policy and the reference (no gradient).
+        std (`torch.FloatTensor` of shape `[n, k, 1, ...]`).
+        mask (`torch.BoolTensor` of shape `[n, k]`, *optional*): the transitions to average over.
+    """
+    safe = torch.where(std > 0, std, torch.ones_like(std))
+    kl = (mean - ref_mean.detach()) ** 2 / (2 * safe**2)
+    kl = torch.where(std > 0, kl, torch.zeros_like(kl))  # [n, k, ...]
+    if mask is None:
+        return kl.mean()
+    per_transition = kl.flatten(2).mean(-1)  # [n, k]
+    return masked_mean(per_transition, mask)

@@ -9,6 +9,7 @@ import typing
 from importlib import metadata
 
 from . import __version__, registry
+from .validation import is_embedded
 
 PINNED = ("torch", "torchvision", "diffusers", "transformers", "accelerate", "peft", "open-clip-torch")
 # documented arguments in a Hugging Face docstring: ``name (`type`, *optional*): text``, or several sharing a text,
@@ -69,6 +70,27 @@ def _default(field: dataclasses.Field) -> str:
     return "(required)"
 
 
+def _options(config: type) -> list[tuple[str, str, str, str]]:
+    """``(name, type, default, doc)`` of every key a mapping of dataclass `config` holds: its own fields and, in their
+    place, the fields of its embedded records with this config's defaults (see [`mmgrpo.validation.embedded`]). A
+    record field's doc is the config's own where it documents the key, else the record's."""
+    docs, hints, rows = argument_docs(config.__doc__), typing.get_type_hints(config), []
+    for field in dataclasses.fields(config):
+        if not field.init:
+            continue
+        if not is_embedded(field):
+            rows.append((field.name, _type_name(hints.get(field.name, field.type)), _default(field),
+                         docs.get(field.name, "(undocumented)")))
+            continue
+        record = field.default_factory()  # this config's defaults of the record's fields
+        inner_docs, inner_hints = argument_docs(type(record).__doc__), typing.get_type_hints(type(record))
+        for inner in dataclasses.fields(record):
+            if inner.init:
+                doc = docs.get(inner.name) or inner_docs.get(inner.name, "(undocumented)")
+                rows.append((inner.name, _type_name(inner_hints[inner.name]), repr(vars(record)[inner.name]), doc))
+    return rows
+
+
 def find(name: str, kind: str | None = None) -> tuple[str, type]:
     """``(kind, plugin class)`` of the plugin called `name` (of `kind` when given).
 
@@ -96,13 +118,8 @@ def describe(name: str, kind: str | None = None) -> str:
     if not dataclasses.is_dataclass(config):
         raise ValueError(f"{kind} {name!r} ({plugin.__name__}) has no Config dataclass to describe")
     summary = (plugin.__doc__ or "").strip().split("\n\n")[0]
-    docs = argument_docs(config.__doc__)
-    hints = typing.get_type_hints(config)
     lines = [f"{kind} {name}: {' '.join(summary.split())}", "", f"options ({kind} section of a config):"]
-    for field in dataclasses.fields(config):
-        if not field.init:
-            continue
-        lines.append(f"  {field.name}: {_type_name(hints.get(field.name, field.type))} = {_default(field)}")
-        for doc_line in docs.get(field.name, "(undocumented)").splitlines():
-            lines.append(f"      {doc_line.strip()}")
+    for option, type_name, default, doc in _options(config):
+        lines.append(f"  {option}: {type_name} = {default}")
+        lines.extend(f"      {doc_line.strip()}" for doc_line in doc.splitlines())
     return "\n".join(lines)

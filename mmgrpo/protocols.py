@@ -5,12 +5,15 @@ module exposes its class as ``PLUGIN``."""
 from __future__ import annotations
 
 from contextlib import AbstractContextManager
-from typing import Any, Callable, Iterable, Literal, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Literal, Protocol, runtime_checkable
 
 import torch
 
 from .types import AlgorithmTraits, LossOutput, PromptBatch, RewardResult, Rollout, Score
 from .plans import SamplingPlan
+
+if TYPE_CHECKING:  # the algorithms' shared records live with them; the trainer only calls the member
+    from .algorithms._options import KLWeight
 
 
 @runtime_checkable
@@ -128,7 +131,10 @@ class Algorithm(Protocol):
     transitions), ``"likelihood"`` -> ``policy.likelihood`` (a sample-only surrogate). `traits` (an
     [`~mmgrpo.types.AlgorithmTraits`], built from the options) declares everything else the trainer needs to know,
     with documented defaults: the score fields the loss reads, whether it reads the reference, whether zero advantages
-    are inert, and which optional members it has. The trainer reads the declaration and never probes for a member:
+    are inert, and which optional members it has. Every algorithm holds its KL term's weight as `kl` (a
+    [`~mmgrpo.algorithms._options.KLWeight`]; weight 0 where it has no KL term): the trainer calls ``kl.step()`` after
+    every optimizer update taken and checkpoints ``kl.state_dict()``, so a KL schedule resumes exactly. The trainer
+    reads the declaration and never probes for a member:
 
     - ``after_update(policy)``, when ``traits.after_update``: called after every optimizer update taken.
     - ``state_dict() -> dict`` / ``load_state_dict(state)``, when ``traits.has_state``: saved in and restored from
@@ -142,6 +148,7 @@ class Algorithm(Protocol):
     scoring: Literal["trajectory", "likelihood"]
     plan_family: Literal["flow", "token", "masked"]  # the plan type `schedule` returns (FlowPlan, TokenPlan, MaskedPlan)
     traits: AlgorithmTraits
+    kl: KLWeight  # the KL term's weight, stepped after every optimizer update taken
 
     def schedule(self, num_steps: int, generator: torch.Generator | None = None) -> SamplingPlan:
         """The plan of its `plan_family`: which decisions sample and which are trained; `generator` is seeded

@@ -22,8 +22,9 @@ Skip rules (decided on the batch gathered from every process, so all processes a
 - The loss or the gradient of an update is NaN or infinite: that update is not taken, its gradient is discarded.
 
 Each update not taken adds 1 to ``train/skipped_updates`` (a step not taken adds every update it would have taken).
-The learning-rate schedule counts only the updates taken; both are checkpointed, so resume is exact. ``reward/invalid``
-counts the samples without a finite reward and ``train/unscored_share`` is the share of the batch not scored.
+The learning-rate schedule and the algorithm's KL weight (its ``kl`` member) count only the updates taken; all are
+checkpointed, so resume is exact. ``reward/invalid`` counts the samples without a finite reward and
+``train/unscored_share`` is the share of the batch not scored.
 """
 
 from __future__ import annotations
@@ -319,6 +320,7 @@ class Trainer:
                 self.optimizer.step()
                 self.lr_scheduler.step()
                 self.optimizer.zero_grad(set_to_none=True)
+                self.algorithm.kl.step()  # the KL weight counts the updates taken (its schedule's clock)
                 if traits.after_update:
                     self.algorithm.after_update(self.policy)  # e.g. DGPO's fast-EMA old model follows the weights
                 grad_norms.append(float(grad_norm))

@@ -211,8 +211,9 @@ class AlgorithmTraits:
             preference); otherwise the trainer skips the reference forward and passes `ref=None`.
         zero_advantage_is_inert (`bool`): a sample with advantage 0 adds exactly nothing to the loss's gradient (e.g.
             no KL term), so the trainer does not score the members of groups whose advantages are all 0.
-        has_state (`bool`): the algorithm keeps state of its own (DGPO's fast-EMA old model) and has
-            ``state_dict() -> dict`` and ``load_state_dict(state)``; checkpoints save and restore it.
+        has_state (`bool`): the algorithm keeps state of its own besides its KL weight (DGPO's fast-EMA old model) and
+            has ``state_dict() -> dict`` and ``load_state_dict(state)``; checkpoints save and restore it. (The KL
+            weight, the ``kl`` member every algorithm has, is stepped and checkpointed by the trainer in any case.)
         after_update (`bool`): the algorithm has an ``after_update(policy)`` hook, which the trainer calls after every
             optimizer update taken (DGPO's old model follows the weights).
         old_source (`str`): what the loss gets as `old_log_prob` `[n, k]`, the "old" policy of its ratio:
@@ -234,7 +235,7 @@ class AlgorithmTraits:
               mean over the update; GCPO's mean over the trained (sample, chunk) pairs).
         group_local_advantages (`bool`): each sample's advantage depends on its own group's scores only, so a process
             holding whole groups can compute them alone (``train.group_placement: contiguous``); `False` when they
-            read the whole batch (a batch standard deviation: ``global_std``, ``scale_rewards: batch``).
+            read the whole batch (a batch standard deviation: ``scale_rewards: batch``).
         ground_truth_member (`bool`): member 0 of each group is not sampled but teacher-forced on its prompt's ground
             truth (TempSamp-R1's off-policy member; its plans' ``ground_truth_member``, which the checks before any
             model loads compare with this): the trainer also logs ``reward/sampled_mean``, the mean reward of the

@@ -17,6 +17,7 @@ model. A field with a tighter real limit (a learning rate, a resolution, a token
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import re
 import types
@@ -34,12 +35,14 @@ RENAMED = {
     "clip_range": "clip_low (and clip_high)",
     "clip_range_high": "clip_high",
     "kl_coeff": "kl_beta",
+    "global_std": "scale_rewards: batch (global_std: true) or group (false)",
 }
 # options whose value type changed: key -> (old type, the message's fix)
 RETYPED = {"scale_rewards": (bool, "give 'group' for true (divide by the group's std) or 'none' for false")}
 # option values that were renamed or split: (key, old value) -> the value(s) to use
 RENAMED_VALUES = {("prompt_sampling", "variance"): "'group_variance' (the former rule: the training groups' reward "
-                                                   "variance) or 'vas' (MMR1's variance-aware sampling)"}
+                                                   "variance) or 'vas' (MMR1's variance-aware sampling)",
+                  ("solver", "euler"): "'flow' (FlowPlan.solver's word for the pipeline's own Euler ODE)"}
 
 
 class ConfigError(ValueError):
@@ -215,21 +218,81 @@ def check_renamed(values: dict, fields: typing.Iterable[str], prefix: str) -> No
             raise ConfigError(f"{prefix}.{key} is no longer a {RETYPED[key][0].__name__}: {RETYPED[key][1]}.")
 
 
+EMBEDDED = "mmgrpo.embedded"  # dataclass field metadata key of an embedded record (see `embedded`)
+
+
+def embedded(record: type, **defaults: Any) -> Any:
+    """A Config field holding an options `record` (a dataclass such as
+    [`~mmgrpo.algorithms._options.AdvantageOptions`]) whose fields are written flat beside the Config's own: YAML says
+    ``scale_rewards: group``, not ``advantage: {scale_rewards: group}``. `defaults` are this Config's own defaults of
+    the record's fields (an algorithm keeps its authors' values); a mapping that sets some of the record's keys starts
+    from them ([`build_dataclass`]), and [`flat_dict`] writes the record's fields back flat."""
+    return dataclasses.field(default_factory=functools.partial(record, **defaults), metadata={EMBEDDED: True})
+
+
+def is_embedded(field: dataclasses.Field) -> bool:
+    """Whether dataclass `field` holds an embedded record (see [`embedded`])."""
+    return bool(field.metadata.get(EMBEDDED))
+
+
+def flat_hints(cls: type) -> dict[str, Any]:
+    """The annotation of every key a mapping of dataclass `cls` may hold: its own init fields and the fields of its
+    embedded records (see [`embedded`]). Raises `TypeError` when two of them share a name."""
+    hints = typing.get_type_hints(cls)
+    flat: dict[str, Any] = {}
+    for f in dataclasses.fields(cls):
+        if not f.init:
+            continue
+        inner = typing.get_type_hints(hints[f.name]) if is_embedded(f) else {f.name: hints[f.name]}
+        names = [g.name for g in dataclasses.fields(hints[f.name]) if g.init] if is_embedded(f) else [f.name]
+        for name in names:
+            if name in flat:
+                raise TypeError(f"{cls.__name__}: option {name!r} is declared twice (embedded records share a flat "
+                                "mapping: give each option one name).")
+            flat[name] = inner[name]
+    return flat
+
+
+def flat_dict(config: Any) -> dict:
+    """``dataclasses.asdict(config)`` with each embedded record's fields in place of the record (see [`embedded`]):
+    the flat mapping [`build_dataclass`] reads back."""
+    whole, out = dataclasses.asdict(config), {}
+    for f in dataclasses.fields(config):
+        out.update(whole[f.name] if is_embedded(f) else {f.name: whole[f.name]})
+    return out
+
+
+def _record_error(err: Exception, prefix: str, fields: typing.Iterable[str]) -> ConfigError:
+    return ConfigError(_prefixed(" ".join(str(err).split()), prefix, fields))
+
+
 def build_dataclass(cls: type, values: dict | None, prefix: str) -> Any:
-    """Builds dataclass `cls` from a mapping, rejecting unknown keys and wrong types, naming `prefix.key`."""
+    """Builds dataclass `cls` from a mapping, rejecting unknown keys and wrong types, naming `prefix.key`.
+
+    An embedded record's keys (see [`embedded`]) are read from the same flat mapping; the record starts from the
+    field's default, so keys the mapping leaves out keep the Config's own defaults."""
     values = {} if values is None else values
     if not isinstance(values, dict):
         raise ConfigError(f"{prefix}: expected a mapping of options, got {values!r} ({type(values).__name__}).")
-    hints = typing.get_type_hints(cls)
+    flat = flat_hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
-    check_renamed(values, fields, prefix)
-    unknown = sorted(set(values) - set(fields), key=str)
+    check_renamed(values, flat, prefix)
+    unknown = sorted(set(values) - set(flat), key=str)
     if unknown:
         raise ConfigError(
             f"Unknown config key {prefix}.{unknown[0]}" + (f" (and {unknown[1:]})" if len(unknown) > 1 else "")
-            + f". Valid keys of {prefix}: {', '.join(sorted(fields))}."
+            + f". Valid keys of {prefix}: {', '.join(sorted(flat))}."
         )
-    kwargs = {name: coerce(value, hints[name], f"{prefix}.{name}") for name, value in values.items()}
+    given = {name: coerce(value, flat[name], f"{prefix}.{name}") for name, value in values.items()}
+    kwargs = {name: given[name] for name in fields if name in given}
+    for name, f in fields.items():
+        if is_embedded(f):
+            record = f.default_factory()
+            keys = {g.name for g in dataclasses.fields(record) if g.init} & set(given)
+            try:
+                kwargs[name] = dataclasses.replace(record, **{key: given[key] for key in keys})
+            except (ValueError, TypeError, OverflowError) as err:
+                raise _record_error(err, prefix, flat) from err
     missing = [
         n for n, f in fields.items()
         if n not in kwargs and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
@@ -239,5 +302,4 @@ def build_dataclass(cls: type, values: dict | None, prefix: str) -> Any:
     try:
         return cls(**kwargs)
     except (ValueError, TypeError, OverflowError) as err:
-        message = " ".join(str(err).split())  # one line
-        raise ConfigError(_prefixed(message, prefix, fields)) from err
+        raise _record_error(err, prefix, flat) from err

@@ -1,7 +1,7 @@
 """Pieces shared by the token-level algorithms (`grpo`, `dr_grpo`, `dapo`, `gspo`, `sapo`, `reg_grpo`): the sampling
-plan of a token policy, loss aggregation over masked tokens, the KL term (k3, from `mmgrpo.losses`) and its weight's
-schedule over the optimizer updates ([`KLWeight`], OThink-MR1's dynamic KL), the reward transform before the group
-statistics (TempSamp-R1's soft advantage), the checks of their options and the metrics every one of them logs.
+plan of a token policy, their traits, loss aggregation over masked tokens, the clipped token loss, the KL term (k3,
+from `mmgrpo.losses`) and the metrics every one of them logs. Their options (clip, KL weight and schedule, advantages)
+are the shared records of [`mmgrpo.algorithms._options`].
 
 They assume nothing about the modality: a "token" is any scored decision of a pipeline whose ``log_prob`` returns
 ``log_prob`` and ``mask`` `[n, T]` (an autoregressive VLM's completion tokens, a masked-diffusion LM's tokens).
@@ -10,24 +10,16 @@ Not a plugin: the name starts with an underscore and it defines no ``PLUGIN``.
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass
 from typing import Literal
 
 import torch
 
-from ..advantages import tempsamp_soft
-from ..losses import k3_kl
-from ..types import Score
+from ..losses import clipped_objective, k3_kl
 from ..plans import TokenPlan
-from ._limits import CLIP_LIMIT, KL_BETA_LIMIT, SCALE_LIMIT, UPDATES_LIMIT
-from ..validation import ConfigError, check_range
+from ..types import AlgorithmTraits, Score
+from ._options import ClipOptions, KLWeight
 
 Aggregation = Literal["sequence_mean", "token_mean", "fixed_length"]
-KLSchedule = Literal["constant", "linear", "cosine"]
-AdvantageTransform = Literal["none", "tempsamp_soft"]
-KL_SCHEDULES = ("constant", "linear", "cosine")
-ADVANTAGE_TRANSFORMS = ("none", "tempsamp_soft")
 TOKEN_READS = frozenset({"log_prob", "mask"})  # the Score fields every token loss reads (mask: the scored tokens)
 
 
@@ -35,9 +27,18 @@ def token_plan(num_steps: int, ground_truth_member: bool = False) -> TokenPlan:
     """Every decision samples and the whole completion is one trained unit, ``[[0, ..., T - 1]]``: the trainer
     scores all tokens of a minibatch in one forward (the ratio of a token needs the tokens before it). A token plan
     runs on the pipelines that speak the ``"token"`` family (`qwen_vl`; `mdlm`, one decoding step per decision).
-    With `ground_truth_member`, member 0 of each group decodes its prompt's ground truth (see `SHARED_DOCS`)."""
+    With `ground_truth_member`, member 0 of each group decodes its prompt's ground truth (see `GROUND_TRUTH_DOC`)."""
     steps = list(range(num_steps))
     return TokenPlan(num_steps=num_steps, train_units=[steps], ground_truth_member=ground_truth_member)
+
+
+def token_traits(config, kl: KLWeight, reads: frozenset[str] = TOKEN_READS, **more) -> AlgorithmTraits:
+    """The traits of a token algorithm with options `config` (its embedded ``advantage`` record and
+    ``ground_truth_member``) and KL weight `kl`: it reads the reference when the KL weight is ever above 0; `more`
+    adds its own (e.g. ``update_mean``)."""
+    return AlgorithmTraits(reads=reads, needs_reference=kl.ever_positive,
+                           group_local_advantages=config.advantage.group_local,
+                           ground_truth_member=config.ground_truth_member, **more)
 
 
 def token_mask(new: Score, like: torch.Tensor) -> torch.Tensor:
@@ -80,76 +81,25 @@ def add_kl(loss: torch.Tensor, metrics: dict, new: Score, ref: Score | None, mas
     return loss + beta * kl
 
 
-def kl_weight(schedule: str, start: float, end: float | None, steps: int, update: int) -> float:
-    """The KL weight after `update` optimizer updates (OThink-MR1's GRPO-D: a low weight early lets the policy
-    explore, a higher one later holds it near the reference; the schedule is ours, written out here).
+def clipped_token_loss(new: Score, old_log_prob: torch.Tensor, advantages: torch.Tensor, ref: Score | None,
+                       clip: ClipOptions, beta: float, mode: Aggregation,
+                       mask: torch.Tensor | None = None) -> tuple[torch.Tensor, dict]:
+    """The clipped per-token surrogate aggregated by `mode`, plus `beta` times the k3 KL aggregated alike, and its
+    metrics ([`ratio_metrics`], ``kl``).
 
-    With ``p = min(1, update / steps)``: ``"constant"`` gives `start`; ``"linear"`` gives
-    ``start + (end - start) * p``; ``"cosine"`` gives ``start + (end - start) * (1 - cos(pi * p)) / 2`` (flat at both
-    ends). From update `steps` on, the weight stays `end`.
+    Args:
+        new ([`Score`]): ``log_prob`` `[n, T]` with gradients and ``mask`` `[n, T]` (scored tokens).
+        old_log_prob (`torch.FloatTensor` of shape `[n, T]`): log-probs recorded at sampling.
+        advantages (`torch.FloatTensor` of shape `[n]`).
+        ref ([`Score`], *optional*): the reference policy's ``log_prob`` `[n, T]`.
+        mask (`torch.FloatTensor` of shape `[n, T]`, *optional*): the tokens to train (default: the scored tokens).
     """
-    if schedule == "constant":
-        return start
-    progress = min(1.0, update / steps)
-    shape = progress if schedule == "linear" else (1 - math.cos(math.pi * progress)) / 2
-    return start + (end - start) * shape
-
-
-@dataclass
-class KLWeight:
-    """A token algorithm's KL weight and the number of optimizer updates taken (its whole state), see [`kl_weight`].
-
-    Under a schedule other than ``"constant"`` the algorithm declares ``has_state`` and ``after_update``: the trainer
-    calls [`step`] after every optimizer update it takes (a skipped update does not count, as for the learning-rate
-    schedule) and checkpoints [`state_dict`], so a resumed run continues the schedule exactly.
-    """
-
-    schedule: str
-    start: float
-    end: float | None
-    steps: int
-    updates: int = 0
-
-    @classmethod
-    def of(cls, config) -> "KLWeight":
-        return cls(config.kl_schedule, config.kl_beta, config.kl_beta_end, config.kl_warmup_steps)
-
-    @property
-    def dynamic(self) -> bool:
-        return self.schedule != "constant"
-
-    @property
-    def ever_positive(self) -> bool:
-        """Whether the weight is ever above 0 (the reference policy is then scored)."""
-        return self.start > 0 or (self.dynamic and self.end > 0)
-
-    def __call__(self) -> float:
-        return kl_weight(self.schedule, self.start, self.end, self.steps, self.updates)
-
-    def step(self, policy=None) -> None:
-        self.updates += 1
-
-    def state_dict(self) -> dict:
-        return {"kl_updates": self.updates}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.updates = int(state["kl_updates"])
-
-
-def attach_kl_members(algorithm, kl: KLWeight) -> None:
-    """Gives `algorithm` the optional members a KL schedule needs, ``after_update(policy)``, ``state_dict()`` and
-    ``load_state_dict(state)``, exactly when the schedule is dynamic (its traits declare them then)."""
-    if kl.dynamic:
-        algorithm.after_update = kl.step
-        algorithm.state_dict, algorithm.load_state_dict = kl.state_dict, kl.load_state_dict
-
-
-def shaped_scores(scores: torch.Tensor, config) -> torch.Tensor:
-    """The rewards `[N]` the group statistics see: TempSamp-R1's soft transform when ``advantage_transform`` is
-    ``"tempsamp_soft"`` (see [`~mmgrpo.advantages.tempsamp_soft`]), else unchanged."""
-    if config.advantage_transform == "tempsamp_soft":
-        return tempsamp_soft(scores, config.soft_threshold, config.soft_alpha_high, config.soft_alpha_low)
-    return scores
+    mask = token_mask(new, new.log_prob) if mask is None else mask  # [n, T]
+    log_ratio = new.log_prob - old_log_prob  # [n, T]
+    per_token, clipped = clipped_objective(log_ratio, advantages, clip.clip_low, clip.high)
+    policy_loss = aggregate(per_token, mask, mode)
+    metrics = ratio_metrics(log_ratio, mask, clipped, policy_loss)
+    return add_kl(policy_loss, metrics, new, ref, mask, beta, mode), metrics
 
 
 def ratio_metrics(log_ratio: torch.Tensor, mask: torch.Tensor, clipped: torch.Tensor, policy_loss: torch.Tensor) -> dict:
@@ -167,61 +117,8 @@ def ratio_metrics(log_ratio: torch.Tensor, mask: torch.Tensor, clipped: torch.Te
         }
 
 
-def check_options(clip_low: float, clip_high: float, kl_beta: float) -> None:
-    """The checks every clipped token algorithm's Config shares: clip ranges and the KL weight."""
-    check_range("clip_low", clip_low, 0, 1, low_open=True, high_open=True, fix="the ratio is clipped at 1 - clip_low")
-    check_range("clip_high", clip_high, 0, CLIP_LIMIT, low_open=True, fix="the ratio is clipped at 1 + clip_high")
-    check_range("kl_beta", kl_beta, 0, KL_BETA_LIMIT, fix="0 turns the KL term off")
-
-
-def check_shared(config) -> None:
-    """The checks of the options every token algorithm's Config has (documented in [`SHARED_DOCS`]): the KL weight and
-    its schedule, the advantage transform and its parameters."""
-    check_range("kl_beta", config.kl_beta, 0, KL_BETA_LIMIT, fix="0 turns the KL term off")
-    if config.kl_schedule not in KL_SCHEDULES:
-        raise ConfigError(f"kl_schedule must be one of {KL_SCHEDULES}, got {config.kl_schedule!r}.")
-    if config.kl_schedule == "constant":
-        if config.kl_beta_end is not None or config.kl_warmup_steps != 0:
-            raise ConfigError(
-                f"kl_beta_end={config.kl_beta_end!r} / kl_warmup_steps={config.kl_warmup_steps!r} apply only to a KL "
-                f"schedule: set kl_schedule to 'linear' or 'cosine', or leave them out (kl_beta stays constant)."
-            )
-    else:
-        if config.kl_beta_end is None:
-            raise ConfigError(f"kl_schedule={config.kl_schedule!r} needs kl_beta_end, the KL weight it reaches after "
-                              f"kl_warmup_steps optimizer updates (kl_beta is the weight at the start).")
-        check_range("kl_beta_end", config.kl_beta_end, 0, KL_BETA_LIMIT,
-                    fix="the KL weight reached at the end of the schedule")
-        check_range("kl_warmup_steps", config.kl_warmup_steps, 1, UPDATES_LIMIT,
-                    fix="the number of optimizer updates over which the KL weight moves from kl_beta to kl_beta_end")
-    if config.advantage_transform not in ADVANTAGE_TRANSFORMS:
-        raise ConfigError(f"advantage_transform must be one of {ADVANTAGE_TRANSFORMS}, got "
-                          f"{config.advantage_transform!r}.")
-    check_range("soft_threshold", config.soft_threshold, -SCALE_LIMIT, SCALE_LIMIT, fix="a reward level, e.g. 0.8")
-    check_range("soft_alpha_high", config.soft_alpha_high, 0, SCALE_LIMIT,
-                fix="0 makes every reward above soft_threshold equal")
-    check_range("soft_alpha_low", config.soft_alpha_low, 0, SCALE_LIMIT, low_open=True, fix="TempSamp-R1 uses 1")
-
-
-# The Args entries of the options in `check_shared`, appended to each token algorithm's Config docstring.
-SHARED_DOCS = """
-        kl_schedule (`str`): how the KL weight moves over the optimizer updates taken (OThink-MR1's dynamic KL,
-            GRPO-D: low early to explore, higher later to hold the policy near the reference). ``"constant"``: always
-            `kl_beta`. ``"linear"`` / ``"cosine"``: from `kl_beta` at the first update to `kl_beta_end` after
-            `kl_warmup_steps` updates, then constant: with ``p = min(1, u / kl_warmup_steps)`` after `u` updates, the
-            weight is ``kl_beta + (kl_beta_end - kl_beta) * w(p)``, ``w(p) = p`` or ``(1 - cos(pi p)) / 2``. The update
-            count is checkpointed (a resumed run continues the schedule).
-        kl_beta_end (`float`, *optional*): the KL weight a ``"linear"`` / ``"cosine"`` schedule reaches (required by
-            them, refused under ``"constant"``).
-        kl_warmup_steps (`int`): the optimizer updates over which the schedule moves (one trainer step takes
-            ``inner_epochs * updates_per_step`` of them); 0 under ``"constant"``.
-        advantage_transform (`str`): ``"none"``, or ``"tempsamp_soft"``: TempSamp-R1's asymmetric soft transform of
-            each reward before the group statistics, ``tau + a_high * log(r - tau + 1)`` for ``r >= tau`` (rewards
-            above the threshold nearly flattened) and ``tau - (exp(a_low * (tau - r)) - 1) / (exp(a_low) - 1)`` below
-            it (a growing penalty the further below), with ``tau`` = `soft_threshold`.
-        soft_threshold (`float`): ``tau`` of the soft transform (TempSamp-R1: 0.8 on a temporal IoU).
-        soft_alpha_high (`float`): ``a_high``, the slope of the log above ``tau`` (0.01).
-        soft_alpha_low (`float`): ``a_low`` (> 0), the curvature of the exponential below ``tau`` (1.0).
+# The Args entry of ``ground_truth_member``, appended to each token algorithm's Config docstring.
+GROUND_TRUTH_DOC = """
         ground_truth_member (`bool`): TempSamp-R1's off-policy member: member 0 of each group is not sampled but
             teacher-forced through its prompt's ground-truth completion, the data's ``metadata["completion"]`` text
             (end-of-turn appended), so a group of ``train.group_size`` G + 1 holds G samples and the answer. It is

@@ -8,6 +8,10 @@ anchor, computed once per group, up to their SDE step; member `m` of a group bra
 Advantages are normalised within the samples that share a prompt *and* an SDE step (the multi-step group-normalised
 advantage): the rollout re-keys its group ids by branch.
 
+Advantages as the authors' code: the unbiased std (PyTorch's ``std``) + 1e-8, clamped to ``[-5, 5]``. An optional KL
+term (``kl_beta``; off by default) is the exact KL of the Gaussian transitions to the reference at each sample's own
+SDE step, as `flow_grpo`'s ``kl_convention: transition``.
+
 Not implemented: the authors' multi-granularity rewards (ODE continuations with strides ``granular_list``).
 """
 
@@ -18,17 +22,18 @@ from typing import Literal
 
 import torch
 
-from ..advantages import StdEstimator, group_normalize
-from ..losses import clipped_surrogate
-from ..types import AlgorithmTraits, LossOutput, Score
+from ..losses import clipped_surrogate, gaussian_mean_kl
 from ..plans import FlowPlan
-from ._limits import ADV_CLIP_LIMIT, CLIP_LIMIT, NOISE_LEVEL_RANGE, SCALE_LIMIT, STEP_LIMIT
-from ..validation import check_fields, check_range
+from ..types import AlgorithmTraits, LossOutput, Score
+from ..validation import check_fields, check_range, embedded
+from ._limits import NOISE_LEVEL_RANGE, SCALE_LIMIT, STEP_LIMIT
+from ._options import AdvantageOptions, ClipOptions, KLOptions, KLWeight
 
 
 @dataclass
 class EGRPOConfig:
-    """Options of [`EGRPO`].
+    """Options of [`EGRPO`]: its own and the shared clip, KL and advantage options (written flat, see
+    ``mmgrpo show e_grpo``) with the authors' defaults.
 
     Args:
         sde_steps (`list[int]`): the branch steps (the authors' ``eta_step_list``); with `K` of them, each group splits
@@ -41,55 +46,47 @@ class EGRPOConfig:
             value in nats. For reference, one step of 10 with shift 3 and eta 0.7 has about 1.1 nats at the start and
             0.1 near the end; merging two doubles the variance (+0.35 nats).
         max_merge (`int`): the longest adaptive merge.
-        clip_low (`float`): PPO clip of the SDE step's ratio, clipped to ``[1 - clip_low, 1 + clip_high]``.
-        clip_high (`float`, *optional*): unset: `clip_low` (a symmetric clip).
-        adv_clip_max (`float`): advantages are clamped to ``[-adv_clip_max, adv_clip_max]``.
+        clip_low (`float`): the SDE step's ratio is clipped to ``[1 - clip_low,
+            1 + clip_high]`` (1e-4, symmetric).
+        adv_std (`str`), adv_eps (`float`): VisualGRPO's unbiased std (PyTorch's ``std``) + 1e-8; the std is the
+            sub-group's (or the batch's with ``scale_rewards: batch``).
+        adv_clip_max (`float`, *optional*): advantages are clamped to ``[-adv_clip_max, adv_clip_max]`` (5).
+        kl_beta (`float`): weight of the exact transition KL to the reference at each sample's SDE step (0: off, no
+            reference forward).
         noise_level (`float`): SDE noise scale eta.
         sde_type (`str`): ``"sde"`` or ``"cps"``.
-        global_std (`bool`): normalise by the batch standard deviation instead of the sub-group's.
-        adv_std (`str`): the std estimator of the advantages, ``"unbiased"`` (n - 1, VisualGRPO's) or ``"population"``.
     """
 
     sde_steps: list[int] = field(default_factory=lambda: [1])
     merge_steps: list[int] | None = None
     entropy_threshold: float | None = None
     max_merge: int = 4
-    clip_low: float = 1e-4
-    clip_high: float | None = None
-    adv_clip_max: float = 5.0
+    clip: ClipOptions = embedded(ClipOptions, clip_low=1e-4)
+    advantage: AdvantageOptions = embedded(AdvantageOptions, scale_rewards="group", adv_std="unbiased", adv_eps=1e-8,
+                                           adv_clip_max=5.0)
+    kl: KLOptions = embedded(KLOptions, kl_beta=0.0)
     noise_level: float = 0.7
     sde_type: Literal["sde", "cps"] = "sde"
-    global_std: bool = False
-    adv_std: StdEstimator = "unbiased"
 
     def __post_init__(self):
         check_fields(self)
-        check_range("adv_clip_max", self.adv_clip_max, 0, ADV_CLIP_LIMIT, low_open=True)
         if self.entropy_threshold is not None:
             check_range("entropy_threshold", self.entropy_threshold, 0, SCALE_LIMIT, low_open=True)
         for key, steps in (("sde_steps", self.sde_steps), ("merge_steps", self.merge_steps or [])):
             for i, step in enumerate(steps):
-                check_range(f"{key}[{i}]", step, high=STEP_LIMIT, fix="a denoising-step index or count")
-        check_range("max_merge", self.max_merge, high=STEP_LIMIT, fix="a count of denoising steps")
+                check_range(f"{key}[{i}]", step, 0 if key == "sde_steps" else 1, STEP_LIMIT,
+                            fix="a denoising-step index or count")
+        check_range("max_merge", self.max_merge, 1, STEP_LIMIT, fix="a count of denoising steps")
         check_range("noise_level", self.noise_level, *NOISE_LEVEL_RANGE, fix="0.7 is usual")
-        for key, clip in (("clip_low", self.clip_low), ("clip_high", self.clip_high)):
-            if clip is not None:
-                check_range(key, clip, high=CLIP_LIMIT, fix="the ratio is clipped to [1 - clip_low, 1 + clip_high]")
-        if not self.sde_steps or len(set(self.sde_steps)) != len(self.sde_steps) or min(self.sde_steps) < 0:
+        if not self.sde_steps or len(set(self.sde_steps)) != len(self.sde_steps):
             raise ValueError(f"sde_steps must be distinct step indices >= 0, got {self.sde_steps}.")
         if self.merge_steps is not None:
-            if len(self.merge_steps) != len(self.sde_steps) or min(self.merge_steps) < 1:
+            if len(self.merge_steps) != len(self.sde_steps):
                 raise ValueError(
                     f"merge_steps {self.merge_steps} must give one span >= 1 per SDE step {self.sde_steps}."
                 )
             if self.entropy_threshold is not None:
                 raise ValueError("Give either merge_steps (fixed spans) or entropy_threshold (adaptive), not both.")
-        if self.max_merge < 1:
-            raise ValueError(f"max_merge must be >= 1, got {self.max_merge}.")
-        if self.clip_low <= 0 or (self.clip_high is not None and self.clip_high <= 0):
-            raise ValueError(f"clip_low and clip_high must be > 0, got {self.clip_low} and {self.clip_high}.")
-        if self.noise_level <= 0:
-            raise ValueError(f"noise_level must be > 0 for a stochastic policy, got {self.noise_level}.")
 
 
 class EGRPO:
@@ -101,8 +98,11 @@ class EGRPO:
 
     def __init__(self, config: EGRPOConfig):
         self.config = config
-        self.traits = AlgorithmTraits(reads=frozenset({"log_prob", "mask"}),  # mask: each sample's own SDE step
-                                      group_local_advantages=not config.global_std)
+        self.kl = KLWeight(config.kl)  # the KL weight, moving under a schedule
+        kl_reads = {"mean", "std"} if self.kl.ever_positive else set()
+        self.traits = AlgorithmTraits(reads=frozenset({"log_prob", "mask"} | kl_reads),  # mask: each sample's step
+                                      needs_reference=self.kl.ever_positive,
+                                      group_local_advantages=config.advantage.group_local)
 
     def schedule(self, num_steps: int, generator: torch.Generator | None = None) -> FlowPlan:
         """A branching plan: ODE anchor per group, one SDE step per sample, all SDE steps trained as one unit (each
@@ -130,21 +130,25 @@ class EGRPO:
 
     def advantages(self, scores: torch.Tensor, group_ids: torch.Tensor) -> torch.Tensor:
         """Group-normalised within samples sharing a prompt and an SDE step (the rollout's branch group ids)."""
-        return group_normalize(scores, group_ids, global_std=self.config.global_std, clip=self.config.adv_clip_max,
-                               std=self.config.adv_std)
+        return self.config.advantage.compute(scores, group_ids)
 
     def loss(self, new: Score, old_log_prob, advantages, ref: Score | None = None) -> LossOutput:
-        """Clipped surrogate on each sample's SDE step.
+        """Clipped surrogate on each sample's SDE step, plus the KL term.
 
         Args:
-            new ([`Score`]): ``log_prob`` `[n, K]` and ``mask`` `[n, K]` (true at each sample's own SDE step).
+            new ([`Score`]): ``log_prob`` `[n, K]` and ``mask`` `[n, K]` (true at each sample's own SDE step); with a
+                KL term ``mean`` `[n, K, ...]` and ``std`` `[n, K, 1, ...]`.
             old_log_prob (`torch.FloatTensor` of shape `[n, K]`): log-probs recorded at sampling.
             advantages (`torch.FloatTensor` of shape `[n]`).
+            ref ([`Score`], *optional*): the reference policy's ``mean`` for the KL term.
         """
-        c = self.config
-        high = c.clip_low if c.clip_high is None else c.clip_high
-        loss, metrics = clipped_surrogate(new.log_prob - old_log_prob, advantages, c.clip_low, high, new.mask)
+        clip = self.config.clip
+        loss, metrics = clipped_surrogate(new.log_prob - old_log_prob, advantages, clip.clip_low, clip.high, new.mask)
+        beta = self.kl()
+        if beta > 0 and ref is not None:
+            kl = gaussian_mean_kl(new.mean, ref.mean, new.std, new.mask)
+            loss = loss + beta * kl
+            metrics.update(kl=kl.item(), kl_beta=float(beta))
         return LossOutput(loss=loss, metrics=metrics)
-
 
 PLUGIN = EGRPO

@@ -32,24 +32,24 @@ from typing import Literal
 
 import torch
 
-from ..advantages import StdEstimator, group_normalize
 from ..losses import clipped_surrogate, k3_kl, masked_mean
 from ..types import AlgorithmTraits, LossOutput, Score
 from ..plans import MaskedPlan
-from ._limits import CLIP_LIMIT, DRAWS_LIMIT, KL_BETA_LIMIT
-from ..validation import ConfigError, check_fields, check_range
+from ._limits import DRAWS_LIMIT
+from ._options import AdvantageOptions, ClipOptions, KLOptions, KLWeight
+from ..validation import ConfigError, check_fields, check_range, embedded
 
 
 @dataclass
 class GDPOConfig:
-    """Options of [`GDPO`].
+    """Options of [`GDPO`]: its own and the shared clip, KL and advantage options (written flat, see
+    ``mmgrpo show gdpo``).
 
     Args:
         draws (`int`): ELBO estimates per rollout batch, each with its own masks and each a train unit.
         random_masking (`bool`): new mask seeds every step; False reuses one seed.
-        clip_low (`float`): the sequence ratio is clipped to ``[1 - clip_low, 1 + clip_high]`` (0.5: d1's value,
-            which GDPO's code base inherits; the paper's value is not checked here).
-        clip_high (`float`, *optional*): unset: `clip_low` (a symmetric clip).
+        clip_low (`float`): the sequence ratio is clipped to ``[1 - clip_low,
+            1 + clip_high]`` (0.5, symmetric: d1's value, which GDPO's code base inherits).
         length_normalize (`bool`): divide the ELBO difference by the completion's scored tokens before
             exponentiating (a per-token ratio, as GSPO; the sequence ratio itself is far from 1 on long completions).
             With ``elbo_convention: full_width`` the divisor is the completion width (it must stay true).
@@ -59,20 +59,18 @@ class GDPOConfig:
             docstring.
         kl_beta (`float`): weight of the k3 KL to the reference, on the ELBO as `elbo_convention` says (0 skips
             the reference; 0.04 is d1's value and GDPO's config default, 0 their released recipe).
-        scale_rewards (`str`): ``"group"`` divides the centred rewards by the group's std, ``"batch"`` by the batch's,
-            ``"none"`` not (default).
+        scale_rewards (`str`): ``"none"`` (default: ``r - mean`` of the group, no std division); ``"group"`` divides
+            by the group's std, ``"batch"`` by the batch's.
         adv_std (`str`): that std's estimator with `scale_rewards`: ``"unbiased"`` (n - 1) or ``"population"`` (n).
     """
 
     draws: int = 1
     random_masking: bool = True
-    clip_low: float = 0.5
-    clip_high: float | None = None
+    clip: ClipOptions = embedded(ClipOptions, clip_low=0.5)
     length_normalize: bool = True
     elbo_convention: Literal["to_first_eos", "full_width"] = "to_first_eos"
-    kl_beta: float = 0.0
-    scale_rewards: Literal["group", "batch", "none"] = "none"
-    adv_std: StdEstimator = "unbiased"
+    kl: KLOptions = embedded(KLOptions, kl_beta=0.0)
+    advantage: AdvantageOptions = embedded(AdvantageOptions, scale_rewards="none", adv_std="unbiased")
 
     def __post_init__(self):
         check_fields(self)
@@ -81,11 +79,6 @@ class GDPOConfig:
             raise ConfigError("length_normalize: false does not go with elbo_convention: full_width (GDPO's code "
                               "divides the log-ratio by the completion width): drop length_normalize, or use "
                               "elbo_convention: to_first_eos.")
-        check_range("clip_low", self.clip_low, 0, CLIP_LIMIT, low_open=True, fix="0.2-0.5 is usual")
-        if self.clip_high is not None:
-            check_range("clip_high", self.clip_high, 0, CLIP_LIMIT, low_open=True,
-                        fix="leave it unset for a symmetric clip")
-        check_range("kl_beta", self.kl_beta, 0, KL_BETA_LIMIT, fix="0 turns the KL term off")
 
 
 class GDPO:
@@ -97,9 +90,11 @@ class GDPO:
 
     def __init__(self, config: GDPOConfig):
         self.config = config
+        self.kl = KLWeight(config.kl)  # the KL weight, moving under a schedule
         self.traits = AlgorithmTraits(reads=frozenset({"log_prob", "mask", "token_mask"}),
-                                      needs_reference=config.kl_beta > 0, zero_advantage_is_inert=config.kl_beta == 0,
-                                      group_local_advantages=config.scale_rewards != "batch")
+                                      needs_reference=self.kl.ever_positive,
+                                      zero_advantage_is_inert=not self.kl.ever_positive,
+                                      group_local_advantages=config.advantage.group_local)
 
     def schedule(self, num_steps: int, generator: torch.Generator | None = None) -> MaskedPlan:
         """Every decoding step samples; the units are the ELBO draws ``[[0], [1], ...]``, scored by the ELBO."""
@@ -111,9 +106,7 @@ class GDPO:
                           elbo_convention=self.config.elbo_convention)
 
     def advantages(self, scores: torch.Tensor, group_ids: torch.Tensor) -> torch.Tensor:
-        c = self.config
-        return group_normalize(scores, group_ids, scale=c.scale_rewards != "none",
-                               global_std=c.scale_rewards == "batch", std=c.adv_std)
+        return self.config.advantage.compute(scores, group_ids)
 
     def _divisors(self, new: Score) -> tuple:
         """``(ratio divisor, KL divisor)`` of the ELBOs of `new`, each `[n, k]` or a number: the scored tokens
@@ -125,7 +118,6 @@ class GDPO:
             return 1, 1
         lengths = new.token_mask.sum(-1).clamp_min(1).to(new.log_prob.dtype)  # [n, k]
         return lengths, lengths
-
 
     def loss(self, new: Score, old_log_prob, advantages, ref: Score | None = None) -> LossOutput:
         """Clipped sequence-level surrogate (+ k3 KL) of one ELBO draw.
@@ -143,12 +135,11 @@ class GDPO:
         ratio_divisor, kl_divisor = self._divisors(new)
         mask = torch.ones_like(old_log_prob, dtype=torch.bool) if new.mask is None else new.mask  # [n, k]
         log_ratio = (new.log_prob - old_log_prob) / ratio_divisor  # [n, k]
-        high = c.clip_low if c.clip_high is None else c.clip_high
-        loss, metrics = clipped_surrogate(log_ratio, advantages, c.clip_low, high, mask)
-        if c.kl_beta > 0 and ref is not None:
+        loss, metrics = clipped_surrogate(log_ratio, advantages, c.clip.clip_low, c.clip.high, mask)
+        if self.kl() > 0 and ref is not None:
             kl = masked_mean(k3_kl(new.log_prob / kl_divisor, ref.log_prob / kl_divisor), mask)
-            loss = loss + c.kl_beta * kl
-            metrics["kl"] = kl.item()
+            loss = loss + self.kl() * kl
+            metrics.update(kl=kl.item(), kl_beta=self.kl())
         return LossOutput(loss=loss, metrics=metrics)
 
 

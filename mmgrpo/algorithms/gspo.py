@@ -11,51 +11,36 @@ from dataclasses import dataclass
 
 import torch
 
-from ..advantages import StdEstimator, group_normalize
 from ..losses import clipped_objective
-from ..types import AlgorithmTraits, LossOutput, Score
 from ..plans import TokenPlan
-from ._token import (
-    SHARED_DOCS, AdvantageTransform, KLSchedule, KLWeight, attach_kl_members, check_shared, shaped_scores,
-    TOKEN_READS, add_kl, check_options, ratio_metrics, token_mask, token_plan,
-)
-from ._limits import ADV_EPS_LIMIT
-from ..validation import check_fields, check_range
+from ..types import LossOutput, Score
+from ..validation import check_fields, embedded
+from ._options import AdvantageOptions, ClipOptions, KLOptions, KLWeight
+from ._token import GROUND_TRUTH_DOC, add_kl, ratio_metrics, token_mask, token_plan, token_traits
 
 
 @dataclass
 class GSPOConfig:
-    """Options of [`GSPO`].
+    """Options of [`GSPO`]: the shared clip, KL and advantage options (written flat, see ``mmgrpo show gspo``) with
+    the paper's defaults.
 
     Args:
-        clip_low (`float`), clip_high (`float`): the sequence ratio is clipped to ``[1 - clip_low, 1 + clip_high]``.
+        clip_low (`float`): the sequence ratio is clipped to ``[1 - clip_low,
+            1 + clip_high]``; the paper's 3e-4 / 4e-4.
         kl_beta (`float`): weight of the k3 KL to the reference (token mean per sequence; the paper uses none: 0).
-        adv_eps (`float`): added to the group std.
         adv_std (`str`): the std estimator of the advantages, ``"unbiased"`` (n - 1, TRL's) or ``"population"``.
     """
 
-    clip_low: float = 3e-4
-    clip_high: float = 4e-4
-    kl_beta: float = 0.0
-    kl_schedule: KLSchedule = "constant"
-    kl_beta_end: float | None = None
-    kl_warmup_steps: int = 0
-    adv_eps: float = 1e-4
-    adv_std: StdEstimator = "unbiased"
-    advantage_transform: AdvantageTransform = "none"
-    soft_threshold: float = 0.8
-    soft_alpha_high: float = 0.01
-    soft_alpha_low: float = 1.0
+    clip: ClipOptions = embedded(ClipOptions, clip_low=3e-4, clip_high=4e-4)
+    kl: KLOptions = embedded(KLOptions, kl_beta=0.0)
+    advantage: AdvantageOptions = embedded(AdvantageOptions, scale_rewards="group", adv_std="unbiased", adv_eps=1e-4)
     ground_truth_member: bool = False
 
     def __post_init__(self):
         check_fields(self)
-        check_shared(self)
-        check_options(self.clip_low, self.clip_high, self.kl_beta)
-        check_range("adv_eps", self.adv_eps, 0, ADV_EPS_LIMIT, low_open=True, fix="1e-4 is usual")
 
 
-GSPOConfig.__doc__ += SHARED_DOCS
+GSPOConfig.__doc__ += GROUND_TRUTH_DOC
 
 
 class GSPO:
@@ -67,27 +52,23 @@ class GSPO:
 
     def __init__(self, config: GSPOConfig):
         self.config = config
-        self.kl = KLWeight.of(config)  # the KL weight, moving under a schedule
-        self.traits = AlgorithmTraits(reads=TOKEN_READS, needs_reference=self.kl.ever_positive,
-                                      has_state=self.kl.dynamic, after_update=self.kl.dynamic,
-                                      ground_truth_member=config.ground_truth_member)
-        attach_kl_members(self, self.kl)
+        self.kl = KLWeight(config.kl)  # the KL weight, moving under a schedule
+        self.traits = token_traits(config, self.kl)
 
     def schedule(self, num_steps: int, generator: torch.Generator | None = None) -> TokenPlan:
         return token_plan(num_steps, self.config.ground_truth_member)
 
     def advantages(self, scores: torch.Tensor, group_ids: torch.Tensor) -> torch.Tensor:
-        scores = shaped_scores(scores, self.config)  # [N]: the soft transform when advantage_transform asks
-        return group_normalize(scores, group_ids, eps=self.config.adv_eps, std=self.config.adv_std)
+        return self.config.advantage.compute(scores, group_ids)
 
     def loss(self, new: Score, old_log_prob, advantages, ref: Score | None = None) -> LossOutput:
         """Clipped sequence surrogate; arguments as [`~mmgrpo.algorithms.grpo.GRPO.loss`]. Metrics are per
         sequence (``ratio_mean`` is the mean sequence ratio)."""
-        c = self.config
+        clip = self.config.clip
         mask = token_mask(new, new.log_prob)  # [n, T]
         lengths = mask.sum(dim=1)  # [n]
         seq_log_ratio = ((new.log_prob - old_log_prob) * mask).sum(dim=1) / lengths.clamp_min(1.0)  # [n]
-        per_sequence, binds = clipped_objective(seq_log_ratio[:, None], advantages, c.clip_low, c.clip_high)  # [n, 1]
+        per_sequence, binds = clipped_objective(seq_log_ratio[:, None], advantages, clip.clip_low, clip.high)  # [n, 1]
         has_tokens = (lengths > 0).to(per_sequence.dtype)[:, None]  # [n, 1]
         policy_loss = (per_sequence * has_tokens).sum() / has_tokens.sum().clamp_min(1.0)
         metrics = ratio_metrics(seq_log_ratio[:, None], has_tokens, binds, policy_loss)

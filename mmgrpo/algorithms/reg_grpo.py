@@ -28,55 +28,40 @@ from typing import Literal
 
 import torch
 
-from ..advantages import StdEstimator, group_normalize
-from ..types import AlgorithmTraits, LossOutput, Score
 from ..plans import TokenPlan
-from ._token import (
-    SHARED_DOCS, TOKEN_READS, AdvantageTransform, KLSchedule, KLWeight, add_kl, attach_kl_members, check_shared,
-    ratio_metrics, shaped_scores, token_mask, token_plan,
-)
-from ._limits import ADV_EPS_LIMIT, SCALE_LIMIT
-from ..validation import check_fields, check_range
+from ..types import LossOutput, Score
+from ..validation import check_fields, check_range, embedded
+from ._limits import SCALE_LIMIT
+from ._options import AdvantageOptions, KLOptions, KLWeight
+from ._token import GROUND_TRUTH_DOC, TOKEN_READS, add_kl, ratio_metrics, token_mask, token_plan, token_traits
 
 
 @dataclass
 class RegGRPOConfig:
-    """Options of [`RegGRPO`].
+    """Options of [`RegGRPO`]: its own and the shared KL and advantage options (written flat, see ``mmgrpo show
+    reg_grpo``); no clip (the regression has none).
 
     Args:
         reg_beta (`float`): ``beta`` of the predicted advantage ``beta * mean_t log(pi / pi_old)`` (> 0).
         center (`str`): ``"none"``: the prediction is the scaled log-ratio itself; ``"group"``: minus its mean over
             the group's members in the minibatch (the paper's cancelling of ``log Z(q)``; reads ``group_ids``).
         kl_beta (`float`): weight of the k3 KL to the reference (0 skips the reference forward).
-        adv_eps (`float`): added to the group std of the rewards.
         adv_std (`str`): the std estimator of the advantages, ``"unbiased"`` (n - 1, TRL's) or ``"population"``.
     """
 
     reg_beta: float = 1.0
     center: Literal["none", "group"] = "none"
-    kl_beta: float = 0.0
-    kl_schedule: KLSchedule = "constant"
-    kl_beta_end: float | None = None
-    kl_warmup_steps: int = 0
-    adv_eps: float = 1e-4
-    adv_std: StdEstimator = "unbiased"
-    advantage_transform: AdvantageTransform = "none"
-    soft_threshold: float = 0.8
-    soft_alpha_high: float = 0.01
-    soft_alpha_low: float = 1.0
+    kl: KLOptions = embedded(KLOptions, kl_beta=0.0)
+    advantage: AdvantageOptions = embedded(AdvantageOptions, scale_rewards="group", adv_std="unbiased", adv_eps=1e-4)
     ground_truth_member: bool = False
 
     def __post_init__(self):
         check_fields(self)
-        check_shared(self)
         check_range("reg_beta", self.reg_beta, 1e-3, SCALE_LIMIT,
                     fix="1.0 makes the target log-ratio the advantage (the target is advantage / reg_beta)")
-        check_range("adv_eps", self.adv_eps, 0, ADV_EPS_LIMIT, low_open=True, fix="1e-4 is usual")
-        if self.center not in ("none", "group"):
-            raise ValueError(f"center must be 'none' or 'group', got {self.center!r}.")
 
 
-RegGRPOConfig.__doc__ += SHARED_DOCS
+RegGRPOConfig.__doc__ += GROUND_TRUTH_DOC
 
 
 def group_centred(values: torch.Tensor, group_ids: torch.Tensor, present: torch.Tensor) -> torch.Tensor:
@@ -102,19 +87,15 @@ class RegGRPO:
 
     def __init__(self, config: RegGRPOConfig):
         self.config = config
-        self.kl = KLWeight.of(config)  # the KL weight, moving under a schedule
+        self.kl = KLWeight(config.kl)  # the KL weight, moving under a schedule
         reads = TOKEN_READS | ({"group_ids"} if config.center == "group" else set())
-        self.traits = AlgorithmTraits(reads=reads, needs_reference=self.kl.ever_positive,
-                                      has_state=self.kl.dynamic, after_update=self.kl.dynamic,
-                                      ground_truth_member=config.ground_truth_member)
-        attach_kl_members(self, self.kl)
+        self.traits = token_traits(config, self.kl, reads=reads)
 
     def schedule(self, num_steps: int, generator: torch.Generator | None = None) -> TokenPlan:
         return token_plan(num_steps, self.config.ground_truth_member)
 
     def advantages(self, scores: torch.Tensor, group_ids: torch.Tensor) -> torch.Tensor:
-        scores = shaped_scores(scores, self.config)  # [N]: the soft transform when advantage_transform asks
-        return group_normalize(scores, group_ids, eps=self.config.adv_eps, std=self.config.adv_std)
+        return self.config.advantage.compute(scores, group_ids)
 
     def loss(self, new: Score, old_log_prob, advantages, ref: Score | None = None) -> LossOutput:
         """Squared error between the advantage and the predicted one, mean over the sequences with scored tokens;

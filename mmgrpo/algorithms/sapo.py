@@ -13,51 +13,38 @@ from dataclasses import dataclass
 
 import torch
 
-from ..advantages import StdEstimator, group_normalize
-from ..types import AlgorithmTraits, LossOutput, Score
 from ..plans import TokenPlan
-from ._token import (
-    SHARED_DOCS, AdvantageTransform, KLSchedule, KLWeight, attach_kl_members, check_shared, shaped_scores,
-    TOKEN_READS, add_kl, aggregate, ratio_metrics, token_mask, token_plan,
-)
-from ._limits import ADV_EPS_LIMIT, SCALE_LIMIT
-from ..validation import check_fields, check_range
+from ..types import LossOutput, Score
+from ..validation import check_fields, check_range, embedded
+from ._limits import SCALE_LIMIT
+from ._options import AdvantageOptions, KLOptions, KLWeight
+from ._token import GROUND_TRUTH_DOC, add_kl, aggregate, ratio_metrics, token_mask, token_plan, token_traits
 
 
 @dataclass
 class SAPOConfig:
-    """Options of [`SAPO`].
+    """Options of [`SAPO`]: its gate and the shared KL and advantage options (written flat, see ``mmgrpo show
+    sapo``); no clip (the gate replaces it).
 
     Args:
         tau_pos (`float`), tau_neg (`float`): gate temperatures for positive / non-positive advantages.
         kl_beta (`float`): weight of the k3 KL to the reference (0 skips the reference forward).
-        adv_eps (`float`): added to the group std.
         adv_std (`str`): the std estimator of the advantages, ``"unbiased"`` (n - 1, TRL's) or ``"population"``.
     """
 
     tau_pos: float = 1.0
     tau_neg: float = 1.05
-    kl_beta: float = 0.0
-    kl_schedule: KLSchedule = "constant"
-    kl_beta_end: float | None = None
-    kl_warmup_steps: int = 0
-    adv_eps: float = 1e-4
-    adv_std: StdEstimator = "unbiased"
-    advantage_transform: AdvantageTransform = "none"
-    soft_threshold: float = 0.8
-    soft_alpha_high: float = 0.01
-    soft_alpha_low: float = 1.0
+    kl: KLOptions = embedded(KLOptions, kl_beta=0.0)
+    advantage: AdvantageOptions = embedded(AdvantageOptions, scale_rewards="group", adv_std="unbiased", adv_eps=1e-4)
     ground_truth_member: bool = False
 
     def __post_init__(self):
         check_fields(self)
-        check_shared(self)
         check_range("tau_pos", self.tau_pos, 1e-3, SCALE_LIMIT, fix="SAPO uses 1.0; the gate's slope is 4 / tau")
         check_range("tau_neg", self.tau_neg, 1e-3, SCALE_LIMIT, fix="SAPO uses 1.05; the gate's slope is 4 / tau")
-        check_range("adv_eps", self.adv_eps, 0, ADV_EPS_LIMIT, low_open=True, fix="1e-4 is usual")
 
 
-SAPOConfig.__doc__ += SHARED_DOCS
+SAPOConfig.__doc__ += GROUND_TRUTH_DOC
 
 
 class SAPO:
@@ -69,18 +56,14 @@ class SAPO:
 
     def __init__(self, config: SAPOConfig):
         self.config = config
-        self.kl = KLWeight.of(config)  # the KL weight, moving under a schedule
-        self.traits = AlgorithmTraits(reads=TOKEN_READS, needs_reference=self.kl.ever_positive,
-                                      has_state=self.kl.dynamic, after_update=self.kl.dynamic,
-                                      ground_truth_member=config.ground_truth_member)
-        attach_kl_members(self, self.kl)
+        self.kl = KLWeight(config.kl)  # the KL weight, moving under a schedule
+        self.traits = token_traits(config, self.kl)
 
     def schedule(self, num_steps: int, generator: torch.Generator | None = None) -> TokenPlan:
         return token_plan(num_steps, self.config.ground_truth_member)
 
     def advantages(self, scores: torch.Tensor, group_ids: torch.Tensor) -> torch.Tensor:
-        scores = shaped_scores(scores, self.config)  # [N]: the soft transform when advantage_transform asks
-        return group_normalize(scores, group_ids, eps=self.config.adv_eps, std=self.config.adv_std)
+        return self.config.advantage.compute(scores, group_ids)
 
     def loss(self, new: Score, old_log_prob, advantages, ref: Score | None = None) -> LossOutput:
         """Soft-gated token surrogate; arguments as [`~mmgrpo.algorithms.grpo.GRPO.loss`]. ``clip_frac`` is the

@@ -9,29 +9,30 @@ from mmgrpo.pipelines.sd3 import SD3Config, SD3Policy
 from mmgrpo.samplers.flow_plan import select_units
 from mmgrpo.types import PromptBatch, Score
 from mmgrpo.plans import FlowPlan
+from algorithm_options import algo_config
 
 PROMPTS = ["a red circle", "two blue squares"]
 
 
 def test_chunks_are_consecutive_units():
-    assert ChunkGRPO(ChunkGRPOConfig(chunks=[2, 3, 4, 7])).chunk_units(17) == [
+    assert ChunkGRPO(algo_config(ChunkGRPOConfig, chunks=[2, 3, 4, 7])).chunk_units(17) == [
         [0, 1], [2, 3, 4], [5, 6, 7, 8], [9, 10, 11, 12, 13, 14, 15]
     ]
     # uniform chunks over every step but the last, the last chunk taking the remainder
-    assert ChunkGRPO(ChunkGRPOConfig(chunk_size=4)).chunk_units(11) == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9]]
-    plan = ChunkGRPO(ChunkGRPOConfig(chunks=[2, 3, 4, 7], timestep_fraction=0.5)).schedule(17)
+    assert ChunkGRPO(algo_config(ChunkGRPOConfig, chunk_size=4)).chunk_units(11) == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9]]
+    plan = ChunkGRPO(algo_config(ChunkGRPOConfig, chunks=[2, 3, 4, 7], timestep_fraction=0.5)).schedule(17)
     assert plan.sde_steps == list(range(17)) and plan.units_per_sample == 2 and len(plan.train_units) == 4
     with pytest.raises(ValueError, match="sum to at most pipeline.num_steps"):
-        ChunkGRPO(ChunkGRPOConfig(chunks=[4, 4])).schedule(6)
-    with pytest.raises(ValueError, match="positive lengths"):
-        ChunkGRPOConfig(chunks=[2, 0])
+        ChunkGRPO(algo_config(ChunkGRPOConfig, chunks=[4, 4])).schedule(6)
+    with pytest.raises(ValueError, match=r"chunks\[1\] must be >= 1"):
+        algo_config(ChunkGRPOConfig, chunks=[2, 0])
 
 
 def test_chunk_ratio_is_the_geometric_mean_of_the_step_ratios():
     g = torch.Generator().manual_seed(0)
     old = torch.randn(5, 3, generator=g)
     new = (old + 0.01 * torch.randn(5, 3, generator=g)).requires_grad_(True)
-    algorithm = ChunkGRPO(ChunkGRPOConfig(clip_low=0.2, clip_high=0.3))
+    algorithm = ChunkGRPO(algo_config(ChunkGRPOConfig, clip_low=0.2, clip_high=0.3))
     advantages = torch.tensor([1.0, -1.0, 0.5, 2.0, -0.3])
     out = algorithm.loss(Score(log_prob=new), old, advantages)
     step_ratios = torch.exp(new.detach() - old)  # [5, 3]
@@ -43,7 +44,7 @@ def test_chunk_ratio_is_the_geometric_mean_of_the_step_ratios():
     # asymmetric clip: a ratio of 1.25 is inside [0.8, 1.3], a ratio of 0.75 is clipped
     for ratio, inside in ((1.25, True), (0.75, False)):
         lp = torch.full((1, 2), float(torch.log(torch.tensor(ratio))), requires_grad=True)
-        ChunkGRPO(ChunkGRPOConfig(clip_low=0.2, clip_high=0.3)).loss(
+        ChunkGRPO(algo_config(ChunkGRPOConfig, clip_low=0.2, clip_high=0.3)).loss(
             Score(log_prob=lp), torch.zeros(1, 2), torch.tensor([-1.0])
         ).loss.backward()
         assert (lp.grad.abs().sum() > 0) == inside
@@ -54,7 +55,7 @@ def test_samples_not_training_a_chunk_are_ignored():
     new = torch.full((4, 2), 0.01, requires_grad=True)
     mask = torch.tensor([[True, True], [False, False], [True, True], [False, False]])
     advantages = torch.tensor([1.0, 5.0, -1.0, 5.0])
-    algorithm = ChunkGRPO(ChunkGRPOConfig(clip_low=0.5))
+    algorithm = ChunkGRPO(algo_config(ChunkGRPOConfig, clip_low=0.5))
     out = algorithm.loss(Score(log_prob=new, mask=mask), old, advantages)
     out.loss.backward()
     assert torch.count_nonzero(new.grad[~mask]) == 0 and torch.count_nonzero(new.grad[mask]) == 4
@@ -79,7 +80,7 @@ def test_each_sample_trains_its_share_of_chunks():
 def test_rollout_and_replay_of_chunks(tiny_sd3_dir):
     policy = SD3Policy(SD3Config(pretrained=tiny_sd3_dir, resolution=32, num_steps=4, guidance_scale=1.0, lora_rank=4,
                                  max_sequence_length=16))
-    algorithm = ChunkGRPO(ChunkGRPOConfig(chunks=[1, 2], timestep_fraction=0.5, weighting="latent_change"))
+    algorithm = ChunkGRPO(algo_config(ChunkGRPOConfig, chunks=[1, 2], timestep_fraction=0.5, weighting="latent_change"))
     plan = algorithm.schedule(4, torch.Generator().manual_seed(0))
     rollout = policy.sample(PromptBatch(PROMPTS).repeat(4), plan, generator=torch.Generator().manual_seed(2))
     trained = torch.stack([rollout.mask[:, u].all(1) for u in plan.train_units], 1)  # [8, 2]

@@ -16,6 +16,7 @@ from mmgrpo.types import PromptBatch, Score
 from mmgrpo.plans import FlowPlan
 
 from builders._runs import dgpo_config
+from algorithm_options import algo_config
 
 PROMPTS = ["a red circle", "two blue squares"]
 
@@ -34,11 +35,11 @@ def reference_loss(fm, fm_old, fm_ref, v, v_ref, adv, groups, c):
             members = [m for m in range(n) if groups[m] == groups[i]]
             s_g = sum(adv[m] * c.beta_dpo * (fm[m, j].detach() - fm_ref[m, j]) for m in members) / len(members)
             ratio = math.exp(float(fm_old[i, j] - fm[i, j].detach()))
-            clip = ratio > 1 + c.clip_low if adv[i] > 0 else ratio < 1 - c.clip_low
+            clip = ratio > 1 + c.clip.high if adv[i] > 0 else ratio < 1 - c.clip.clip_low
             used = fm[i, j].detach() if (clip and c.clip_dsm) else fm[i, j]
             total = total + torch.sigmoid(s_g) * adv[i] * used
     kl = ((v - v_ref) ** 2).mean()
-    return total / (n * k) + c.kl_beta * kl
+    return total / (n * k) + c.kl.kl_beta * kl
 
 
 def test_loss_equals_an_independent_computation():
@@ -51,7 +52,7 @@ def test_loss_equals_an_independent_computation():
     fm_ref = fm.detach() + 0.01 * torch.randn(n, k, generator=g)
     v = torch.randn(n, k, 3, 2, 2, generator=g, requires_grad=True)
     v_ref = v.detach() + 0.1 * torch.randn(n, k, 3, 2, 2, generator=g)
-    c = DGPOConfig(beta_dpo=50.0, kl_beta=0.3, clip_low=1e-2)
+    c = algo_config(DGPOConfig, beta_dpo=50.0, kl_beta=0.3, clip_low=1e-2)
     out = DGPO(c).loss(Score(log_prob=-fm, velocity=v, group_ids=groups), -fm_old, adv,
                        Score(log_prob=-fm_ref, velocity=v_ref))
     grads = torch.autograd.grad(out.loss, [fm, v])
@@ -79,7 +80,7 @@ def test_gradient_lowers_winners_and_raises_losers_loss():
     theta = torch.zeros(4, requires_grad=True)
     target = torch.tensor([1.0, -1.0, 2.0, 0.5])
     adv = torch.tensor([1.0, -1.0, 0.5, -0.5])
-    algorithm = DGPO(DGPOConfig(kl_beta=0.0, clip_dsm=False))
+    algorithm = DGPO(algo_config(DGPOConfig, kl_beta=0.0, clip_dsm=False))
 
     def fm():
         return ((theta - target) ** 2)[:, None]  # [4, 1] per-sample flow-matching loss
@@ -98,7 +99,7 @@ def test_gradient_step_on_the_tiny_policy_favours_the_winners(tiny_sd3_dir):
     """On real diffusers classes the samples share weights, so one sample's loss may move with another's; what a
     gradient step guarantees is that the winners' flow-matching loss falls relative to the losers'."""
     policy = make_policy(tiny_sd3_dir)
-    algorithm = DGPO(DGPOConfig(trunc_steps=2, num_train_timesteps=1, kl_beta=0.0))
+    algorithm = DGPO(algo_config(DGPOConfig, trunc_steps=2, num_train_timesteps=1, kl_beta=0.0))
     plan = algorithm.schedule(4, torch.Generator().manual_seed(0))
     rollout = policy.sample(PromptBatch(PROMPTS[:1]).repeat(4), plan, generator=torch.Generator().manual_seed(0))
     adv = torch.tensor([1.0, -1.0, 1.0, -1.0])
@@ -116,7 +117,7 @@ def test_clip_detaches_samples_beyond_the_ratio_range():
     adv = torch.tensor([1.0, 1.0, -1.0, -1.0])
     # ratio exp(L_old - L): [1.05, 1.0, 0.95, 1.0] with c = 1e-2 -> samples 0 (A > 0, too high), 2 (A < 0, too low)
     fm_old = torch.tensor([[1 + math.log(1.05)], [1.0], [1 + math.log(0.95)], [1.0]])
-    out = DGPO(DGPOConfig(kl_beta=0.0)).loss(Score(log_prob=-fm, group_ids=torch.zeros(4, dtype=torch.long)),
+    out = DGPO(algo_config(DGPOConfig, kl_beta=0.0)).loss(Score(log_prob=-fm, group_ids=torch.zeros(4, dtype=torch.long)),
                                              -fm_old, adv, Score(log_prob=-torch.ones(4, 1)))
     (grad,) = torch.autograd.grad(out.loss, fm)
     assert grad.flatten().ne(0).tolist() == [False, True, False, True]
@@ -125,7 +126,7 @@ def test_clip_detaches_samples_beyond_the_ratio_range():
 
 def test_likelihood_is_the_flow_matching_loss_with_group_shared_noise(tiny_sd3_dir):
     policy = make_policy(tiny_sd3_dir)
-    algorithm = DGPO(DGPOConfig(trunc_steps=2, num_train_timesteps=2))
+    algorithm = DGPO(algo_config(DGPOConfig, trunc_steps=2, num_train_timesteps=2))
     plan = algorithm.schedule(4, torch.Generator().manual_seed(0))
     batch = PromptBatch(PROMPTS).repeat(3)
     rollout = policy.sample(batch, plan, generator=torch.Generator().manual_seed(1))
@@ -152,7 +153,7 @@ def test_rollout_is_diffusers_dpm_solver(tiny_sd3_dir):
     from diffusers import DPMSolverMultistepScheduler
 
     policy = make_policy(tiny_sd3_dir)
-    plan = DGPO(DGPOConfig(trunc_steps=2, num_train_timesteps=1, flow_shift=3.0)).schedule(4)
+    plan = DGPO(algo_config(DGPOConfig, trunc_steps=2, num_train_timesteps=1, flow_shift=3.0)).schedule(4)
     batch = PromptBatch(PROMPTS)
     rollout = policy.sample(batch, plan, generator=torch.Generator().manual_seed(3))
     scheduler = DPMSolverMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=3.0,
@@ -167,22 +168,26 @@ def test_rollout_is_diffusers_dpm_solver(tiny_sd3_dir):
     assert rollout.trajectory["shared_sigmas"][0] > 0.99 and rollout.trajectory["shared_sigmas"][-1] == 0
 
 
-def test_euler_rollout_is_the_evaluation_sampler(tiny_sd3_dir):
+def test_flow_rollout_is_the_evaluation_sampler(tiny_sd3_dir):
+    """``solver: flow`` (FlowPlan's word; mmgrpo's variant, the authors have no such option) samples with the
+    pipeline's own Euler ODE, the evaluation's sampler; the former name ``euler`` is refused naming it."""
     policy = make_policy(tiny_sd3_dir)
-    plan = DGPO(DGPOConfig(trunc_steps=2, num_train_timesteps=2, solver="euler")).schedule(4)
+    plan = DGPO(algo_config(DGPOConfig, trunc_steps=2, num_train_timesteps=2, solver="flow")).schedule(4)
     batch = PromptBatch(PROMPTS)
     rollout = policy.sample(batch, plan, generator=torch.Generator().manual_seed(3))
     evaluated = policy.sample(batch, FlowPlan.deterministic(4), generator=torch.Generator().manual_seed(3))
     assert torch.equal(rollout.trajectory["latents"][:, -1], evaluated.trajectory["latents"][:, -1])
     # its likelihood is scored at the Euler noise levels of the high-noise end
     assert plan.solver == "flow" and {j for unit in plan.train_units for j in unit} <= {0, 1, 2}
-    with pytest.raises(ValueError, match="solver must be 'dpm' or 'euler'"):
-        DGPOConfig(solver="heun")
+    with pytest.raises(ValueError, match=r"^algorithm\.solver must be 'dpm' or 'flow', got 'heun'"):
+        algo_config(DGPOConfig, solver="heun")
+    with pytest.raises(ValueError, match=r"^algorithm\.solver: 'euler' was renamed: use 'flow' \(FlowPlan"):
+        algo_config(DGPOConfig, solver="euler")
 
 
 def test_fast_ema_old_model(tiny_sd3_dir):
     policy = make_policy(tiny_sd3_dir)
-    algorithm = DGPO(DGPOConfig(ema_decay_rate=0.1, ema_decay_max=0.3))
+    algorithm = DGPO(algo_config(DGPOConfig, ema_decay_rate=0.1, ema_decay_max=0.3))
     params = policy.trainable_parameters()
     start = [p.detach().clone() for p in params]
     algorithm.after_update(policy)  # update 0: decay 0, the old model is the current one
@@ -209,7 +214,7 @@ def test_fast_ema_old_model(tiny_sd3_dir):
 
 def test_old_model_scores_under_the_ema_weights(tiny_sd3_dir):
     policy = make_policy(tiny_sd3_dir)
-    algorithm = DGPO(DGPOConfig(trunc_steps=2, num_train_timesteps=1))
+    algorithm = DGPO(algo_config(DGPOConfig, trunc_steps=2, num_train_timesteps=1))
     plan = algorithm.schedule(4, torch.Generator().manual_seed(0))
     rollout = policy.sample(PromptBatch(PROMPTS).repeat(2), plan, generator=torch.Generator().manual_seed(0))
     unit = plan.train_units[0]
@@ -227,7 +232,7 @@ def test_the_old_log_probs_are_the_ones_the_traits_declare(tiny_sd3_dir):
     weights, gets the rollout's record, its old model's score or the detached current score exactly as
     ``traits.old_source`` says, whatever members it has."""
     policy = make_policy(tiny_sd3_dir)
-    algorithm = DGPO(DGPOConfig(trunc_steps=2, num_train_timesteps=1, kl_beta=0.0))
+    algorithm = DGPO(algo_config(DGPOConfig, trunc_steps=2, num_train_timesteps=1, kl_beta=0.0))
     plan = algorithm.schedule(4, torch.Generator().manual_seed(0))
     rollout = policy.sample(PromptBatch(PROMPTS).repeat(2), plan, generator=torch.Generator().manual_seed(0))
     unit = plan.train_units[0]
@@ -250,10 +255,11 @@ def test_the_old_log_probs_are_the_ones_the_traits_declare(tiny_sd3_dir):
 
 
 def test_without_clip_the_old_model_is_not_scored(tiny_sd3_dir):
-    """clip_low 0 (and no use_ema_ref): nothing reads the old model, so its forward pass is skipped, the old score is
-    the detached new one and the loss equals the clipped loss of a batch in which nothing is clipped."""
+    """clip_dsm and clip_kl off (and no use_ema_ref): the clip detaches nothing, so nothing reads the old model, its
+    forward pass is skipped, the old score is the detached new one and the loss equals the clipped loss of a batch in
+    which nothing is clipped."""
     policy = make_policy(tiny_sd3_dir)
-    algorithm = DGPO(DGPOConfig(trunc_steps=2, num_train_timesteps=1, clip_low=0.0, kl_beta=0.0))
+    algorithm = DGPO(algo_config(DGPOConfig, trunc_steps=2, num_train_timesteps=1, clip_dsm=False, kl_beta=0.0))
     assert algorithm.traits.old_source == "current" and algorithm.traits.needs_reference
     plan = algorithm.schedule(4, torch.Generator().manual_seed(0))
     rollout = policy.sample(PromptBatch(PROMPTS).repeat(2), plan, generator=torch.Generator().manual_seed(0))
@@ -269,7 +275,7 @@ def test_without_clip_the_old_model_is_not_scored(tiny_sd3_dir):
     out = algorithm.loss(new, far_old, advantages, ref)
     assert out.metrics["clip_frac"] == 0.0
     torch.testing.assert_close(out.loss, unclipped.loss, rtol=0, atol=0)
-    clipping = DGPO(DGPOConfig(trunc_steps=2, num_train_timesteps=1, clip_low=1e-2, kl_beta=0.0))
+    clipping = DGPO(algo_config(DGPOConfig, trunc_steps=2, num_train_timesteps=1, clip_low=1e-2, kl_beta=0.0))
     assert clipping.loss(new, far_old, advantages, ref).metrics["clip_frac"] > 0
     algorithm.after_update(policy)
     assert algorithm.ema.shadow is None and algorithm.updates == 1  # no EMA is kept
@@ -296,7 +302,7 @@ def test_groups_without_signal_are_not_scored_and_the_gradient_is_unchanged(tmp_
     """With kl_beta 0 a zero-advantage group adds nothing to DGPO's gradient, so the trainer skips scoring it; the
     gradient of the update equals the one that scores every sample."""
     raw = dgpo_config(tmp_path, tiny_sd3_dir, 1)
-    raw["algorithm"].update(kl_beta=0.0, clip_low=0.0)
+    raw["algorithm"].update(kl_beta=0.0, clip_dsm=False)
     raw["train"].update(prompts_per_step=3, minibatch_size=4)  # 6 samples: minibatches of 4 and 2
     trainer = Trainer(config_mod.from_dict(raw))
     assert trainer.algorithm.traits.zero_advantage_is_inert

@@ -1,6 +1,7 @@
-"""Dynamic KL weight of the token algorithms (OThink-MR1's GRPO-D): the weight after `u` optimizer updates against the
-schedule's formula worked out by hand, the loss's KL term scaled by it, the checks of its options, and a resumed
-trainer run that continues the schedule where the checkpoint left it."""
+"""Dynamic KL weight (OThink-MR1's GRPO-D), the ``kl`` member every algorithm declares: the weight after `u` optimizer
+updates against the schedule's formula worked out by hand, the loss's KL term scaled by it, the checks of its options,
+and a resumed trainer run that continues the schedule where the checkpoint left it (also from a checkpoint of the
+earlier layout, which kept the count in algorithm.safetensors)."""
 
 import math
 
@@ -9,7 +10,7 @@ import torch
 
 from mmgrpo import registry
 from mmgrpo.types import Score
-from mmgrpo.validation import ConfigError
+from mmgrpo.validation import ConfigError, build_dataclass
 
 TOKEN_ALGORITHMS = ["grpo", "dr_grpo", "dapo", "gspo", "sapo", "reg_grpo"]
 NEW = [[-1.0, -0.5, -2.0], [-0.3, -1.2, 0.0]]
@@ -20,13 +21,14 @@ SCHEDULE = {"kl_beta": 0.01, "kl_beta_end": 0.1, "kl_warmup_steps": 4}
 
 
 def build(name, **options):
+    """Algorithm `name` with the flat options of a config file's ``algorithm:`` section."""
     cls = registry.get("algorithm", name)
-    return cls(cls.Config(**options))
+    return cls(build_dataclass(cls.Config, options, "algorithm"))
 
 
 def advance(algorithm, updates):
     for _ in range(updates):
-        algorithm.after_update(None)  # what the trainer calls after each optimizer update it takes
+        algorithm.kl.step()  # what the trainer calls after each optimizer update it takes
 
 
 @pytest.mark.parametrize(("schedule", "expected"), [
@@ -49,8 +51,13 @@ def test_a_falling_schedule_and_the_constant_one():
     advance(falling, 1)
     assert falling.kl() == pytest.approx(0.1)
     constant = build("grpo", kl_beta=0.04)
-    assert constant.kl() == 0.04 and not hasattr(constant, "after_update")  # no hook, no state: as before
-    assert not constant.traits.has_state and not constant.traits.after_update
+    advance(constant, 3)
+    assert constant.kl() == 0.04 and not constant.kl.dynamic
+    # the weight is a declared member, not a hook attached at run time: no algorithm state of its own
+    scheduled = build("grpo", kl_schedule="linear", **SCHEDULE)
+    for algorithm in (constant, scheduled):
+        assert "after_update" not in vars(algorithm) and "state_dict" not in vars(algorithm)
+        assert not algorithm.traits.has_state and not algorithm.traits.after_update
 
 
 def _kl_by_hand(mode):
@@ -72,7 +79,7 @@ AGGREGATION = {"grpo": "sequence_mean", "dr_grpo": "fixed_length", "dapo": "toke
 def test_loss_kl_term_scales_with_the_scheduled_weight(name):
     """loss = policy loss + beta(u) * KL, beta(u) from the schedule, KL by hand; the policy part does not move."""
     algorithm = build(name, kl_schedule="linear", **SCHEDULE)
-    assert algorithm.traits.needs_reference and algorithm.traits.has_state and algorithm.traits.after_update
+    assert algorithm.traits.needs_reference and algorithm.kl.dynamic
     kl = _kl_by_hand(AGGREGATION[name])
     for update, beta in [(0, 0.01), (2, 0.055), (5, 0.1)]:
         algorithm.kl.updates = update
@@ -95,9 +102,10 @@ def test_a_schedule_from_zero_still_scores_the_reference():
 def test_state_round_trip():
     algorithm = build("sapo", kl_schedule="linear", **SCHEDULE)
     advance(algorithm, 3)
-    state = algorithm.state_dict()
+    state = algorithm.kl.state_dict()
+    assert state == {"kl_updates": 3}
     fresh = build("sapo", kl_schedule="linear", **SCHEDULE)
-    fresh.load_state_dict(state)
+    fresh.kl.load_state_dict(state)
     assert fresh.kl.updates == 3 and fresh.kl() == pytest.approx(0.0775)
 
 
@@ -109,11 +117,11 @@ def test_state_round_trip():
     ({"kl_schedule": "cosine", "kl_beta_end": -0.1, "kl_warmup_steps": 3}, "kl_beta_end must be >= 0"),
     ({"kl_schedule": "exponential"}, "kl_schedule"),
 ])
-@pytest.mark.parametrize("name", TOKEN_ALGORITHMS)
+@pytest.mark.parametrize("name", sorted(registry.available("algorithm")))  # one KL record for every algorithm
 def test_bad_schedules_are_refused_naming_the_key(name, options, message):
     cls = registry.get("algorithm", name)
-    with pytest.raises((ConfigError, ValueError), match=message):
-        cls.Config(**options)
+    with pytest.raises(ConfigError, match=message):
+        build_dataclass(cls.Config, options, "algorithm")
 
 
 def _run_config(tmp_path, tiny_mdlm_dir, max_steps):
@@ -132,10 +140,25 @@ def _run_config(tmp_path, tiny_mdlm_dir, max_steps):
     }
 
 
-def test_resumed_run_continues_the_schedule_exactly(tmp_path, tiny_mdlm_dir):
+def _as_earlier_layout(checkpoint_dir):
+    """Rewrites a checkpoint as the layout before the KL weight was a declared member: its update count in
+    ``algorithm.safetensors`` (``{"kl_updates": n}``), none in ``trainer_state.json``."""
+    import json
+
+    from mmgrpo.state_io import save_state
+
+    state_file = checkpoint_dir / "trainer_state.json"
+    meta = json.loads(state_file.read_text())
+    save_state({"kl_updates": meta.pop("kl")["kl_updates"]}, checkpoint_dir / "algorithm.safetensors")
+    state_file.write_text(json.dumps(meta))
+
+
+@pytest.mark.parametrize("layout", ["current", "earlier"])
+def test_resumed_run_continues_the_schedule_exactly(tmp_path, tiny_mdlm_dir, layout):
     """4 steps in one go equal 2 steps, a checkpoint, and 2 resumed steps: the same count of optimizer updates taken
-    and bitwise the same weights, so the KL weight of every update was the same."""
-    from mmgrpo import config as config_mod
+    and bitwise the same weights, so the KL weight of every update was the same; a checkpoint of the earlier layout
+    resumes as exactly."""
+    from mmgrpo import checkpoint, config as config_mod
     from mmgrpo.trainer import Trainer
 
     full = Trainer(config_mod.from_dict(_run_config(tmp_path / "a", tiny_mdlm_dir, 4)))
@@ -145,6 +168,8 @@ def test_resumed_run_continues_the_schedule_exactly(tmp_path, tiny_mdlm_dir):
     first.train()
     updates_at_checkpoint = first.algorithm.kl.updates
     assert updates_at_checkpoint > 0
+    if layout == "earlier":
+        _as_earlier_layout(checkpoint.complete_checkpoints(tmp_path / "b" / "out" / "checkpoints")[-1])
     raw["train"]["max_steps"] = 4
     raw["checkpoint"]["resume_from"] = "latest"
     resumed = Trainer(config_mod.from_dict(raw))

@@ -9,6 +9,7 @@ from mmgrpo.algorithms.e_grpo import EGRPO, EGRPOConfig
 from mmgrpo.pipelines.sd3 import SD3Config, SD3Policy
 from mmgrpo.samplers.flow_sde import entropy_merge_span, flow_sde_std, flow_sde_step, gaussian_entropy
 from mmgrpo.types import PromptBatch
+from algorithm_options import algo_config
 
 PROMPTS = ["a red circle", "two blue squares", "a green triangle"]
 
@@ -27,7 +28,7 @@ def sample(policy, config, prompts=2, group=4, seed=1):
 
 def test_merged_step_std_is_the_one_step_sde_std_over_the_merged_interval(tiny_sd3_dir):
     policy = make_policy(tiny_sd3_dir)
-    _, plan, _, rollout = sample(policy, EGRPOConfig(sde_steps=[1], merge_steps=[2]))
+    _, plan, _, rollout = sample(policy, algo_config(EGRPOConfig, sde_steps=[1], merge_steps=[2]))
     sigmas = rollout.trajectory["shared_sigmas"]
     assert rollout.trajectory["step_ends"][:, 1].tolist() == [3] * 8
     with torch.no_grad():
@@ -64,7 +65,7 @@ def test_adaptive_plan_merges_until_the_threshold(tiny_sd3_dir):
     sigmas = policy.sigmas(6)
     one = gaussian_entropy(flow_sde_std(sigmas[2], sigmas[3], noise_level=0.7)).item()
     two = gaussian_entropy(flow_sde_std(sigmas[2], sigmas[4], noise_level=0.7)).item()
-    _, _, _, rollout = sample(policy, EGRPOConfig(sde_steps=[2], entropy_threshold=(one + two) / 2), group=2)
+    _, _, _, rollout = sample(policy, algo_config(EGRPOConfig, sde_steps=[2], entropy_threshold=(one + two) / 2), group=2)
     assert rollout.trajectory["step_ends"][:, 2].tolist() == [4] * 4
     with torch.no_grad():
         std = policy.log_prob(rollout, [2]).std[:, 0].flatten()
@@ -73,7 +74,7 @@ def test_adaptive_plan_merges_until_the_threshold(tiny_sd3_dir):
 
 def test_group_ids_at_the_branch_and_shared_anchor(tiny_sd3_dir):
     policy = make_policy(tiny_sd3_dir)
-    algorithm, plan, batch, rollout = sample(policy, EGRPOConfig(sde_steps=[0, 2], merge_steps=[2, 1]))
+    algorithm, plan, batch, rollout = sample(policy, algo_config(EGRPOConfig, sde_steps=[0, 2], merge_steps=[2, 1]))
     members = batch.member_ids
     assert torch.equal(rollout.group_ids, batch.group_ids * 2 + members % 2)  # (prompt, SDE step) groups
     latents, mask = rollout.trajectory["latents"], rollout.mask
@@ -105,7 +106,7 @@ def test_anchor_forward_runs_once_per_group(tiny_sd3_dir):
     hook = policy.transformer.register_forward_pre_hook(lambda m, a, kw: rows.append(kw["hidden_states"].shape[0]),
                                                         with_kwargs=True)
     try:
-        _, plan, _, rollout = sample(policy, EGRPOConfig(sde_steps=[1]), prompts=2, group=4)
+        _, plan, _, rollout = sample(policy, algo_config(EGRPOConfig, sde_steps=[1]), prompts=2, group=4)
         # anchor: steps 0 and 1 once per group (2 rows each); after the branch, step 2 for each of the 8 samples
         assert rows == [2, 2, 8]
         rows.clear()
@@ -120,7 +121,7 @@ def test_anchor_forward_runs_once_per_group(tiny_sd3_dir):
 
 def test_shared_forward_gives_the_same_gradient_as_per_sample_forwards(tiny_sd3_dir):
     policy = make_policy(tiny_sd3_dir, num_steps=3)
-    algorithm, plan, _, rollout = sample(policy, EGRPOConfig(sde_steps=[1], clip_low=0.5), prompts=2, group=2)
+    algorithm, plan, _, rollout = sample(policy, algo_config(EGRPOConfig, sde_steps=[1], clip_low=0.5), prompts=2, group=2)
     advantages = torch.tensor([1.0, -1.0, 0.5, -0.5])
 
     def grads(shared):
@@ -136,11 +137,11 @@ def test_shared_forward_gives_the_same_gradient_as_per_sample_forwards(tiny_sd3_
 
 def test_config_errors_are_clear():
     with pytest.raises(ValueError, match="one span >= 1 per SDE step"):
-        EGRPOConfig(sde_steps=[1, 2], merge_steps=[2])
+        algo_config(EGRPOConfig, sde_steps=[1, 2], merge_steps=[2])
     with pytest.raises(ValueError, match="not both"):
-        EGRPOConfig(merge_steps=[2], entropy_threshold=1.0)
+        algo_config(EGRPOConfig, merge_steps=[2], entropy_threshold=1.0)
     with pytest.raises(ValueError, match="end past the 4 sampling steps"):
-        EGRPO(EGRPOConfig(sde_steps=[3], merge_steps=[2])).schedule(4)
+        EGRPO(algo_config(EGRPOConfig, sde_steps=[3], merge_steps=[2])).schedule(4)
 
 
 def test_trainer_refuses_a_plan_the_pipeline_cannot_follow():

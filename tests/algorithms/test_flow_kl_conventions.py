@@ -10,6 +10,7 @@ import torch
 from mmgrpo import config as config_mod, registry
 from mmgrpo.samplers.flow_sde import flow_sde_step
 from mmgrpo.types import Score
+from algorithm_options import algo_config
 
 ROOT = Path(__file__).resolve().parents[2]
 SIGMAS = [(1.0, 0.9, 0.8), (0.6, 0.45, 0.3)]  # (sigma, sigma_next, sigma_at_one): one step at sigma 1, one inside
@@ -51,7 +52,7 @@ def _authors_kl(new: Score, ref: Score, with_dt: bool) -> float:
 def test_kl_term_is_the_conventions_formula(convention, with_dt):
     new, ref = _steps(0, 0.0), _steps(0, 0.3)  # same latents, the reference's velocity differs
     algorithm = registry.get("algorithm", "flow_grpo")(
-        registry.get("algorithm", "flow_grpo").Config(kl_beta=0.04, kl_convention=convention)
+        algo_config(registry.get("algorithm", "flow_grpo").Config, kl_beta=0.04, kl_convention=convention)
     )
     out = algorithm.loss(new, new.log_prob.detach(), torch.zeros(3), ref)
     assert out.metrics["kl"] == pytest.approx(_authors_kl(new, ref, with_dt), rel=1e-5)
@@ -68,7 +69,7 @@ def test_transition_kl_is_flow_grpo_kl_over_dt_per_step():
         kls = {}
         for convention in ("transition", "flow_grpo"):
             cls = registry.get("algorithm", "flow_grpo")
-            algorithm = cls(cls.Config(kl_beta=1.0, kl_convention=convention))
+            algorithm = cls(algo_config(cls.Config, kl_beta=1.0, kl_convention=convention))
             ref_j = Score(log_prob=ref.log_prob[:, j:j + 1], mean=ref.mean[:, j:j + 1])
             kls[convention] = algorithm.loss(one("std"), new.log_prob[:, j:j + 1].detach(), torch.zeros(3), ref_j).metrics["kl"]
         assert kls["transition"] * (sigma - sigma_next) == pytest.approx(kls["flow_grpo"], rel=1e-5)
@@ -76,16 +77,16 @@ def test_transition_kl_is_flow_grpo_kl_over_dt_per_step():
 
 def test_each_convention_reads_the_field_it_divides_by():
     cls = registry.get("algorithm", "flow_grpo")
-    assert cls(cls.Config(kl_beta=0.1)).traits.reads == {"log_prob", "mean", "std"}
-    assert cls(cls.Config(kl_beta=0.1, kl_convention="flow_grpo")).traits.reads == {"log_prob", "mean", "noise_scale"}
-    assert cls(cls.Config(kl_beta=0.0, kl_convention="flow_grpo")).traits.reads == {"log_prob"}
+    assert cls(algo_config(cls.Config, kl_beta=0.1)).traits.reads == {"log_prob", "mean", "std"}
+    assert cls(algo_config(cls.Config, kl_beta=0.1, kl_convention="flow_grpo")).traits.reads == {"log_prob", "mean", "noise_scale"}
+    assert cls(algo_config(cls.Config, kl_beta=0.0, kl_convention="flow_grpo")).traits.reads == {"log_prob"}
     with pytest.raises(ValueError, match="kl_convention"):
-        cls.Config(kl_beta=0.1, kl_convention="sigma")
+        algo_config(cls.Config, kl_beta=0.1, kl_convention="sigma")
 
 
 def test_configs_with_flow_grpo_betas_use_flow_grpos_convention():
     """A config that copies Flow-GRPO's KL beta must mean by it what Flow-GRPO means."""
     for path in sorted((ROOT / "configs").glob("*.yaml")):
         algorithm = config_mod.load(path).algorithm
-        if algorithm.name == "flow_grpo" and algorithm.options.kl_beta > 0:
+        if algorithm.name == "flow_grpo" and algorithm.options.kl.kl_beta > 0:
             assert algorithm.options.kl_convention == "flow_grpo", path.name

@@ -7,6 +7,7 @@ import torch
 
 from mmgrpo.algorithms.gdpo import GDPO, GDPOConfig
 from mmgrpo.types import Score
+from algorithm_options import algo_config
 
 
 def _score(elbo, lengths, max_length=4):
@@ -23,7 +24,7 @@ def test_clipped_sequence_ratio_by_hand():
     elbo = torch.tensor([-2.0, -3.0], requires_grad=True)
     new = _score(elbo, [2, 3])
     old = torch.tensor([[-2.4], [-2.7]])
-    algorithm = GDPO(GDPOConfig(clip_low=0.2))
+    algorithm = GDPO(algo_config(GDPOConfig, clip_low=0.2))
     out = algorithm.loss(new, old, torch.tensor([1.0, -1.0]))
     s1, s2 = math.exp(0.2), math.exp(-0.1)
     assert out.loss.item() == pytest.approx((-1.2 + s2) / 2, abs=1e-6)
@@ -38,13 +39,13 @@ def test_unnormalised_ratio_and_kl_by_hand():
     """length_normalize=False: s = exp(E - E_old); the KL term is k3 on the raw ELBOs, d = E_ref - E."""
     new, old = _score([-2.0, -3.0], [2, 3]), torch.tensor([[-2.1], [-3.0]])
     ref = _score([-2.5, -2.0], [2, 3])
-    algorithm = GDPO(GDPOConfig(clip_low=0.5, length_normalize=False, kl_beta=0.1))
+    algorithm = GDPO(algo_config(GDPOConfig, clip_low=0.5, length_normalize=False, kl_beta=0.1))
     out = algorithm.loss(new, old, torch.tensor([2.0, 1.0]), ref)
     s1 = math.exp(0.1)
     kl = ((math.exp(-0.5) + 0.5 - 1) + (math.exp(1.0) - 1.0 - 1)) / 2
     assert float(out.loss) == pytest.approx((-2 * s1 - 1.0) / 2 + 0.1 * kl, abs=1e-6)
     assert out.metrics["kl"] == pytest.approx(kl, abs=1e-6)
-    normalised = GDPO(GDPOConfig(clip_low=0.5, kl_beta=0.1)).loss(new, old, torch.tensor([2.0, 1.0]), ref)
+    normalised = GDPO(algo_config(GDPOConfig, clip_low=0.5, kl_beta=0.1)).loss(new, old, torch.tensor([2.0, 1.0]), ref)
     kl_normalised = ((math.exp(-0.25) + 0.25 - 1) + (math.exp(1 / 3) - 1 / 3 - 1)) / 2
     assert normalised.metrics["kl"] == pytest.approx(kl_normalised, abs=1e-6)
 
@@ -60,22 +61,22 @@ def test_advantages_centre_by_default_and_scale_on_request():
     scores, groups = torch.tensor([1.0, 0.0, 0.0, 3.0]), torch.tensor([0, 0, 0, 1])
     torch.testing.assert_close(GDPO(GDPOConfig()).advantages(scores, groups),
                                torch.tensor([2 / 3, -1 / 3, -1 / 3, 0.0]))
-    scaled = GDPO(GDPOConfig(scale_rewards="group")).advantages(scores, groups)
+    scaled = GDPO(algo_config(GDPOConfig, scale_rewards="group")).advantages(scores, groups)
     std = math.sqrt(((2 / 3) ** 2 + 2 * (1 / 3) ** 2) / 2)  # unbiased: n - 1 = 2
     assert float(scaled[0]) == pytest.approx((2 / 3) / (std + 1e-4), rel=1e-5)
 
 
 def test_traits_and_plan_follow_the_options():
-    plain, with_kl = GDPO(GDPOConfig()), GDPO(GDPOConfig(kl_beta=0.04, draws=2))
+    plain, with_kl = GDPO(GDPOConfig()), GDPO(algo_config(GDPOConfig, kl_beta=0.04, draws=2))
     assert not plain.traits.needs_reference and plain.traits.zero_advantage_is_inert
     assert with_kl.traits.needs_reference and not with_kl.traits.zero_advantage_is_inert
     plan = with_kl.schedule(4, torch.Generator().manual_seed(0))
     assert plan.train_units == [[0], [1]] and plan.scoring == "likelihood" and plan.features() == {"likelihood", "elbo"}
     with pytest.raises(ValueError, match="draws 5 must not exceed the 4 decoding steps"):
-        GDPO(GDPOConfig(draws=5)).schedule(4)
+        GDPO(algo_config(GDPOConfig, draws=5)).schedule(4)
 
 
 @pytest.mark.parametrize(("key", "value"), [("draws", 0), ("clip_low", 0.0), ("clip_high", -1.0), ("kl_beta", -0.1)])
 def test_bad_options_are_refused_naming_the_key(key, value):
     with pytest.raises(ValueError, match=key):
-        GDPOConfig(**{key: value})
+        algo_config(GDPOConfig, **{key: value})

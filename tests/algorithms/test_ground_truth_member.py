@@ -12,6 +12,7 @@ from mmgrpo import registry
 from mmgrpo.algorithms.grpo import GRPO, GRPOConfig
 from mmgrpo.trainer import check_plan, score_unit
 from mmgrpo.types import PromptBatch
+from algorithm_options import algo_config
 
 G = 3  # sampled members; groups have G + 1
 TRUTH = [{"completion": "<answer>42</answer>", "answer": "42"}, {"completion": "<answer>7</answer>", "answer": "7"}]
@@ -30,7 +31,7 @@ def _batch():
 
 def test_member_zero_decodes_the_ground_truth_and_replays_exactly(request):
     policy = _policy(request)
-    algorithm = GRPO(GRPOConfig(ground_truth_member=True, kl_beta=0.0))
+    algorithm = GRPO(algo_config(GRPOConfig, ground_truth_member=True, kl_beta=0.0))
     plan = algorithm.schedule(policy.num_steps)
     assert plan.features() == {"ground_truth_member"}
     batch = _batch()
@@ -69,7 +70,7 @@ def test_the_answer_is_rewarded_and_its_advantage_follows_the_transform(request)
     computed by hand: tau + a_high log(r - tau + 1) above tau = 0.8, tau - (exp(a_low (tau - r)) - 1) / (e - 1) below,
     then (x - mean) / (unbiased std + 1e-4) per group."""
     policy = _policy(request)
-    algorithm = GRPO(GRPOConfig(ground_truth_member=True, advantage_transform="tempsamp_soft"))
+    algorithm = GRPO(algo_config(GRPOConfig, ground_truth_member=True, advantage_transform="tempsamp_soft"))
     batch = _batch()
     rollout = policy.sample(batch, algorithm.schedule(policy.num_steps), generator=torch.Generator().manual_seed(1))
     reward = registry.get("reward", "accuracy")(registry.get("reward", "accuracy").Config())
@@ -93,7 +94,7 @@ def test_the_answer_is_rewarded_and_its_advantage_follows_the_transform(request)
 
 def test_missing_or_too_long_ground_truth_is_refused(request):
     policy = _policy(request, max_new_tokens=4)
-    plan = GRPO(GRPOConfig(ground_truth_member=True)).schedule(policy.num_steps)
+    plan = GRPO(algo_config(GRPOConfig, ground_truth_member=True)).schedule(policy.num_steps)
     with pytest.raises(ValueError, match=r"more than the 4 of pipeline.max_new_tokens"):
         policy.sample(_batch(), plan)
     bare = PromptBatch(["how many circles?"]).repeat(2)
@@ -105,11 +106,11 @@ def test_missing_or_too_long_ground_truth_is_refused(request):
 @pytest.mark.parametrize("name", ["grpo", "dr_grpo", "dapo", "gspo", "sapo", "reg_grpo"])
 def test_every_token_algorithm_has_the_option_and_mdlm_refuses_it(name):
     cls = registry.get("algorithm", name)
-    algorithm = cls(cls.Config(ground_truth_member=True))
+    algorithm = cls(algo_config(cls.Config, ground_truth_member=True))
     assert algorithm.schedule(4).ground_truth_member
     assert algorithm.traits.ground_truth_member and not cls(cls.Config()).traits.ground_truth_member  # declared
     with pytest.raises(ValueError, match="ground_truth_member: expected bool"):
-        cls.Config(ground_truth_member="yes")
+        algo_config(cls.Config, ground_truth_member="yes")
     names = SimpleNamespace(algorithm=SimpleNamespace(name=name), pipeline=SimpleNamespace(name="mdlm"))
     policy_cls = registry.get("pipeline", "mdlm")
     holder = SimpleNamespace(num_steps=4, plan_families=policy_cls.plan_families,
@@ -128,7 +129,7 @@ def test_a_plan_and_traits_that_disagree_on_the_member_are_refused_before_loadin
     holder = SimpleNamespace(num_steps=4, plan_families=policy_cls.plan_families,
                              plan_features=policy_cls.plan_features, provides=policy_cls.provides)
     for member in (True, False):
-        algorithm = GRPO(GRPOConfig(ground_truth_member=member))
+        algorithm = GRPO(algo_config(GRPOConfig, ground_truth_member=member))
         check_plan(holder, algorithm, names)  # consistent: accepted
         algorithm.traits = dataclasses.replace(algorithm.traits, ground_truth_member=not member)
         with pytest.raises(ValueError, match=f"declares traits.ground_truth_member={not member} but its plan"):

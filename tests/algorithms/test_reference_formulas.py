@@ -5,8 +5,8 @@ dr_grpo, dapo, sapo; GSPO is ``importance_sampling_level="sequence"``), Flow-GRP
 never the package's helpers, so a drift in either shows. The DGPO loss and gradient are checked the same way in
 ``test_dgpo.py`` (``test_loss_equals_an_independent_computation``); here its advantages.
 
-Every reference's advantage divides by ``std + eps``; the tests use the package's eps (1e-4, TRL's and Flow-GRPO's;
-GCPO and VisualGRPO write 1e-8) so that only the formula is compared.
+Every reference's advantage divides by ``std + eps``, with its own eps: 1e-4 (TRL, Flow-GRPO, DGPO) or 1e-8 (GCPO,
+VisualGRPO), each algorithm's default.
 """
 
 from pathlib import Path
@@ -18,6 +18,7 @@ import torch
 from mmgrpo import config as config_mod, registry
 from mmgrpo.trainer import Trainer
 from mmgrpo.types import Score
+from mmgrpo.validation import build_dataclass
 
 EPS = 1e-4
 # 3 groups of 2 (G = 2: the unbiased std is sqrt(2) times the population one); the last group's rewards are equal
@@ -26,11 +27,12 @@ GROUPS = torch.tensor([0, 0, 1, 1, 2, 2])
 
 
 def build(name, **options):
+    """Algorithm `name` with the flat options of a config file's ``algorithm:`` section."""
     cls = registry.get("algorithm", name)
-    return cls(cls.Config(**options))
+    return cls(build_dataclass(cls.Config, options, "algorithm"))
 
 
-def numpy_advantages(rewards, groups, ddof, clip=None, scale=True):
+def numpy_advantages(rewards, groups, ddof, clip=None, scale=True, eps=EPS):
     """``(r - mean_g) / (std_g + eps)`` per group with NumPy's std (`ddof` 0: population, 1: unbiased), 0 for a
     group of equal rewards (every reference gives 0 there: its centred rewards are 0)."""
     r, g = rewards.numpy().astype(np.float64), groups.numpy()
@@ -38,7 +40,7 @@ def numpy_advantages(rewards, groups, ddof, clip=None, scale=True):
     for gid in np.unique(g):
         members = g == gid
         centred = r[members] - r[members].mean()
-        out[members] = centred / (r[members].std(ddof=ddof) + EPS) if scale else centred
+        out[members] = centred / (r[members].std(ddof=ddof) + eps) if scale else centred
     if clip is not None:
         out = np.clip(out, -clip, clip)
     return torch.tensor(out, dtype=torch.float32)
@@ -182,7 +184,8 @@ def test_e_grpo_is_visualgrpos_loss_with_the_unbiased_std_per_branch():
     branch_groups = torch.tensor([0, 0, 1, 1, 2, 2])  # (prompt, SDE step) sub-groups, as the rollout re-keys them
     algorithm = build("e_grpo", sde_steps=[1, 3], clip_low=1e-4)
     adv = algorithm.advantages(REWARDS, branch_groups)
-    torch.testing.assert_close(adv, numpy_advantages(REWARDS, branch_groups, ddof=1, clip=5.0), rtol=1e-6, atol=1e-6)
+    expected = numpy_advantages(REWARDS, branch_groups, ddof=1, clip=5.0, eps=1e-8)  # VisualGRPO's 1e-8
+    torch.testing.assert_close(adv, expected, rtol=1e-6, atol=1e-6)
     own = torch.tensor([0, 0, 1, 1, 0, 1])  # the entry of each sample's own SDE step
     mask = torch.nn.functional.one_hot(own, 2).bool()
     leaf = STEP_LOGP.clone().requires_grad_(True)
@@ -198,7 +201,8 @@ def test_e_grpo_is_visualgrpos_loss_with_the_unbiased_std_per_branch():
 def test_chunk_grpo_is_gcpos_chunk_loss_with_the_unbiased_std():
     algorithm = build("chunk_grpo", clip_low=1e-4, clip_high=2e-4)
     adv = algorithm.advantages(REWARDS, GROUPS)
-    torch.testing.assert_close(adv, numpy_advantages(REWARDS, GROUPS, ddof=1, clip=5.0), rtol=1e-6, atol=1e-6)
+    expected = numpy_advantages(REWARDS, GROUPS, ddof=1, clip=5.0, eps=1e-8)  # GCPO's 1e-8
+    torch.testing.assert_close(adv, expected, rtol=1e-6, atol=1e-6)
     trains = torch.tensor([1, 0, 1, 1, 0, 1]).bool()  # the samples that drew this chunk
     leaf = STEP_LOGP.clone().requires_grad_(True)
     out = algorithm.loss(Score(log_prob=leaf, mask=trains[:, None].expand(6, 2)), STEP_OLD, adv)

@@ -9,6 +9,7 @@ import torch
 from mmgrpo import registry
 from mmgrpo.preflight import require_scores
 from mmgrpo.types import Score
+from algorithm_options import algo_config
 
 NEW = [[-1.0, -0.5, -2.0], [-0.3, -1.2, 0.0]]
 OLD = [[-1.1, -0.5, -1.8], [-0.2, -1.0, 0.0]]
@@ -19,7 +20,7 @@ ADV = [1.0, -0.5]
 
 def build(**options):
     cls = registry.get("algorithm", "reg_grpo")
-    return cls(cls.Config(**options))
+    return cls(algo_config(cls.Config, **options))
 
 
 def run(group_ids=None, adv=ADV, **options):
@@ -70,7 +71,7 @@ def test_no_clip_a_drifted_sample_keeps_its_gradient():
     for name, adv, sign in [("grpo", 1.0, None), ("reg_grpo", 1.0, -1), ("reg_grpo", 0.2, +1)]:
         cls = registry.get("algorithm", name)
         new = Score(log_prob=torch.full((1, 2), float(log_ratio), requires_grad=True))
-        cls(cls.Config(kl_beta=0.0)).loss(new, torch.zeros(1, 2), torch.tensor([adv]), None).loss.backward()
+        cls(algo_config(cls.Config, kl_beta=0.0)).loss(new, torch.zeros(1, 2), torch.tensor([adv]), None).loss.backward()
         if sign is None:
             assert torch.count_nonzero(new.log_prob.grad) == 0
         else:  # descent moves log pi by -grad: up when beta s = 0.69 < A = 1, down when 0.69 > A = 0.2
@@ -99,6 +100,6 @@ def test_traits_and_pipelines():
     with pytest.raises(ValueError, match=r"reads the score field.*'group_ids'"):
         require_scores(registry.get("pipeline", "qwen_vl"), centred, names)
     with pytest.raises(ValueError, match="reg_beta must be >= 0.001"):
-        registry.get("algorithm", "reg_grpo").Config(reg_beta=0.0)
+        algo_config(registry.get("algorithm", "reg_grpo").Config, reg_beta=0.0)
     with pytest.raises(ValueError, match="center"):
-        registry.get("algorithm", "reg_grpo").Config(center="batch")
+        algo_config(registry.get("algorithm", "reg_grpo").Config, center="batch")

@@ -12,6 +12,7 @@ from hypothesis import given, settings, strategies as st
 from mmgrpo import registry
 from mmgrpo.advantages import tempsamp_soft
 from mmgrpo.validation import ConfigError
+from algorithm_options import algo_config
 
 TOKEN_ALGORITHMS = ["grpo", "dr_grpo", "dapo", "gspo", "sapo", "reg_grpo"]
 
@@ -51,7 +52,7 @@ def test_every_token_algorithm_normalises_the_transformed_rewards(name):
     shaped = [soft(r) for r in scores.tolist()[:4]]
     mean = statistics.fmean(shaped)
     plain = cls(cls.Config()).advantages(scores, groups)
-    algorithm = cls(cls.Config(advantage_transform="tempsamp_soft"))
+    algorithm = cls(algo_config(cls.Config, advantage_transform="tempsamp_soft"))
     adv = algorithm.advantages(scores, groups)
     if name == "dr_grpo":  # mean-centred only
         expected = [s - mean for s in shaped]
@@ -68,7 +69,7 @@ def test_rewards_above_the_threshold_count_nearly_alike():
     algorithm = registry.get("algorithm", "grpo")
     scores = torch.tensor([1.0, 0.85, 0.4, 0.1])
     groups = torch.zeros(4, dtype=torch.long)
-    soft_adv = algorithm(algorithm.Config(advantage_transform="tempsamp_soft")).advantages(scores, groups)
+    soft_adv = algorithm(algo_config(algorithm.Config, advantage_transform="tempsamp_soft")).advantages(scores, groups)
     plain = algorithm(algorithm.Config()).advantages(scores, groups)
     assert soft_adv[0] - soft_adv[1] < 0.05 < plain[0] - plain[1]
     assert soft_adv[1] > soft_adv[2] > soft_adv[3]
@@ -84,4 +85,4 @@ def test_rewards_above_the_threshold_count_nearly_alike():
 def test_bad_options_are_refused_naming_the_key(name, options, message):
     cls = registry.get("algorithm", name)
     with pytest.raises((ConfigError, ValueError), match=message):
-        cls.Config(**options)
+        algo_config(cls.Config, **options)

@@ -8,6 +8,7 @@ import torch
 
 from mmgrpo import registry
 from mmgrpo.types import Score
+from mmgrpo.validation import build_dataclass
 
 TOKEN_ALGORITHMS = ["grpo", "dr_grpo", "dapo", "gspo", "sapo"]
 NEW = [[-1.0, -0.5, -2.0], [-0.3, -1.2, 0.0]]
@@ -18,8 +19,9 @@ ADV = [1.0, -0.5]
 
 
 def build(name, **options):
+    """Algorithm `name` with the flat options of a config file's ``algorithm:`` section."""
     cls = registry.get("algorithm", name)
-    return cls(cls.Config(**options))
+    return cls(build_dataclass(cls.Config, options, "algorithm"))
 
 
 def run_loss(name, adv=ADV, with_ref=False, **options):
@@ -141,5 +143,5 @@ def test_on_policy_ratio_one_zero_advantage_zero_gradient_and_group_size_two(nam
 @pytest.mark.parametrize("name", TOKEN_ALGORITHMS)
 def test_config_errors_teach(name):
     cls = registry.get("algorithm", name)
-    with pytest.raises(ValueError, match="kl_beta"):
-        cls.Config(kl_beta=-1.0)
+    with pytest.raises(ValueError, match=r"^algorithm\.kl_beta must be >= 0"):
+        build_dataclass(cls.Config, {"kl_beta": -1.0}, "algorithm")

@@ -7,6 +7,7 @@ from importlib import metadata
 import pytest
 
 from mmgrpo import __version__, cli, plugin_help, registry
+from mmgrpo.validation import is_embedded
 
 ALL_PLUGINS = [(kind, name) for kind in registry.KINDS for name in registry.available(kind)]
 
@@ -27,11 +28,18 @@ def test_show_lists_every_option_with_its_default_and_documentation(kind, name):
     config = registry.get(kind, name).Config
     assert text.startswith(f"{kind} {name}: ")
     for field in dataclasses.fields(config):
-        if field.init:
-            entry = next((line for line in text.splitlines() if line.startswith(f"  {field.name}: ")), None)
-            assert entry is not None, f"{field.name} is not listed"
-            if field.default is not dataclasses.MISSING:
-                assert entry.endswith(f"= {field.default!r}")
+        if not field.init:
+            continue
+        if is_embedded(field):  # a shared record's keys, listed flat with this plugin's defaults
+            record = field.default_factory()
+            defaults = {f.name: getattr(record, f.name) for f in dataclasses.fields(record) if f.init}
+        else:
+            defaults = {field.name: field.default}
+        for key, default in defaults.items():
+            entry = next((line for line in text.splitlines() if line.startswith(f"  {key}: ")), None)
+            assert entry is not None, f"{key} is not listed"
+            if default is not dataclasses.MISSING:
+                assert entry.endswith(f"= {default!r}")
     assert "(undocumented)" not in text, f"document every option of {kind} {name} in its Config docstring's Args"
 
 
@@ -40,6 +48,11 @@ def test_show_from_the_command_line(capsys):
     out = capsys.readouterr().out
     assert "kl_convention: 'transition' | 'flow_grpo' = 'transition'" in out
     assert "Flow-GRPO's published code" in out
+    # the shared options, flat, with this algorithm's defaults and the shared record's documentation
+    assert "  adv_std: 'population' | 'unbiased' = 'population'" in out and "  adv_clip_max: float | None = 5.0" in out
+    assert "  scale_rewards: 'group' | 'batch' | 'none' = 'group'" in out and "global_std: true" in out
+    assert cli.main(["show", "chunk_grpo"]) == 0
+    assert "  adv_eps: float = 1e-08" in capsys.readouterr().out  # GCPO's
 
 
 def test_show_refuses_unknown_and_ambiguous_names_with_the_fix(capsys):

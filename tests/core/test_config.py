@@ -11,6 +11,7 @@ import yaml
 
 from mmgrpo import config as config_mod
 from mmgrpo.config import ConfigError, TrainConfig
+from algorithm_options import algo_config
 
 ROOT = Path(__file__).resolve().parents[2]
 ALL_CONFIGS = sorted(p for p in (ROOT / "configs").rglob("*.yaml") if "accelerate" not in p.parts)
@@ -42,7 +43,7 @@ def test_real_sd3_config_carries_flow_grpo_hyperparameters(monkeypatch):
     monkeypatch.chdir(ROOT)
     cfg = config_mod.load(ROOT / "configs" / "sd3_5_medium_flow_grpo.yaml")
     assert cfg.pipeline.options.lora_rank == 32 and cfg.pipeline.options.lora_alpha == 64
-    assert cfg.algorithm.options.clip_low == 1e-4 and cfg.algorithm.options.noise_level == 0.7
+    assert cfg.algorithm.options.clip.clip_low == 1e-4 and cfg.algorithm.options.noise_level == 0.7
     assert cfg.train.group_size == 24 and cfg.pipeline.options.num_steps == 10
 
 
@@ -70,6 +71,8 @@ RENAMED_CASES = [
     ("diffu_grpo", "clip_range", 0.5, r"use algorithm\.clip_low \(and algorithm\.clip_high\)"),
     ("cj_grpo", "scale_rewards", False, r"algorithm\.scale_rewards is no longer a bool: give 'group' .* or 'none'"),
     ("diffu_grpo", "scale_rewards", True, r"algorithm\.scale_rewards is no longer a bool"),
+    ("flow_grpo", "global_std", True, r"^algorithm\.global_std was renamed: use algorithm\.scale_rewards: batch "),
+    ("dgpo", "global_std", False, r"use algorithm\.scale_rewards: batch \(global_std: true\) or group \(false\)"),
 ]
 
 
@@ -133,7 +136,7 @@ def test_overrides_apply_and_are_checked(tmp_path):
         base_config(tmp_path), ["train.group_size=4", "algorithm.kl_beta=0.01", "train.learning_rate=3e-4"]
     )
     cfg = config_mod.from_dict(raw)
-    assert cfg.train.group_size == 4 and cfg.algorithm.options.kl_beta == 0.01
+    assert cfg.train.group_size == 4 and cfg.algorithm.options.kl.kl_beta == 0.01
     assert cfg.train.learning_rate == 3e-4  # PyYAML reads "3e-4" as a string; a float field accepts it
     with pytest.raises(ConfigError, match="must look like"):
         config_mod.apply_overrides(raw, ["train.group_size"])
@@ -233,9 +236,9 @@ def test_plugin_values_are_finite_and_typed(tmp_path):
     from mmgrpo.algorithms.grpo import GRPOConfig  # the Python API checks the same, without the YAML path
 
     with pytest.raises(ConfigError, match="adv_eps must be > 0"):
-        GRPOConfig(adv_eps=0.0)
+        algo_config(GRPOConfig, adv_eps=0.0)
     with pytest.raises(ConfigError, match="kl_beta: expected a number, got True"):
-        GRPOConfig(kl_beta=True)
+        algo_config(GRPOConfig, kl_beta=True)
 
 
 def write(tmp_path, text, name="exp.yaml"):

@@ -16,6 +16,8 @@ from mmgrpo.protocols import Algorithm, RewardFn, StochasticPolicy
 from mmgrpo.preflight import SCORING_METHODS, require_plan, require_scores
 from mmgrpo.trainer import check_plan, score_unit
 from mmgrpo.types import PromptBatch, Score
+from mmgrpo.algorithms._options import AdvantageOptions, KLOptions, KLWeight
+from mmgrpo.validation import build_dataclass, flat_dict, flat_hints, is_embedded
 from reward_fixtures import jpeg_server, tiny_aesthetic_head, tiny_clip_dir, tiny_pickscore_dir  # noqa: F401
 from builders._sam import tiny_sam2_dir  # noqa: F401
 
@@ -52,6 +54,12 @@ REWARD_OPTIONS = {
 }
 # fit the tiny policies' 3 steps (dgpo); read the transitions' mean and std (flow_grpo's KL term)
 ALGORITHM_OPTIONS = {"dgpo": {"trunc_steps": 2, "num_train_timesteps": 2}, "flow_grpo": {"kl_beta": 0.04}}
+
+
+def build_algorithm(name: str, **options):
+    """Algorithm `name` with its tested options (`ALGORITHM_OPTIONS`) and `options`, flat as in a config file."""
+    cls = registry.get("algorithm", name)
+    return cls(build_dataclass(cls.Config, {**ALGORITHM_OPTIONS.get(name, {}), **options}, "algorithm"))
 # losses that regress the log-ratio onto the advantage: with advantage 0 their gradient is 0 only on an exact replay
 # (``2 beta^2 s grad s``, `s` the replayed log-ratio), so it must be negligible next to a unit advantage's instead
 REGRESSION_LOSSES = {"reg_grpo"}
@@ -120,8 +128,7 @@ def test_pipeline_contract(name, algorithm_name, request):
     """Replay consistency, on-policy ratio 1 and zero advantage -> zero gradient, for every pipeline x algorithm."""
     policy = _build_policy(name, request)
     assert isinstance(policy, StochasticPolicy)
-    cls = registry.get("algorithm", algorithm_name)
-    algorithm = cls(cls.Config(**ALGORITHM_OPTIONS.get(algorithm_name, {})))
+    algorithm = build_algorithm(algorithm_name)
     names = SimpleNamespace(algorithm=SimpleNamespace(name=algorithm_name), pipeline=SimpleNamespace(name=name))
     if algorithm.plan_family not in policy.plan_families:  # another family's plan: refused, naming the families
         with pytest.raises(ValueError, match=f"emits '{algorithm.plan_family}' plans.*plan family mismatch"):
@@ -182,8 +189,8 @@ def test_a_pipeline_without_a_field_the_algorithm_reads_is_refused_before_loadin
     names = SimpleNamespace(algorithm=SimpleNamespace(name="flow_grpo"), pipeline=SimpleNamespace(name=pipeline))
     policy_cls = registry.get("pipeline", pipeline)
     with pytest.raises(ValueError, match=r"reads the score field\(s\) \['mean', 'std'\], which pipeline .*kl_beta=0"):
-        require_scores(policy_cls, cls(cls.Config(kl_beta=0.04)), names)
-    require_scores(policy_cls, cls(cls.Config(kl_beta=0.0)), names)
+        require_scores(policy_cls, build_algorithm("flow_grpo", kl_beta=0.04), names)
+    require_scores(policy_cls, build_algorithm("flow_grpo", kl_beta=0.0), names)
 
 
 @pytest.mark.parametrize(("pipeline", "algorithm", "speaks"), [
@@ -194,8 +201,7 @@ def test_an_algorithm_of_another_plan_family_is_refused_before_loading(pipeline,
     """A pipeline reads only the plan families it declares: an algorithm emitting another family's plan (a token
     algorithm on a flow pipeline...) is refused from the pipeline's class, before any model loads and before the plan
     is even built, naming both families."""
-    cls = registry.get("algorithm", algorithm)
-    instance = cls(cls.Config(**ALGORITHM_OPTIONS.get(algorithm, {})))
+    instance = build_algorithm(algorithm)
     monkeypatch.setattr(instance, "schedule", lambda *args: pytest.fail("the plan was built before the family check"))
     names = SimpleNamespace(algorithm=SimpleNamespace(name=algorithm), pipeline=SimpleNamespace(name=pipeline))
     with pytest.raises(ValueError, match=rf"algorithm '{algorithm}' emits '{instance.plan_family}' plans, but pipeline "
@@ -220,8 +226,7 @@ def test_every_plan_family_has_a_pipeline_and_an_algorithm():
 
 @pytest.mark.parametrize("name", sorted(registry.available("algorithm")))
 def test_algorithm_contract(name):
-    cls = registry.get("algorithm", name)
-    algorithm = cls(cls.Config(**ALGORITHM_OPTIONS.get(name, {})))
+    algorithm = build_algorithm(name)
     assert isinstance(algorithm, Algorithm) and algorithm.scoring in ("trajectory", "likelihood")
     scores = torch.tensor([1.0, 0.0, float("nan"), 2.0, 2.0, 0.5])
     groups = torch.tensor([0, 0, 0, 1, 1, 1])
@@ -245,6 +250,24 @@ def test_algorithm_contract(name):
         algorithm.load_state_dict(algorithm.state_dict())
     if traits.old_source == "old_model":
         assert callable(algorithm.old_policy)
+    # every algorithm holds its KL weight as the declared member `kl`, which the trainer steps and checkpoints
+    assert isinstance(algorithm.kl, KLWeight) and algorithm.kl.options == algorithm.config.kl
+    algorithm.kl.step()
+    assert algorithm.kl.state_dict() == {"kl_updates": 1} and algorithm.kl() == algorithm.config.kl.kl_beta
+
+
+@pytest.mark.parametrize("name", sorted(registry.available("algorithm")))
+def test_every_algorithm_embeds_the_shared_records(name):
+    """One home for the shared options: every Config embeds the advantage and KL records (and the clip record where
+    it clips a ratio), whose keys a config file writes flat, and run folders' config.json keep them flat."""
+    cls = registry.get("algorithm", name)
+    kinds = {type(f.default_factory()) for f in dataclasses.fields(cls.Config) if is_embedded(f)}
+    assert {AdvantageOptions, KLOptions} <= kinds, kinds
+    flat = flat_hints(cls.Config)
+    assert {"scale_rewards", "adv_std", "adv_eps", "adv_clip_max", "kl_beta", "kl_schedule"} <= set(flat)
+    assert not {"global_std", "advantage", "kl", "clip"} & set(flat)  # one vocabulary, written flat
+    config = build_dataclass(cls.Config, ALGORITHM_OPTIONS.get(name, {}), "algorithm")
+    assert build_dataclass(cls.Config, flat_dict(config), "algorithm") == config  # a run folder's config reads back
 
 
 def _advantage_variants(name: str) -> list[tuple[dict, bool]]:
@@ -253,13 +276,7 @@ def _advantage_variants(name: str) -> list[tuple[dict, bool]]:
     import dataclasses
 
     options = dict(ALGORITHM_OPTIONS.get(name, {}))
-    fields = {f.name for f in dataclasses.fields(registry.get("algorithm", name).Config)}
-    variants = [(options, True)]
-    if "global_std" in fields:
-        variants.append(({**options, "global_std": True}, False))
-    if "scale_rewards" in fields:
-        variants.append(({**options, "scale_rewards": "batch"}, False))
-    return variants
+    return [(options, True), ({**options, "scale_rewards": "batch"}, False)]  # every algorithm's one name for it
 
 
 @pytest.mark.parametrize("name", sorted(registry.available("algorithm")))
@@ -270,7 +287,7 @@ def test_group_local_advantages_are_declared_truthfully(name):
     scores = torch.tensor([1.0, 0.0, 0.5, 0.25, 4.0, -2.0, 3.0, 0.0])  # [8] two groups of 4, different spreads
     groups = torch.tensor([0, 0, 0, 0, 1, 1, 1, 1])
     for options, local in _advantage_variants(name):
-        algorithm = cls(cls.Config(**options))
+        algorithm = cls(build_dataclass(cls.Config, options, "algorithm"))
         assert algorithm.traits.group_local_advantages == local, options
         joint = algorithm.advantages(scores, groups)  # [8]
         alone = torch.cat([algorithm.advantages(scores[groups == g], groups[groups == g]) for g in (0, 1)])  # [8]

@@ -15,6 +15,7 @@ from mmgrpo.algorithms.flow_grpo import FlowGRPOConfig
 from mmgrpo.algorithms.grpo import GRPOConfig
 from mmgrpo.config import TrainConfig
 from mmgrpo.validation import ConfigError
+from algorithm_options import algo_config
 
 WORKER = Path(__file__).with_name("placement_worker.py")
 
@@ -51,8 +52,8 @@ def test_contiguous_placement_is_refused_where_it_cannot_hold():
         TrainConfig(group_placement="local")
     contiguous = TrainConfig(group_placement="contiguous", prompts_per_step=3)
     local = registry.get("algorithm", "flow_grpo")(FlowGRPOConfig()).traits
-    batch_std = [registry.get("algorithm", "flow_grpo")(FlowGRPOConfig(global_std=True)).traits,
-                 registry.get("algorithm", "grpo")(GRPOConfig(scale_rewards="batch")).traits]
+    batch_std = [registry.get("algorithm", "flow_grpo")(algo_config(FlowGRPOConfig, scale_rewards="batch")).traits,
+                 registry.get("algorithm", "grpo")(algo_config(GRPOConfig, scale_rewards="batch")).traits]
     sharding.check_group_placement(contiguous, 1, batch_std[0])  # one process holds every group
     sharding.check_group_placement(contiguous, 3, local)
     with pytest.raises(ValueError, match="prompts_per_step 3 does not split over 2 processes"):

@@ -12,6 +12,7 @@ import torch
 from mmgrpo.algorithms.flow_grpo import FlowGRPO, FlowGRPOConfig
 from mmgrpo.types import PromptBatch
 from mmgrpo.plans import FlowPlan
+from algorithm_options import algo_config
 
 PROMPTS = ["a red circle", "two blue squares", "a green triangle left of a yellow circle"]
 PIPELINES = ["sd3", "flux"]
@@ -63,7 +64,7 @@ REPLAY_CASES = [("sd3", {"guidance_scale": 1.0}), ("sd3", {"guidance_scale": 3.0
 @pytest.mark.parametrize("name, overrides", REPLAY_CASES, ids=["sd3-cfg1", "sd3-cfg3", "flux"])
 def test_replay_consistency(request, name, overrides, window, num_prompts):
     policy = make_policy(name, request.getfixturevalue(f"tiny_{name}_dir"), **overrides)
-    algorithm = FlowGRPO(FlowGRPOConfig(sde_window_size=window, **GRPO_OPTIONS[name]))
+    algorithm = FlowGRPO(algo_config(FlowGRPOConfig, sde_window_size=window, **GRPO_OPTIONS[name]))
     plan = algorithm.schedule(4, torch.Generator().manual_seed(0))
     batch = PromptBatch(PROMPTS[:num_prompts]).repeat(2)
     rollout = policy.sample(batch, plan, generator=torch.Generator().manual_seed(3))
@@ -93,7 +94,7 @@ def _grad_of_loss(policy, algorithm, rollout, steps, advantages):
 def test_ratio_is_one_on_policy_and_zero_advantage_gives_zero_gradient(tiny):
     name, path = tiny
     policy = make_policy(name, path)
-    algorithm = FlowGRPO(FlowGRPOConfig(**GRPO_OPTIONS[name]))
+    algorithm = FlowGRPO(algo_config(FlowGRPOConfig, **GRPO_OPTIONS[name]))
     plan = algorithm.schedule(4)
     rollout = policy.sample(PromptBatch(PROMPTS).repeat(2), plan, generator=torch.Generator().manual_seed(0))
     new = policy.log_prob(rollout, [0, 1])
@@ -109,7 +110,7 @@ def test_ratio_is_one_on_policy_and_zero_advantage_gives_zero_gradient(tiny):
 def test_optimizer_step_moves_lora_and_leaves_reference(tiny):
     name, path = tiny
     policy = make_policy(name, path)
-    algorithm = FlowGRPO(FlowGRPOConfig(kl_beta=0.1))
+    algorithm = FlowGRPO(algo_config(FlowGRPOConfig, kl_beta=0.1))
     plan = algorithm.schedule(4)
     rollout = policy.sample(PromptBatch(PROMPTS).repeat(2), plan, generator=torch.Generator().manual_seed(0))
     with torch.no_grad(), policy.reference():

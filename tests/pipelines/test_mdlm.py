@@ -12,6 +12,7 @@ from mmgrpo.algorithms.diffu_grpo import DiffuGRPO, DiffuGRPOConfig
 from mmgrpo.samplers.masked_diffusion import ass_sizes, eoser_gamma, linear_sizes, make_schedule, unmask_step
 from mmgrpo.trainer import score_unit
 from mmgrpo.types import PromptBatch
+from algorithm_options import algo_config
 
 PROMPTS = ["12+34=", "7+8=", "305+9="]  # different lengths: left padding and an attention mask are exercised
 
@@ -141,7 +142,7 @@ def test_cj_replay_is_exact(tiny_mdlm_dir, block, eoser, schedule, remasking):
 
 def test_replay_of_a_minibatch_and_reference(tiny_mdlm_dir):
     policy = _policy(tiny_mdlm_dir)
-    algorithm = CJGRPO(CJGRPOConfig(kl_beta=0.04))
+    algorithm = CJGRPO(algo_config(CJGRPOConfig, kl_beta=0.04))
     plan, rollout = _rollout(policy, algorithm)
     sub = rollout.select(torch.tensor([4, 1]))
     new, old, ref = score_unit(policy, algorithm, sub, [1], torch.device("cpu"))
@@ -158,7 +159,7 @@ def test_replay_of_a_minibatch_and_reference(tiny_mdlm_dir):
 
 def test_diffu_grpo_one_step_estimator(tiny_mdlm_dir):
     policy = _policy(tiny_mdlm_dir, prompt_mask_prob=0.5)
-    algorithm = DiffuGRPO(DiffuGRPOConfig(draws=2))
+    algorithm = DiffuGRPO(algo_config(DiffuGRPOConfig, draws=2))
     plan, rollout = _rollout(policy, algorithm)
     masks = rollout.trajectory["prompt_masked"]  # [N, S, P]
     assert masks[:, 0].any() and not torch.equal(masks[:, 0], masks[:, 1])  # a fresh prompt mask per draw
@@ -201,7 +202,7 @@ def test_cj_update_memory_does_not_grow_with_steps(tiny_mdlm_dir):
     measured = {}
     for steps in (2, 8):
         policy = _policy(tiny_mdlm_dir, gen_length=8, block_length=None, steps_per_block=steps)
-        algorithm = CJGRPO(CJGRPOConfig(kl_beta=0.0))
+        algorithm = CJGRPO(algo_config(CJGRPOConfig, kl_beta=0.0))
         plan, rollout = _rollout(policy, algorithm)
         measured[steps] = (_saved_bytes(policy, algorithm, rollout, plan.train_units, True),
                            _saved_bytes(policy, algorithm, rollout, plan.train_units, False))
@@ -243,7 +244,7 @@ def test_real_llada_config_carries_cj_grpo_hyperparameters(monkeypatch):
     assert p.family == "llada" and p.trust_remote_code and p.lora_targets == FAMILIES["llada"][0]
     assert (p.lora_rank, p.lora_alpha, p.temperature, p.eoser_gamma_min) == (128, 64, 1.0, 0.01)
     assert p.num_steps == 9 and p.decoding.tokens_per_step[:4] == [1, 2, 4, 8]  # ASS: 256 tokens in 9 steps
-    assert (a.clip_low, a.kl_beta) == (0.5, 0.04)
+    assert (a.clip.clip_low, a.kl.kl_beta) == (0.5, 0.04)
     assert (cfg.train.learning_rate, cfg.train.group_size, cfg.train.inner_epochs, cfg.train.max_grad_norm) == (3e-6, 6, 12, 0.2)
 
 
@@ -361,7 +362,7 @@ def test_arith_prompts_are_checkable_and_held_out():
 
 def test_step_level_ratio_is_on_policy_and_clipped(tiny_mdlm_dir):
     policy = _policy(tiny_mdlm_dir)
-    algorithm = CJGRPO(CJGRPOConfig(ratio_level="step", kl_beta=0.0, clip_low=0.1))
+    algorithm = CJGRPO(algo_config(CJGRPOConfig, ratio_level="step", kl_beta=0.0, clip_low=0.1))
     plan, rollout = _rollout(policy, algorithm)
     new, old, _ = score_unit(policy, algorithm, rollout, [0], torch.device("cpu"))
     out = algorithm.loss(new, old, torch.zeros(6), None)

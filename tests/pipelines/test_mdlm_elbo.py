@@ -11,6 +11,7 @@ from mmgrpo.pipelines import _mdlm_elbo
 from mmgrpo.trainer import score_unit
 from mmgrpo.types import PromptBatch
 from mmgrpo.plans import MaskedPlan
+from algorithm_options import algo_config
 
 PROMPTS = ["12+34=", "7+8=", "305+9="]  # different lengths: left padding and an attention mask are exercised
 # Gauss-Legendre on (0, 1), written out: nodes 1/2 -+ 1/(2 sqrt 3) with weights 1/2; 1/2 -+ sqrt(3/5)/2, 1/2 with 5/18,
@@ -60,7 +61,7 @@ def test_recorded_elbo_equals_the_formula_with_plain_loops(tiny_mdlm_dir, points
     """Sampling records, per draw, sum_n w_n / K sum_k c_nk sum_{i masked} log pi(y^i | masked input): the masks have
     the stated size (count) or lie within the scored tokens (bernoulli), and the value is the formula's."""
     policy = _policy(tiny_mdlm_dir, elbo_points=points, elbo_masks=masks, elbo_masking=masking)
-    plan, rollout = _sample(policy, GDPO(GDPOConfig(draws=2)))
+    plan, rollout = _sample(policy, GDPO(algo_config(GDPOConfig, draws=2)))
     t = rollout.trajectory
     nodes, node_weights = RULES[points]
     for row in range(len(rollout)):
@@ -151,7 +152,7 @@ def test_replay_is_consistent_and_zero_advantage_gives_zero_gradient(tiny_mdlm_d
     """Right after sampling the policy's ELBO equals the recorded one (same masks), the ratio is exactly 1, and with
     advantage 0 the gradient is 0 (with the KL to the frozen copy too: it is the policy at the start)."""
     policy = _policy(tiny_mdlm_dir, elbo_points=3, elbo_masks=2)
-    algorithm = GDPO(GDPOConfig(draws=2, kl_beta=kl_beta))
+    algorithm = GDPO(algo_config(GDPOConfig, draws=2, kl_beta=kl_beta))
     plan, rollout = _sample(policy, algorithm)
     for unit in plan.train_units:
         new, old, ref = score_unit(policy, algorithm, rollout, unit, torch.device("cpu"))

@@ -11,6 +11,7 @@ from mmgrpo.pipelines.qwen_vl import QwenVLConfig, QwenVLPolicy
 from mmgrpo.trainer import score_unit
 from mmgrpo.types import PromptBatch
 from mmgrpo.plans import TokenPlan
+from algorithm_options import algo_config
 
 KINDS = ["tiny_qwen2_vl_dir", "tiny_qwen2_5_vl_dir"]
 
@@ -70,7 +71,7 @@ def test_prefix_shared_forward_equals_naive(request, fixture, lora):
 @pytest.mark.parametrize("fixture", KINDS)
 def test_replay_ratio_one_and_zero_advantage_zero_gradient(request, fixture):
     pol = policy(request, fixture)
-    algorithm = GRPO(GRPOConfig(kl_beta=0.04))
+    algorithm = GRPO(algo_config(GRPOConfig, kl_beta=0.04))
     plan = token_plan(pol)
     rollout = pol.sample(vision_batch(2), plan, generator=torch.Generator().manual_seed(1))
     assert rollout.old_log_probs.shape == rollout.mask.shape == (6, pol.num_steps)
@@ -110,7 +111,7 @@ def test_lora_reference_unchanged_after_a_step(request, fixture, tmp_path):
     with torch.no_grad(), pol.reference():
         ref_before = pol.log_prob(rollout, steps).log_prob
     optimizer = torch.optim.Adam(pol.trainable_parameters(), lr=1e-2)
-    algorithm = GRPO(GRPOConfig(kl_beta=0.0))
+    algorithm = GRPO(algo_config(GRPOConfig, kl_beta=0.0))
     new = pol.log_prob(rollout, steps)
     algorithm.loss(new, rollout.old_log_probs, torch.tensor([1.0, -1.0] * 3), None).loss.backward()
     optimizer.step()

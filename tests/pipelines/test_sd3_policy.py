@@ -6,6 +6,7 @@ import torch
 from mmgrpo.algorithms.flow_grpo import FlowGRPO, FlowGRPOConfig
 from mmgrpo.pipelines.sd3 import SD3Config, SD3Policy
 from mmgrpo.types import PromptBatch
+from algorithm_options import algo_config
 
 PROMPTS = ["a red circle", "two blue squares", "a green triangle left of a yellow circle"]
 
@@ -18,7 +19,7 @@ def make_policy(path, **overrides):
 
 def test_window_plan_marks_only_window_steps(tiny_sd3_dir):
     policy = make_policy(tiny_sd3_dir)
-    plan = FlowGRPO(FlowGRPOConfig(sde_window_size=2, sde_window_range=[1, 3])).schedule(4, torch.Generator().manual_seed(0))
+    plan = FlowGRPO(algo_config(FlowGRPOConfig, sde_window_size=2, sde_window_range=[1, 3])).schedule(4, torch.Generator().manual_seed(0))
     rollout = policy.sample(PromptBatch(PROMPTS[:2]).repeat(2), plan, generator=torch.Generator().manual_seed(0))
     assert rollout.mask.sum(1).tolist() == [2] * 4
     ode = [i for i in range(4) if i not in plan.sde_steps]
@@ -27,7 +28,7 @@ def test_window_plan_marks_only_window_steps(tiny_sd3_dir):
 
 def test_gradient_accumulation_1x4_equals_4x1(tiny_sd3_dir):
     policy = make_policy(tiny_sd3_dir)
-    algorithm = FlowGRPO(FlowGRPOConfig(clip_low=0.2))
+    algorithm = FlowGRPO(algo_config(FlowGRPOConfig, clip_low=0.2))
     plan = algorithm.schedule(4)
     rollout = policy.sample(PromptBatch(PROMPTS[:2]).repeat(2), plan, generator=torch.Generator().manual_seed(0))
     advantages = torch.tensor([1.0, -0.5, 2.0, -1.0])

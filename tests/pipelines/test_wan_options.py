@@ -9,6 +9,7 @@ import torch
 from builders.wan import WAN_TOKENS, tiny_policy as make_policy
 from mmgrpo.algorithms.flow_grpo import FlowGRPO, FlowGRPOConfig
 from mmgrpo.types import PromptBatch
+from algorithm_options import algo_config
 
 PROMPTS = ["a red circle", "two blue squares", "a green triangle"]
 
@@ -74,7 +75,7 @@ def test_offload_on_a_gpu_keeps_the_rollout_on_the_cpu(tiny_wan_dir):
 
 @pytest.mark.parametrize("lora_rank", [4, 0])
 def test_gradient_checkpointing_recomputes_blocks_with_the_same_loss_and_gradient(tiny_wan_dir, lora_rank):
-    algorithm = FlowGRPO(FlowGRPOConfig(clip_low=0.2))
+    algorithm = FlowGRPO(algo_config(FlowGRPOConfig, clip_low=0.2))
     results = []
     for checkpointing in (False, True):
         torch.manual_seed(0)  # the same LoRA initialisation in both policies

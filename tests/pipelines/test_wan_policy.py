@@ -13,6 +13,7 @@ from mmgrpo.algorithms.flow_grpo import FlowGRPO, FlowGRPOConfig
 from mmgrpo.pipelines.wan import WanConfig
 from mmgrpo.types import PromptBatch
 from mmgrpo.plans import FlowPlan
+from algorithm_options import algo_config
 
 PROMPTS = ["a red circle", "two blue squares", "a green triangle left of a yellow circle"]
 
@@ -93,7 +94,7 @@ def test_bad_options_are_refused(tiny_wan_dir, key, value, fragment):
 @pytest.mark.parametrize("window", [0, 2])
 def test_replay_consistency(tiny_wan_dir, guidance_scale, window):
     policy = make_policy(tiny_wan_dir, guidance_scale=guidance_scale)
-    plan = FlowGRPO(FlowGRPOConfig(sde_window_size=window)).schedule(3, torch.Generator().manual_seed(0))
+    plan = FlowGRPO(algo_config(FlowGRPOConfig, sde_window_size=window)).schedule(3, torch.Generator().manual_seed(0))
     rollout = policy.sample(PromptBatch(PROMPTS).repeat(2), plan, generator=torch.Generator().manual_seed(3))
     assert rollout.old_log_probs.shape == (6, 3)
     steps = trained_steps(plan)
@@ -128,7 +129,7 @@ def test_ratio_is_one_on_policy_and_zero_advantage_gives_zero_gradient(tiny_wan_
 
 def test_optimizer_step_moves_lora_and_leaves_reference(tiny_wan_dir):
     policy = make_policy(tiny_wan_dir)
-    algorithm = FlowGRPO(FlowGRPOConfig(kl_beta=0.1))
+    algorithm = FlowGRPO(algo_config(FlowGRPOConfig, kl_beta=0.1))
     rollout = policy.sample(PromptBatch(PROMPTS).repeat(2), algorithm.schedule(3), generator=seeded(0))
     with torch.no_grad(), policy.reference():
         ref_before = policy.log_prob(rollout, [1])
@@ -197,12 +198,12 @@ def test_real_wan_configs_carry_their_recipes(monkeypatch):
     pipe, algo = cfg.pipeline.options, cfg.algorithm.options
     assert cfg.pipeline.name == "wan" and pipe.pretrained == "Wan-AI/Wan2.1-T2V-1.3B-Diffusers"
     assert (pipe.num_frames, pipe.height, pipe.width, pipe.num_steps, pipe.eval_num_steps) == (33, 240, 416, 20, 50)
-    assert (pipe.guidance_scale, algo.noise_level, algo.clip_low, algo.kl_beta) == (4.5, 0.7, 1e-3, 0.004)
+    assert (pipe.guidance_scale, algo.noise_level, algo.clip.clip_low, algo.kl.kl_beta) == (4.5, 0.7, 1e-3, 0.004)
     assert cfg.train.group_size == 4 and cfg.train.learning_rate == 1e-4 and cfg.reward.options.modality == "video"
     cfg = config_mod.load(root / "configs" / "wan2_2_t2v_a14b_flow_grpo.yaml")
     pipe, algo = cfg.pipeline.options, cfg.algorithm.options
     assert (pipe.guidance_scale, pipe.guidance_scale_2, pipe.flow_shift, pipe.num_steps) == (4.0, 3.0, 3.0, 10)
     assert (pipe.lora_rank, pipe.lora_alpha, cfg.train.group_size) == (64, 128, 16)
-    assert (algo.noise_level, algo.kl_beta, algo.clip_low) == (0.9, 0.0, 1e-4)
+    assert (algo.noise_level, algo.kl.kl_beta, algo.clip.clip_low) == (0.9, 0.0, 1e-4)
     starts = {tuple(FlowGRPO(algo).schedule(10, seeded(seed)).sde_steps) for seed in range(40)}
     assert starts == {(1,), (2,), (3,)}  # one SDE step, drawn from steps 1-3

@@ -1,0 +1,204 @@
+"""The options every algorithm shares, one record each, checked once: the advantage estimator ([`AdvantageOptions`]),
+the ratio clip ([`ClipOptions`]) and the KL weight with its schedule ([`KLOptions`], held at run time as a
+[`KLWeight`], the algorithm's declared ``kl`` member).
+
+An algorithm's ``Config`` embeds them with [`~mmgrpo.validation.embedded`], giving its own (its authors') defaults::
+
+    advantage: AdvantageOptions = embedded(AdvantageOptions, adv_std="population", adv_clip_max=5.0)
+
+A config file writes their keys flat under ``algorithm:`` (``scale_rewards: batch``, ``kl_beta: 0.04``, as TRL's
+names); a key it leaves out keeps the algorithm's default. ``mmgrpo show NAME`` lists them with the algorithm's
+defaults. Not a plugin: the name starts with an underscore.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+from ..advantages import StdEstimator, group_normalize, tempsamp_soft
+from ..validation import ConfigError, check_fields, check_range
+from ._limits import ADV_CLIP_LIMIT, ADV_EPS_LIMIT, CLIP_LIMIT, KL_BETA_LIMIT, SCALE_LIMIT, UPDATES_LIMIT
+
+RewardScaling = Literal["group", "batch", "none"]
+AdvantageTransform = Literal["none", "tempsamp_soft"]
+KLSchedule = Literal["constant", "linear", "cosine"]
+
+
+@dataclass
+class AdvantageOptions:
+    """How rewards become advantages: ``A = (r - mean_group(r)) / (std + adv_eps)``, clamped to ``[-adv_clip_max,
+    adv_clip_max]``; see [`~mmgrpo.advantages.group_normalize`]. A sample whose reward is not finite is left out of the
+    statistics and gets 0; a group whose rewards are all equal gets exactly 0.
+
+    Args:
+        scale_rewards (`str`): the std divided by (TRL's names): ``"group"``, the group's; ``"batch"``, the whole
+            batch's (the mean stays the group's; Flow-GRPO's and DGPO's ``global_std: true``); ``"none"``, no
+            division (mean-centring only: Dr. GRPO, d1, CJ-GRPO's code, GDPO).
+        adv_std (`str`): the std's estimator: ``"unbiased"`` (n - 1; PyTorch's ``std``: TRL, GCPO, VisualGRPO) or
+            ``"population"`` (n; NumPy's ``std``: Flow-GRPO, DGPO). At n = 2 the unbiased std is sqrt(2) times the
+            population one.
+        adv_eps (`float`): added to the std (TRL, Flow-GRPO, DGPO: 1e-4; GCPO, VisualGRPO: 1e-8).
+        adv_clip_max (`float`, *optional*): clamp the advantages to ``[-adv_clip_max, adv_clip_max]`` (the flow
+            papers' 5); unset: no clamp.
+        advantage_transform (`str`): ``"none"``, or ``"tempsamp_soft"``: TempSamp-R1's asymmetric soft transform of
+            each reward before the group statistics, ``tau + a_high * log(r - tau + 1)`` for ``r >= tau`` (rewards
+            above the threshold nearly flattened) and ``tau - (exp(a_low * (tau - r)) - 1) / (exp(a_low) - 1)`` below
+            it (a growing penalty the further below), with ``tau`` = `soft_threshold`.
+        soft_threshold (`float`): ``tau`` of the soft transform (TempSamp-R1: 0.8 on a temporal IoU).
+        soft_alpha_high (`float`): ``a_high``, the slope of the log above ``tau`` (0.01).
+        soft_alpha_low (`float`): ``a_low`` (> 0), the curvature of the exponential below ``tau`` (1.0).
+    """
+
+    scale_rewards: RewardScaling = "group"
+    adv_std: StdEstimator = "unbiased"
+    adv_eps: float = 1e-4
+    adv_clip_max: float | None = None
+    advantage_transform: AdvantageTransform = "none"
+    soft_threshold: float = 0.8
+    soft_alpha_high: float = 0.01
+    soft_alpha_low: float = 1.0
+
+    def __post_init__(self):
+        check_fields(self)
+        check_range("adv_eps", self.adv_eps, 0, ADV_EPS_LIMIT, low_open=True, fix="1e-4 is usual")
+        if self.adv_clip_max is not None:
+            check_range("adv_clip_max", self.adv_clip_max, 0, ADV_CLIP_LIMIT, low_open=True,
+                        fix="5 is usual; leave it unset for no clamp")
+        check_range("soft_threshold", self.soft_threshold, -SCALE_LIMIT, SCALE_LIMIT, fix="a reward level, e.g. 0.8")
+        check_range("soft_alpha_high", self.soft_alpha_high, 0, SCALE_LIMIT,
+                    fix="0 makes every reward above soft_threshold equal")
+        check_range("soft_alpha_low", self.soft_alpha_low, 0, SCALE_LIMIT, low_open=True, fix="TempSamp-R1 uses 1")
+
+    @property
+    def group_local(self) -> bool:
+        """Whether a sample's advantage reads its own group only (not under ``scale_rewards: batch``)."""
+        return self.scale_rewards != "batch"
+
+    def compute(self, scores: torch.Tensor, group_ids: torch.Tensor) -> torch.Tensor:
+        """The advantages `[N]` of `scores` `[N]` (gathered from every process; NaN: not applicable) in groups
+        `group_ids` `[N]`: the soft transform when asked, then the group statistics and the clamp."""
+        if self.advantage_transform == "tempsamp_soft":
+            scores = tempsamp_soft(scores, self.soft_threshold, self.soft_alpha_high, self.soft_alpha_low)  # [N]
+        return group_normalize(scores, group_ids, scale=self.scale_rewards, eps=self.adv_eps, clip=self.adv_clip_max,
+                               std=self.adv_std)
+
+
+@dataclass
+class ClipOptions:
+    """The clip of an importance ratio ``r`` to ``[1 - clip_low, 1 + clip_high]`` (PPO's; TRL's ``epsilon`` /
+    ``epsilon_high``).
+
+    Args:
+        clip_low (`float`): the lower clip, ``1 - clip_low``, in (0, 1).
+        clip_high (`float`, *optional*): the upper clip, ``1 + clip_high``; unset: `clip_low` (a symmetric clip, as
+            TRL's ``epsilon_high`` unset). An algorithm whose authors clip asymmetrically sets it (DAPO's 0.28).
+    """
+
+    clip_low: float = 0.2
+    clip_high: float | None = None
+
+    def __post_init__(self):
+        check_fields(self)
+        check_range("clip_low", self.clip_low, 0, 1, low_open=True, high_open=True,
+                    fix="the ratio is clipped at 1 - clip_low")
+        if self.clip_high is not None:
+            check_range("clip_high", self.clip_high, 0, CLIP_LIMIT, low_open=True,
+                        fix="the ratio is clipped at 1 + clip_high; leave it unset for a symmetric clip")
+
+    @property
+    def high(self) -> float:
+        """The upper clip in use: `clip_high`, or `clip_low` when unset."""
+        return self.clip_low if self.clip_high is None else self.clip_high
+
+
+@dataclass
+class KLOptions:
+    """The weight of an algorithm's KL term and its schedule over the optimizer updates.
+
+    Args:
+        kl_beta (`float`): the weight of the KL term (at the first update under a schedule); 0 turns it off (and the
+            reference's forward pass, where only the KL reads the reference).
+        kl_schedule (`str`): how the weight moves over the optimizer updates taken (OThink-MR1's dynamic KL, GRPO-D:
+            low early to explore, higher later to hold the policy near the reference). ``"constant"``: always
+            `kl_beta`. ``"linear"`` / ``"cosine"``: from `kl_beta` at the first update to `kl_beta_end` after
+            `kl_warmup_steps` updates, then constant: with ``p = min(1, u / kl_warmup_steps)`` after `u` updates, the
+            weight is ``kl_beta + (kl_beta_end - kl_beta) * w(p)``, ``w(p) = p`` or ``(1 - cos(pi p)) / 2``. The update
+            count is checkpointed (a resumed run continues the schedule).
+        kl_beta_end (`float`, *optional*): the KL weight a ``"linear"`` / ``"cosine"`` schedule reaches (required by
+            them, refused under ``"constant"``).
+        kl_warmup_steps (`int`): the optimizer updates over which the schedule moves (one trainer step takes
+            ``inner_epochs * updates_per_step`` of them); 0 under ``"constant"``.
+    """
+
+    kl_beta: float = 0.0
+    kl_schedule: KLSchedule = "constant"
+    kl_beta_end: float | None = None
+    kl_warmup_steps: int = 0
+
+    def __post_init__(self):
+        check_fields(self)
+        check_range("kl_beta", self.kl_beta, 0, KL_BETA_LIMIT, fix="0 turns the KL term off")
+        if self.kl_schedule == "constant":
+            if self.kl_beta_end is not None or self.kl_warmup_steps != 0:
+                raise ConfigError(
+                    f"kl_beta_end={self.kl_beta_end!r} / kl_warmup_steps={self.kl_warmup_steps!r} apply only to a KL "
+                    f"schedule: set kl_schedule to 'linear' or 'cosine', or leave them out (kl_beta stays constant)."
+                )
+            return
+        if self.kl_beta_end is None:
+            raise ConfigError(f"kl_schedule={self.kl_schedule!r} needs kl_beta_end, the KL weight it reaches after "
+                              f"kl_warmup_steps optimizer updates (kl_beta is the weight at the start).")
+        check_range("kl_beta_end", self.kl_beta_end, 0, KL_BETA_LIMIT, fix="the KL weight reached at the end of the "
+                    "schedule")
+        check_range("kl_warmup_steps", self.kl_warmup_steps, 1, UPDATES_LIMIT,
+                    fix="the number of optimizer updates over which the KL weight moves from kl_beta to kl_beta_end")
+
+
+def kl_weight(options: KLOptions, updates: int) -> float:
+    """The KL weight after `updates` optimizer updates under `options` (see [`KLOptions`]; OThink-MR1's GRPO-D: a low
+    weight early lets the policy explore, a higher one later holds it near the reference; the schedule is ours,
+    written out there). From update ``kl_warmup_steps`` on, the weight stays ``kl_beta_end``."""
+    if options.kl_schedule == "constant":
+        return options.kl_beta
+    progress = min(1.0, updates / options.kl_warmup_steps)
+    shape = progress if options.kl_schedule == "linear" else (1 - math.cos(math.pi * progress)) / 2
+    return options.kl_beta + (options.kl_beta_end - options.kl_beta) * shape
+
+
+@dataclass
+class KLWeight:
+    """An algorithm's KL weight: its [`KLOptions`] and the number of optimizer updates taken, its whole state. Every
+    algorithm holds one as its ``kl`` member (see [`~mmgrpo.protocols.Algorithm`]): the trainer calls [`step`] after
+    every optimizer update it takes (a skipped update does not count, as for the learning-rate schedule) and
+    checkpoints [`state_dict`], so a resumed run continues a schedule exactly; the loss reads the weight by calling it.
+    """
+
+    options: KLOptions
+    updates: int = 0
+
+    @property
+    def dynamic(self) -> bool:
+        """Whether the weight moves (a schedule other than ``"constant"``)."""
+        return self.options.kl_schedule != "constant"
+
+    @property
+    def ever_positive(self) -> bool:
+        """Whether the weight is ever above 0 (the KL term, and what it reads, are then needed)."""
+        return self.options.kl_beta > 0 or (self.dynamic and self.options.kl_beta_end > 0)
+
+    def __call__(self) -> float:
+        return kl_weight(self.options, self.updates)
+
+    def step(self) -> None:
+        """One optimizer update taken."""
+        self.updates += 1
+
+    def state_dict(self) -> dict:
+        return {"kl_updates": self.updates}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.updates = int(state["kl_updates"])
