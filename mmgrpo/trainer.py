@@ -301,6 +301,8 @@ class Trainer:
             self.skipped_updates += self._planned_updates(len(rollout))
             return {"train/skipped_updates": self.skipped_updates, "train/unscored_share": 1.0}
         mine = self._this_process(scored, len(advantages))  # [n]
+        rollout_entries = self._rollout_entries(rollout, plan.train_units) if traits.update_mean == "rollout_entries" \
+            else None
         passes, grad_norms = [], []  # the loss metrics of each weighted backward pass; the norm of each update
         for _ in range(cfg.inner_epochs):
             order = torch.randperm(len(rollout), generator=generator)
@@ -311,7 +313,7 @@ class Trainer:
                 if not self._any_scored(mine, group):
                     self.skipped_updates += 1  # no sample of this update is scored on any process
                     continue
-                passes += self._accumulate(rollout, plan.train_units, group, mine, advantages)
+                passes += self._accumulate(rollout, plan.train_units, group, mine, advantages, rollout_entries)
                 grad_norm = sharding.clip(self.accelerator, self.sharding, self.policy.trainable_parameters(), cfg)
                 if not torch.isfinite(torch.as_tensor(grad_norm)):
                     self.skipped_updates += 1  # a NaN/inf loss or gradient never reaches the weights
@@ -348,14 +350,15 @@ class Trainer:
             return value
         return float(self.accelerator.gather(torch.tensor([value], device=self.accelerator.device)).sum())
 
-    def _accumulate(self, rollout, units, group, mine, advantages) -> list[dict[str, float]]:
+    def _accumulate(self, rollout, units, group, mine, advantages, rollout_entries=None) -> list[dict[str, float]]:
         """Backward passes of one update: each minibatch of `group`, each unit, its scored samples (`mine` `[n]`)
-        weighted by their share of the update's samples, or, when ``traits.update_mean`` is ``"entries"``, by the
-        entries the pass's loss averages over, the update's gradient then divided by their count over all passes and
-        processes ([`_mean_over_entries`]). Returns the loss metrics of each pass that had weight."""
+        weighted by their share of the update's samples, or, when ``traits.update_mean`` is ``"entries"`` /
+        ``"rollout_entries"``, by the entries the pass's loss averages over, the update's gradient then divided by their
+        count over all passes and processes, or by `rollout_entries` ([`_mean_over_entries`]). Returns the loss
+        metrics of each pass that had weight."""
         acc, passes = self.accelerator, []
         total = sum(len(m) for m in group)
-        by_entries, entries = self.algorithm.traits.update_mean == "entries", 0.0
+        by_entries, entries = self.algorithm.traits.update_mean in ("entries", "rollout_entries"), 0.0
         for j, index in enumerate(group):
             kept = index[mine[index]]
             weight = len(kept)
@@ -375,14 +378,22 @@ class Trainer:
                 if weight:
                     passes.append(out.metrics)
         if by_entries:
-            self._mean_over_entries(entries)
+            self._mean_over_entries(entries, rollout_entries)
         return passes
 
-    def _mean_over_entries(self, entries: float) -> None:
+    def _rollout_entries(self, rollout, units) -> float:
+        """The entries of the whole rollout batch per process (``traits.update_mean = "rollout_entries"``): every
+        sample's trained decisions, ``Rollout.mask`` over the plan's train `units`, summed over the processes and
+        divided by their number."""
+        mine = float(sum(int(rollout.mask[:, unit].sum()) for unit in units))
+        return self._sum_over_processes(mine) / self.world
+
+    def _mean_over_entries(self, entries: float, rollout_entries: float | None = None) -> None:
         """Divides the accumulated gradient of an update whose passes were weighted by their entries by the update's
         count of entries per process (the gradient is already averaged over processes), so that every entry of the
-        update weighs the same on every process."""
-        per_process = self._sum_over_processes(entries) / self.world
+        update weighs the same on every process; by `rollout_entries` instead when given (the rollout batch's count
+        per process, the same for every update: TRL's ``loss_type="dapo"``)."""
+        per_process = self._sum_over_processes(entries) / self.world if rollout_entries is None else rollout_entries
         if per_process > 0:
             for parameter in self.policy.trainable_parameters():
                 if parameter.grad is not None:

@@ -233,6 +233,10 @@ class AlgorithmTraits:
               across the whole update: the loss reports its count in ``LossOutput.entries``; the trainer weights each
               pass by it and divides the update's gradient by the count over all passes and processes (DAPO's token
               mean over the update; GCPO's mean over the trained (sample, chunk) pairs).
+            - ``"rollout_entries"``: as ``"entries"``, but every update's gradient is divided by the count of the whole
+              rollout batch (one inner epoch, all processes, divided by their number), the same for every update (TRL's
+              ``loss_type="dapo"``). A sample's entries are then its trained decisions, ``Rollout.mask`` over the
+              plan's train units, counted for every sample, which the loss's ``entries`` must count alike.
         group_local_advantages (`bool`): each sample's advantage depends on its own group's scores only, so a process
             holding whole groups can compute them alone (``train.group_placement: contiguous``); `False` when they
             read the whole batch (a batch standard deviation: ``scale_rewards: batch``).
@@ -248,13 +252,14 @@ class AlgorithmTraits:
     has_state: bool = False
     after_update: bool = False
     old_source: Literal["rollout", "old_model", "current"] = "rollout"
-    update_mean: Literal["samples", "entries"] = "samples"
+    update_mean: Literal["samples", "entries", "rollout_entries"] = "samples"
     group_local_advantages: bool = True
     ground_truth_member: bool = False
 
     def __post_init__(self):
-        if self.update_mean not in ("samples", "entries"):
-            raise ValueError(f"AlgorithmTraits.update_mean must be 'samples' or 'entries', got {self.update_mean!r}.")
+        if self.update_mean not in ("samples", "entries", "rollout_entries"):
+            raise ValueError(f"AlgorithmTraits.update_mean must be 'samples', 'entries' or 'rollout_entries', got "
+                             f"{self.update_mean!r}.")
         if self.old_source not in ("rollout", "old_model", "current"):
             raise ValueError(f"AlgorithmTraits.old_source must be 'rollout', 'old_model' or 'current', got "
                              f"{self.old_source!r}.")

@@ -36,6 +36,7 @@ RENAMED = {
     "clip_range_high": "clip_high",
     "kl_coeff": "kl_beta",
     "global_std": "scale_rewards: batch (global_std: true) or group (false)",
+    "filter_groups": "token_mean: update_with_signal (filter_groups: true) or rollout (TRL's count)",
 }
 # options whose value type changed: key -> (old type, the message's fix)
 RETYPED = {"scale_rewards": (bool, "give 'group' for true (divide by the group's std) or 'none' for false")}

@@ -1,20 +1,27 @@
-"""DAPO: asymmetric clip-higher, token-level loss aggregation and filtering of groups whose rewards are all equal.
+"""DAPO: asymmetric clip-higher and a token-level loss, every token of the rollout batch weighing the same.
 
-Paper: https://arxiv.org/abs/2503.14476. The loss of an optimizer update is ``sum_{i,t} max(-A_i r_it, -A_i clip(r_it,
-1 - eps_low, 1 + eps_high)) / #tokens`` over all the tokens of the update, whatever its number of minibatches (every
-token weighs the same, long answers are not down-weighted; TRL's ``loss_type="dapo"``): each minibatch's loss is its
-token mean and reports its token count, and the trainer combines them into one token mean
-(``traits.update_mean = "entries"``). Advantages divide by the group's unbiased std (n - 1), as TRL.
+Paper: https://arxiv.org/abs/2503.14476. The loss is ``sum_{i,t} max(-A_i r_it, -A_i clip(r_it, 1 - eps_low,
+1 + eps_high)) / #tokens`` (long answers are not down-weighted). ``token_mean`` says which tokens are counted:
 
-Group filtering (``filter_groups``, the paper's dynamic sampling without the re-sampling): a group whose rewards are
-all equal has advantage exactly 0 for every member, so its samples carry no policy gradient; with filtering their
-tokens are also left out of the token count (and of the KL term), so they do not dilute the other groups' gradient.
-Every sample with advantage exactly 0 is left out this way. Over-long reward shaping belongs to the reward.
+- ``"rollout"`` (default; TRL's ``GRPOTrainer(loss_type="dapo")`` exactly): every optimizer update divides its token
+  sum by the token count of the whole rollout batch (all its samples, zero-advantage groups included, over every
+  process, divided by the number of processes), so with ``train.updates_per_step`` k each update weighs its share of
+  the batch's tokens (TRL's ``steps_per_generation = k * gradient_accumulation_steps``). With one update per rollout
+  batch it is the update's own token mean. The trainer does it (``traits.update_mean = "rollout_entries"``): the
+  count is the rollout's scored tokens (``Rollout.mask``), samples without a finite reward included as TRL counts
+  them.
+- ``"update"``: each update divides by its own tokens (over its minibatches and the processes).
+- ``"update_with_signal"``: as ``"update"``, but samples with advantage exactly 0 (all-equal groups) are left out of
+  the count and of the KL term, so they do not dilute the other groups' gradient. The paper's dynamic sampling instead
+  re-samples such groups until the batch holds only groups with signal, which mmgrpo does not do; this is a stand-in.
+
+Advantages divide by the group's unbiased std (n - 1) + 1e-4, as TRL. Over-long reward shaping belongs to the reward.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 
@@ -24,6 +31,8 @@ from ..validation import check_fields, embedded
 from ._options import AdvantageOptions, ClipOptions, KLOptions, KLWeight
 from ._token import GROUND_TRUTH_DOC, clipped_token_loss, token_mask, token_plan, token_traits
 
+UPDATE_MEANS = {"rollout": "rollout_entries", "update": "entries", "update_with_signal": "entries"}
+
 
 @dataclass
 class DAPOConfig:
@@ -31,14 +40,15 @@ class DAPOConfig:
     ``mmgrpo show dapo``) with the paper's and TRL's defaults.
 
     Args:
-        filter_groups (`bool`): leave samples with zero advantage (all-equal groups) out of the token count.
-        clip_low (`float`): the token ratio is clipped to ``[1 - clip_low, 1 + clip_high]``; the paper's clip-higher
-            is 0.2 / 0.28.
+        token_mean (`str`): the tokens each update's token sum is divided by: ``"rollout"`` (TRL's), ``"update"`` or
+            ``"update_with_signal"`` (see the module docstring).
+        clip_low (`float`): the token ratio is clipped to ``[1 - clip_low,
+            1 + clip_high]``; the paper's clip-higher is 0.2 / 0.28.
         kl_beta (`float`): weight of the k3 KL to the reference (the paper removes it: 0).
         adv_std (`str`): the std estimator of the advantages, ``"unbiased"`` (n - 1, TRL's) or ``"population"``.
     """
 
-    filter_groups: bool = True
+    token_mean: Literal["rollout", "update", "update_with_signal"] = "rollout"
     clip: ClipOptions = embedded(ClipOptions, clip_low=0.2, clip_high=0.28)
     kl: KLOptions = embedded(KLOptions, kl_beta=0.0)
     advantage: AdvantageOptions = embedded(AdvantageOptions, scale_rewards="group", adv_std="unbiased", adv_eps=1e-4)
@@ -52,7 +62,7 @@ DAPOConfig.__doc__ += GROUND_TRUTH_DOC
 
 
 class DAPO:
-    """Clip-higher, token-mean aggregation, zero-advantage groups filtered out of the token count."""
+    """Clip-higher and a token mean over the rollout batch (TRL's), its update, or its samples with signal."""
 
     Config = DAPOConfig
     scoring = "trajectory"
@@ -61,7 +71,7 @@ class DAPO:
     def __init__(self, config: DAPOConfig):
         self.config = config
         self.kl = KLWeight(config.kl)  # the KL weight, moving under a schedule
-        self.traits = token_traits(config, self.kl, update_mean="entries")
+        self.traits = token_traits(config, self.kl, update_mean=UPDATE_MEANS[config.token_mean])
 
     def schedule(self, num_steps: int, generator: torch.Generator | None = None) -> TokenPlan:
         return token_plan(num_steps, self.config.ground_truth_member)
@@ -70,14 +80,16 @@ class DAPO:
         return self.config.advantage.compute(scores, group_ids)
 
     def loss(self, new: Score, old_log_prob, advantages, ref: Score | None = None) -> LossOutput:
-        """Clipped token surrogate averaged over the kept tokens, their count as ``entries`` (the trainer makes the
-        update's loss one token mean over its minibatches); arguments as [`~mmgrpo.algorithms.grpo.GRPO.loss`]."""
+        """Clipped token surrogate averaged over the counted tokens, their number as ``entries`` (the trainer makes
+        the update's loss one token mean, see the module docstring); arguments as
+        [`~mmgrpo.algorithms.grpo.GRPO.loss`]."""
         mask = token_mask(new, new.log_prob)  # [n, T]
-        if self.config.filter_groups:
+        with_signal = self.config.token_mean == "update_with_signal"
+        if with_signal:
             mask = mask * (advantages != 0).to(mask.dtype)[:, None]
         loss, metrics = clipped_token_loss(new, old_log_prob, advantages, ref, self.config.clip, self.kl(),
                                            "token_mean", mask)
-        metrics["kept_fraction"] = float((advantages != 0).float().mean()) if self.config.filter_groups else 1.0
+        metrics["kept_fraction"] = float((advantages != 0).float().mean()) if with_signal else 1.0
         return LossOutput(loss=loss, metrics=metrics, entries=float(mask.sum()))
 
 

@@ -133,10 +133,13 @@ def test_sapo_is_trls_sapo_loss():
     token_case("sapo", {"loss_type": "sapo"})
 
 
-def test_dapo_one_minibatch_is_trls_dapo_loss_over_the_kept_groups():
-    """DAPO's dynamic sampling keeps only groups whose rewards differ: the token count is over the kept samples."""
+def test_dapo_one_minibatch_is_trls_dapo_loss():
+    """TRL's ``dapo`` counts every token, those of zero-advantage groups included; ``update_with_signal`` leaves the
+    samples with advantage 0 out of the count (and of the KL term)."""
+    token_case("dapo", {"loss_type": "dapo", "high": 0.28, "num_items": MASK.sum()})
     kept = REWARDS.view(-1, 2).std(1).repeat_interleave(2) > 0  # [N]
-    token_case("dapo", {"loss_type": "dapo", "high": 0.28, "num_items": (MASK & kept[:, None]).sum()})
+    token_case("dapo", {"loss_type": "dapo", "high": 0.28, "num_items": (MASK & kept[:, None]).sum()},
+               token_mean="update_with_signal")
 
 
 # ------------------------------------------------------------------------------------ flow-matching algorithms
@@ -299,11 +302,11 @@ def rollout_of(trainer, prompts, group_size):
 
 
 def test_dapo_update_of_two_minibatches_is_one_token_mean(tmp_path, tiny_qwen2_vl_dir):
-    """TRL's ``dapo`` divides each minibatch's token sum by the update's token count: the update's loss is one token
-    mean over both minibatches, not the mean of the two minibatches' token means."""
+    """``token_mean: update_with_signal`` divides each minibatch's token sum by the update's count of tokens with
+    signal: the update's loss is one token mean over both minibatches, not the mean of the minibatches' token means."""
     examples = Path(__file__).resolve().parents[2] / "data" / "examples" / "vlm" / "count.jsonl"
     trainer = make_trainer(tmp_path, {"name": "qwen_vl", "pretrained": tiny_qwen2_vl_dir, "max_new_tokens": 6},
-                           {"name": "dapo"}, {"name": "accuracy", "mode": "numeric"},
+                           {"name": "dapo", "token_mean": "update_with_signal"}, {"name": "accuracy", "mode": "numeric"},
                            {"name": "vlm_jsonl", "train_file": str(examples), "eval_file": str(examples)})
     rollout, plan = rollout_of(trainer, 2, 3)
     rollout.mask[:, 1:] = True  # completions of different lengths: 6, 2, 4 / 3, 6, 5 tokens

@@ -75,16 +75,18 @@ def test_dr_grpo_sums_tokens_over_fixed_length():
     torch.testing.assert_close(adv, torch.tensor([-1.0, 1.0, 0.0, 0.0]))  # mean-centred, not scaled
 
 
-def test_dapo_clip_higher_token_mean_and_group_filter():
+def test_dapo_clip_higher_token_mean_and_the_samples_counted():
     terms = [clip_term(ADV[i], math.exp(NEW[i][t] - OLD[i][t]), 0.2, 0.28) for i in range(2) for t in tokens(i)]
     out, _ = run_loss("dapo")
     assert out.loss.item() == pytest.approx(sum(terms) / 5, abs=1e-6)  # every token weighs the same
-    out, new = run_loss("dapo", adv=[1.0, 0.0])  # the second sample's group had equal rewards: filtered
+    assert out.entries == 5 and build("dapo").traits.update_mean == "rollout_entries"  # TRL's count: the rollout's
     row0 = [clip_term(1.0, math.exp(NEW[0][t] - OLD[0][t]), 0.2, 0.28) for t in range(3)]
-    assert out.loss.item() == pytest.approx(sum(row0) / 3, abs=1e-6)
+    counted, _ = run_loss("dapo", adv=[1.0, 0.0])  # TRL counts the tokens of a zero-advantage sample
+    assert counted.loss.item() == pytest.approx(sum(row0) / 5, abs=1e-6) and counted.entries == 5
+    out, new = run_loss("dapo", adv=[1.0, 0.0], token_mean="update_with_signal")  # left out of the count
+    assert out.loss.item() == pytest.approx(sum(row0) / 3, abs=1e-6) and out.entries == 3
     assert out.metrics["kept_fraction"] == 0.5
-    unfiltered, _ = run_loss("dapo", adv=[1.0, 0.0], filter_groups=False)
-    assert unfiltered.loss.item() == pytest.approx(sum(row0) / 5, abs=1e-6)
+    assert build("dapo", token_mean="update").traits.update_mean == "entries"
     # clip-higher: a ratio of 1.25 is inside the window for a positive advantage
     algorithm = build("dapo")
     new = Score(log_prob=torch.tensor([[math.log(1.25)]], requires_grad=True))

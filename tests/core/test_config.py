@@ -73,6 +73,7 @@ RENAMED_CASES = [
     ("diffu_grpo", "scale_rewards", True, r"algorithm\.scale_rewards is no longer a bool"),
     ("flow_grpo", "global_std", True, r"^algorithm\.global_std was renamed: use algorithm\.scale_rewards: batch "),
     ("dgpo", "global_std", False, r"use algorithm\.scale_rewards: batch \(global_std: true\) or group \(false\)"),
+    ("dapo", "filter_groups", True, r"algorithm\.filter_groups was renamed: use algorithm\.token_mean: update_with_"),
 ]
 
 
