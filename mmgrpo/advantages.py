@@ -121,3 +121,27 @@ def tempsamp_soft(scores: torch.Tensor, threshold: float = 0.8, alpha_high: floa
     below = threshold - torch.expm1(alpha_low * (threshold - r).clamp_min(0)) / math.expm1(alpha_low)  # [N]
     return torch.where(r >= threshold, above, below)  # NaN compares false: `below` keeps it NaN
 
+
+def kept_samples(advantages: torch.Tensor, parts: int, generator: torch.Generator | None = None) -> torch.Tensor:
+    """Flow-GRPO's filter of zero advantages on one process's samples (``traits.drop_zero_advantage``): the indices of
+    the samples to train, to be cut into `parts` minibatches of equal size.
+
+    The samples whose advantage is exactly 0 are dropped. When the kept count is not a multiple of `parts`, dropped
+    samples drawn at random (``torch.randperm`` with `generator`) are put back until it is, as far as there are dropped
+    samples; when none is kept, all are (the authors' Wan script then trains every sample).
+
+    Args:
+        advantages (`torch.FloatTensor` of shape `[n]`): this process's advantages.
+        parts (`int`): the number of minibatches the kept samples are cut into.
+
+    Returns:
+        `torch.LongTensor` of shape `[k]`: the kept indices, increasing.
+    """
+    keep = advantages != 0  # [n]
+    if not keep.any():
+        return torch.arange(len(advantages))
+    dropped = torch.nonzero(~keep).flatten()  # [n - k]
+    short = -int(keep.sum()) % parts
+    back = dropped[torch.randperm(len(dropped), generator=generator)[:short]] if short else dropped[:0]
+    keep[back] = True
+    return torch.nonzero(keep).flatten()  # [k]

@@ -40,7 +40,7 @@ import torch
 from tqdm.auto import tqdm
 
 from . import checkpoint, registry, sharding
-from .advantages import groups_with_signal, reward_advantages
+from .advantages import groups_with_signal, kept_samples, reward_advantages
 from .config import ExperimentConfig
 from .evaluation import evaluate_held_out, evaluation_due, finite_mean, gather_rewards
 from .metrics_log import MetricsLog, read_records
@@ -289,6 +289,8 @@ class Trainer:
         When the algorithm declares ``traits.zero_advantage_is_inert`` (such samples add exactly nothing to its loss's
         gradient, e.g. no KL term), the members of groups without signal are not scored either. Samples not scored
         keep their weight in the minibatch mean, so the gradient is the one of scoring them with advantage 0 and no KL.
+        Under ``traits.drop_zero_advantage`` (Flow-GRPO's filter) they leave this process's batch instead: the same
+        number of minibatches holds the kept samples only ([`~mmgrpo.advantages.kept_samples`]).
         """
         cfg = self.config.train
         if not plan.train_units:
@@ -301,12 +303,16 @@ class Trainer:
             self.skipped_updates += self._planned_updates(len(rollout))
             return {"train/skipped_updates": self.skipped_updates, "train/unscored_share": 1.0}
         mine = self._this_process(scored, len(advantages))  # [n]
+        parts = math.ceil(len(rollout) / cfg.minibatch_size)  # minibatches per inner epoch
+        kept = kept_samples(advantages, parts, generator) if traits.drop_zero_advantage else None  # Flow-GRPO's filter
         rollout_entries = self._rollout_entries(rollout, plan.train_units) if traits.update_mean == "rollout_entries" \
             else None
         passes, grad_norms = [], []  # the loss metrics of each weighted backward pass; the norm of each update
         for _ in range(cfg.inner_epochs):
-            order = torch.randperm(len(rollout), generator=generator)
-            minibatches = list(order.split(cfg.minibatch_size))
+            if kept is None:
+                minibatches = list(torch.randperm(len(rollout), generator=generator).split(cfg.minibatch_size))
+            else:  # the kept samples in as many minibatches, which shrink
+                minibatches = list(kept[torch.randperm(len(kept), generator=generator)].tensor_split(parts))
             per_update = math.ceil(len(minibatches) / cfg.updates_per_step)
             for u in range(0, len(minibatches), per_update):
                 group = minibatches[u : u + per_update]

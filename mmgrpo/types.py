@@ -211,6 +211,10 @@ class AlgorithmTraits:
             preference); otherwise the trainer skips the reference forward and passes `ref=None`.
         zero_advantage_is_inert (`bool`): a sample with advantage 0 adds exactly nothing to the loss's gradient (e.g.
             no KL term), so the trainer does not score the members of groups whose advantages are all 0.
+        drop_zero_advantage (`bool`): Flow-GRPO's filter: each process leaves its samples with advantage exactly 0 out
+            of its batch before cutting it into minibatches, whose number stays while they shrink, so a minibatch's
+            loss is the mean over its kept samples (see [`~mmgrpo.advantages.kept_samples`]). Unlike
+            `zero_advantage_is_inert`, this changes the gradient (the kept samples weigh more), KL term included.
         has_state (`bool`): the algorithm keeps state of its own besides its KL weight (DGPO's fast-EMA old model) and
             has ``state_dict() -> dict`` and ``load_state_dict(state)``; checkpoints save and restore it. (The KL
             weight, the ``kl`` member every algorithm has, is stepped and checkpointed by the trainer in any case.)
@@ -249,6 +253,7 @@ class AlgorithmTraits:
     reads: frozenset[str] = frozenset({"log_prob"})
     needs_reference: bool = False
     zero_advantage_is_inert: bool = False
+    drop_zero_advantage: bool = False
     has_state: bool = False
     after_update: bool = False
     old_source: Literal["rollout", "old_model", "current"] = "rollout"

@@ -4,6 +4,13 @@ Paper: https://arxiv.org/abs/2505.05470 (Flow-GRPO-Fast: SDE on a window of step
 yifan123/flow_grpo). Advantages as the authors' code: ``(r - mean_group) / (std + 1e-4)`` with NumPy's (population)
 std, of the group or, with ``scale_rewards: batch`` (the authors' ``global_std: true``), of the whole batch, clamped to
 ``[-5, 5]``. The loss of a step is the clipped surrogate of [`~mmgrpo.losses.clipped_surrogate`], plus the KL term.
+
+With `drop_zero_advantage` (the authors' code, always on there), each process leaves its samples whose advantage is
+exactly 0 (all-equal groups) out of its batch before cutting it into minibatches: the minibatches shrink, their number
+stays, so the loss averages over the kept samples only (with half the groups flat, twice the gradient of keeping
+them), and they add no KL either. When the kept count does not split evenly, dropped samples drawn at random are put
+back until it does; a process that keeps none keeps them all (the authors' Wan script). See the trainer's
+``traits.drop_zero_advantage``.
 """
 
 from __future__ import annotations
@@ -40,6 +47,8 @@ class FlowGRPOConfig:
               ``"transition"`` times ``|dt|``: at 10 steps about 10x weaker for one beta. The authors' betas
               (0.04 GenEval / OCR, 0.01 PickScore, 0.004 Wan) mean what they mean there only with this convention.
               For CPS both divide by the transition std (the two conventions agree).
+        drop_zero_advantage (`bool`): the authors' filter of samples with advantage exactly 0 (see the module
+            docstring); false keeps them in the minibatch mean with a zero policy gradient.
         noise_level (`float`): SDE noise scale eta (0.7 for SDE, 0.8 for CPS in the authors' configs).
         sde_type (`str`): ``"sde"`` or ``"cps"``.
         sde_window_size (`int`): Flow-GRPO-Fast: number of consecutive SDE steps (0: every step is SDE).
@@ -53,6 +62,7 @@ class FlowGRPOConfig:
                                            adv_eps=1e-4, adv_clip_max=5.0)
     kl: KLOptions = embedded(KLOptions, kl_beta=0.0)
     kl_convention: Literal["transition", "flow_grpo"] = "transition"
+    drop_zero_advantage: bool = True
     noise_level: float = 0.7
     sde_type: Literal["sde", "cps"] = "sde"
     sde_window_size: int = 0
@@ -87,7 +97,8 @@ class FlowGRPO:
         scale_field = {"transition": "std", "flow_grpo": "noise_scale"}[config.kl_convention]
         kl_reads = {"mean", scale_field} if self.kl.ever_positive else set()
         self.traits = AlgorithmTraits(reads=frozenset({"log_prob"} | kl_reads), needs_reference=self.kl.ever_positive,
-                                      group_local_advantages=config.advantage.group_local)
+                                      group_local_advantages=config.advantage.group_local,
+                                      drop_zero_advantage=config.drop_zero_advantage)
 
     def schedule(self, num_steps: int, generator: torch.Generator | None = None) -> FlowPlan:
         """All steps SDE (training the first `timestep_fraction`), or a random window of SDE steps."""

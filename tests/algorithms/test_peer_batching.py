@@ -1,12 +1,15 @@
-"""How an update's loss is normalised where a peer's option is named: TRL's ``loss_type="dapo"`` (every update of a
-rollout batch divides its token sum by the token count of the whole rollout batch), against the peer's rule written
-out, through the real trainer on a tiny real model."""
+"""How an update's loss is normalised and batched where a peer's option is named: TRL's ``loss_type="dapo"`` (every
+update of a rollout batch divides its token sum by the token count of the whole rollout batch) and Flow-GRPO's filter
+of zero-advantage samples before batching. Each against the peer's rule written out (/ the worked examples of the
+notes they come from), through the real trainer on tiny real models."""
 
 from pathlib import Path
 
+import pytest
 import torch
 
 from mmgrpo import config as config_mod
+from mmgrpo.advantages import kept_samples
 from mmgrpo.trainer import Trainer
 
 
@@ -133,3 +136,80 @@ def test_dapo_step_takes_trls_updates(tmp_path, tiny_qwen2_vl_dir):
         results[token_mean] = grads
     gap = max(float((a - b).abs().max()) for a, b in zip(results["rollout"][0], results["update"][0]))
     assert gap > 0.1 * max(float(b.abs().max()) for b in results["update"][0])  # the two rules differ
+
+
+# ------------------------------------------------------------------------ Flow-GRPO's zero-advantage filter
+# the notes' worked example: one process, 8 samples in 2 minibatches (2 updates); group A's rewards 0.2 .. 0.8,
+# group B's all 0.5; with the batch std (global_std) A's advantages are +-1.896167, +-0.632056 and B's 0
+REWARDS = torch.tensor([0.2, 0.4, 0.6, 0.8, 0.5, 0.5, 0.5, 0.5])
+GROUPS = torch.tensor([0, 0, 0, 0, 1, 1, 1, 1])
+
+
+def test_kept_samples_follow_flow_grpos_rule():
+    adv = torch.tensor([-1.9, -0.6, 0.6, 1.9, 0.0, 0.0, 0.0, 0.0])
+    assert kept_samples(adv, 2).tolist() == [0, 1, 2, 3]  # 4 kept split into 2: nothing put back
+    three = torch.tensor([-1.9, 0.0, 0.6, 1.9, 0.0, 0.0, 0.0, 0.0])
+    kept = kept_samples(three, 2, torch.Generator().manual_seed(0))  # 3 kept: one dropped sample put back
+    assert len(kept) == 4 and {0, 2, 3} <= set(kept.tolist())
+    drawn = {tuple(kept_samples(three, 2, torch.Generator().manual_seed(s)).tolist()) for s in range(20)}
+    assert len(drawn) > 1  # the one put back is drawn at random
+    assert kept_samples(torch.zeros(8), 2).tolist() == list(range(8))  # none kept: all (the authors' Wan rule)
+
+
+def flow_trainer(tmp_path, tiny_sd3_dir, drop):
+    prompts = tmp_path / "prompts.txt"
+    prompts.parent.mkdir(parents=True, exist_ok=True)
+    prompts.write_text("a red circle\na blue square\n")
+    return make_trainer(tmp_path, {"name": "sd3", "pretrained": tiny_sd3_dir, "resolution": 32, "num_steps": 3,
+                                   "guidance_scale": 1.0, "lora_rank": 4, "max_sequence_length": 16},
+                        {"name": "flow_grpo", "clip_low": 0.2, "scale_rewards": "batch", "drop_zero_advantage": drop},
+                        {"name": "jpeg"}, {"name": "prompt_file", "train_file": str(prompts)},
+                        prompts_per_step=2, group_size=4, minibatch_size=4, updates_per_step=2)
+
+
+def test_flow_grpo_drops_zero_advantages_before_batching(tmp_path, tiny_sd3_dir):
+    """The authors' filter: the kept samples of group A fill both minibatches (2 each) and each update averages over
+    them, so the step's gradient is twice the one of keeping group B's samples at advantage 0 (4 per minibatch)."""
+    adv_expected = [-1.896167, -0.632056, 0.632056, 1.896167, 0.0, 0.0, 0.0, 0.0]
+    steps = {}
+    for drop in (True, False):
+        trainer = flow_trainer(tmp_path / str(drop), tiny_sd3_dir, drop)
+        assert trainer.algorithm.traits.drop_zero_advantage == drop
+        adv = trainer.algorithm.advantages(REWARDS, GROUPS)
+        torch.testing.assert_close(adv, torch.tensor(adv_expected), rtol=0, atol=2e-6)
+        rollout, plan = rollout_of(trainer, 2, 4)
+        grads, groups = record_updates(trainer)
+        with_signal = torch.ones(8, dtype=torch.bool)
+        trainer._update(rollout, plan, adv, with_signal, torch.Generator().manual_seed(3))
+        assert len(grads) == 2
+        assert all(len(g) == 1 for g in groups)  # one minibatch per update
+        sizes = [len(g[0]) for g in groups]
+        assert sizes == ([2, 2] if drop else [4, 4])
+        if drop:
+            assert sorted(torch.cat([g[0] for g in groups]).tolist()) == [0, 1, 2, 3]  # group B left out
+        steps[drop] = [a + b for a, b in zip(*grads)]
+        if drop:  # by hand: each kept sample's mean loss over the trained steps, weighed 1 / 2 (its minibatch's size)
+            def kept_loss():
+                total = 0.0
+                for unit in plan.train_units:
+                    new = trainer.policy.log_prob(rollout.select(torch.arange(4)), unit)
+                    ratio = torch.exp(new.log_prob - rollout.old_log_probs[:4, unit])
+                    a = adv[:4, None]
+                    per = torch.maximum(-a * ratio, -a * torch.clamp(ratio, 0.8, 1.2))  # [4, 1]
+                    total = total + per.sum() / 2 / len(plan.train_units)
+                return total
+
+            assert_close(steps[drop], gradient_of(trainer, kept_loss()))
+    assert_close(steps[True], [2 * g for g in steps[False]])
+
+
+@pytest.mark.parametrize("scale, expected", [
+    ("group", [-1.341041, -0.447014, 0.447014, 1.341041]),  # the group's population std (the authors' Wan config)
+    ("batch", [-1.896167, -0.632056, 0.632056, 1.896167]),  # np.std of all 8 + 1e-4 = 0.158213883 (SD3.5 configs)
+])
+def test_flow_grpo_advantages_match_the_authors_global_std(scale, expected):
+    from algorithm_options import algo_config
+    from mmgrpo.algorithms.flow_grpo import FlowGRPO, FlowGRPOConfig
+
+    adv = FlowGRPO(algo_config(FlowGRPOConfig, scale_rewards=scale)).advantages(REWARDS, GROUPS)
+    torch.testing.assert_close(adv, torch.tensor(expected + [0.0] * 4), rtol=0, atol=2e-6)

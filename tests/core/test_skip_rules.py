@@ -26,7 +26,9 @@ def make_config(tmp_path, family: str, model_dir: str, kl_beta: float, algorithm
         prompts.write_text("a red circle\na blue square\n")
         pipeline = {"name": "sd3", "pretrained": model_dir, "resolution": 32, "num_steps": 2, "guidance_scale": 1.0,
                     "lora_rank": 4, "max_sequence_length": 16}
-        options = {"clip_low": 0.2} if algorithm == "flow_grpo" else {"num_train_timesteps": 1, "trunc_steps": 1}
+        # flow_grpo keeps zero-advantage samples in the minibatch mean here (not the authors' filter, which drops them)
+        options = {"clip_low": 0.2, "drop_zero_advantage": False} if algorithm == "flow_grpo" else {
+            "num_train_timesteps": 1, "trunc_steps": 1}
         parts = {"algorithm": {"name": algorithm, "kl_beta": kl_beta, **options},
                  "reward": {"name": "mini_geneval"},
                  "data": {"name": "prompt_file", "train_file": str(prompts), "eval_file": str(prompts)}}
