@@ -1,6 +1,6 @@
 """The options every algorithm shares, one record each, checked once: the advantage estimator ([`AdvantageOptions`]),
-the ratio clip ([`ClipOptions`]) and the KL weight with its schedule ([`KLOptions`], held at run time as a
-[`KLWeight`], the algorithm's declared ``kl`` member).
+the ratio clip ([`ClipOptions`]), the KL weight with its schedule ([`KLOptions`], held at run time as a
+[`KLWeight`], the algorithm's declared ``kl`` member) and the SDE steps of the flow algorithms ([`SDEOptions`]).
 
 An algorithm's ``Config`` embeds them with [`~mmgrpo.validation.embedded`], giving its own (its authors') defaults::
 
@@ -21,8 +21,13 @@ import torch
 
 from ..advantages import StdEstimator, group_normalize, tempsamp_soft
 from ..validation import ConfigError, check_fields, check_range
-from ._limits import ADV_CLIP_LIMIT, ADV_EPS_LIMIT, CLIP_LIMIT, KL_BETA_LIMIT, SCALE_LIMIT, UPDATES_LIMIT
+from ._limits import (
+    ADV_CLIP_LIMIT, ADV_EPS_LIMIT, CLIP_LIMIT, KL_BETA_LIMIT, NOISE_LEVEL_RANGE, SCALE_LIMIT, UPDATES_LIMIT,
+)
 
+# the advantages of GCPO's (Chunk-GRPO) and VisualGRPO's (E-GRPO) code, both built on DanceGRPO's fastvideo: the group's
+# std as PyTorch computes it (unbiased) + 1e-8, clamped to [-5, 5] in the loss
+FASTVIDEO_ADVANTAGES = {"scale_rewards": "group", "adv_std": "unbiased", "adv_eps": 1e-8, "adv_clip_max": 5.0}
 RewardScaling = Literal["group", "batch", "none"]
 AdvantageTransform = Literal["none", "tempsamp_soft"]
 KLSchedule = Literal["constant", "linear", "cosine"]
@@ -116,6 +121,23 @@ class ClipOptions:
 
 
 @dataclass
+class SDEOptions:
+    """The SDE steps of a flow-matching rollout (Flow-GRPO's sampler, `mmgrpo/samplers/flow_sde.py`).
+
+    Args:
+        noise_level (`float`): the SDE's noise scale eta (Flow-GRPO's configs: 0.7 for SDE, 0.8 for CPS).
+        sde_type (`str`): ``"sde"`` (Flow-GRPO's step) or ``"cps"`` (coefficient-preserving sampling).
+    """
+
+    noise_level: float = 0.7
+    sde_type: Literal["sde", "cps"] = "sde"
+
+    def __post_init__(self):
+        check_fields(self)
+        check_range("noise_level", self.noise_level, *NOISE_LEVEL_RANGE, fix="0.7 is usual")
+
+
+@dataclass
 class KLOptions:
     """The weight of an algorithm's KL term and its schedule over the optimizer updates.
 
@@ -156,6 +178,13 @@ class KLOptions:
                     "schedule")
         check_range("kl_warmup_steps", self.kl_warmup_steps, 1, UPDATES_LIMIT,
                     fix="the number of optimizer updates over which the KL weight moves from kl_beta to kl_beta_end")
+
+
+def advantages(self, scores: torch.Tensor, group_ids: torch.Tensor) -> torch.Tensor:
+    """The protocol's ``advantages`` of an algorithm whose Config embeds an [`AdvantageOptions`] as ``advantage``:
+    ``self.config.advantage.compute(scores, group_ids)`` (scores and group ids `[N]` gathered from every process ->
+    `[N]`). Each algorithm takes it into its class by name (``advantages = _options.advantages``)."""
+    return self.config.advantage.compute(scores, group_ids)
 
 
 def kl_weight(options: KLOptions, updates: int) -> float:

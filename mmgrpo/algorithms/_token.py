@@ -32,6 +32,12 @@ def token_plan(num_steps: int, ground_truth_member: bool = False) -> TokenPlan:
     return TokenPlan(num_steps=num_steps, train_units=[steps], ground_truth_member=ground_truth_member)
 
 
+def schedule(self, num_steps: int, generator: torch.Generator | None = None) -> TokenPlan:
+    """The protocol's ``schedule`` of a token algorithm, [`token_plan`] with its ``ground_truth_member`` option; each
+    token algorithm takes it into its class by name (the generator is not used: the plan draws nothing)."""
+    return token_plan(num_steps, self.config.ground_truth_member)
+
+
 def token_traits(config, kl: KLWeight, reads: frozenset[str] = TOKEN_READS, **more) -> AlgorithmTraits:
     """The traits of a token algorithm with options `config` (its embedded ``advantage`` record and
     ``ground_truth_member``) and KL weight `kl`: it reads the reference when the KL weight is ever above 0; `more`

@@ -26,8 +26,9 @@ from ..losses import clipped_surrogate, k3_kl, masked_mean
 from ..plans import FlowPlan
 from ..types import AlgorithmTraits, LossOutput, Score
 from ..validation import check_fields, check_range, embedded
-from ._limits import NOISE_LEVEL_RANGE, STEP_LIMIT
-from ._options import AdvantageOptions, ClipOptions, KLOptions, KLWeight
+from ._limits import STEP_LIMIT
+from . import _options
+from ._options import FASTVIDEO_ADVANTAGES, AdvantageOptions, ClipOptions, KLOptions, KLWeight, SDEOptions
 
 
 @dataclass
@@ -49,8 +50,6 @@ class ChunkGRPOConfig:
         adv_clip_max (`float`, *optional*): advantages are clamped to ``[-adv_clip_max, adv_clip_max]`` (5).
         kl_beta (`float`): weight of the k3 estimate ``exp(d) - 1 - d``, ``d = log pi_old - log pi_new`` of the
             chunk, between the sampling and the current policy (0: off, the authors' default).
-        noise_level (`float`): SDE noise scale eta.
-        sde_type (`str`): ``"sde"`` or ``"cps"``.
     """
 
     chunks: list[int] | None = None
@@ -58,11 +57,9 @@ class ChunkGRPOConfig:
     timestep_fraction: float = 0.5
     weighting: Literal["uniform", "latent_change"] = "uniform"
     clip: ClipOptions = embedded(ClipOptions, clip_low=5e-5)
-    advantage: AdvantageOptions = embedded(AdvantageOptions, scale_rewards="group", adv_std="unbiased", adv_eps=1e-8,
-                                           adv_clip_max=5.0)
+    advantage: AdvantageOptions = embedded(AdvantageOptions, **FASTVIDEO_ADVANTAGES)
     kl: KLOptions = embedded(KLOptions, kl_beta=0.0)
-    noise_level: float = 0.7
-    sde_type: Literal["sde", "cps"] = "sde"
+    sde: SDEOptions = embedded(SDEOptions, noise_level=0.7)
 
     def __post_init__(self):
         check_fields(self)
@@ -73,7 +70,6 @@ class ChunkGRPOConfig:
         check_range("chunk_size", self.chunk_size, 1, STEP_LIMIT, fix="a chunk is a run of denoising steps")
         check_range("timestep_fraction", self.timestep_fraction, 0, 1, low_open=True,
                     fix="each sample trains max(1, int(num_chunks * fraction)) chunks")
-        check_range("noise_level", self.noise_level, *NOISE_LEVEL_RANGE, fix="0.7 is usual")
 
 
 class ChunkGRPO:
@@ -82,6 +78,7 @@ class ChunkGRPO:
     Config = ChunkGRPOConfig
     scoring = "trajectory"
     plan_family = "flow"  # the plan type `schedule` returns
+    advantages = _options.advantages  # the shared advantage options
 
     def __init__(self, config: ChunkGRPOConfig):
         self.config = config
@@ -118,14 +115,11 @@ class ChunkGRPO:
             num_steps=num_steps,
             sde_steps=list(range(num_steps)),
             train_units=units,
-            noise_level=self.config.noise_level,
-            sde_type=self.config.sde_type,
+            noise_level=self.config.sde.noise_level,
+            sde_type=self.config.sde.sde_type,
             units_per_sample=per_sample if per_sample < len(units) else 0,
             unit_weighting=self.config.weighting,
         )
-
-    def advantages(self, scores: torch.Tensor, group_ids: torch.Tensor) -> torch.Tensor:
-        return self.config.advantage.compute(scores, group_ids)
 
     def loss(self, new: Score, old_log_prob, advantages, ref: Score | None = None) -> LossOutput:
         """Clipped surrogate on one chunk: the mean over the samples that train it, their number as ``entries``.

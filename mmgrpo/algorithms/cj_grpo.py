@@ -21,6 +21,7 @@ from ..plans import MaskedPlan
 from ..types import AlgorithmTraits, LossOutput, Score
 from ..validation import check_fields, embedded
 from ._masked import TOKEN_STEP_READS, token_step_loss
+from . import _options
 from ._options import AdvantageOptions, ClipOptions, KLOptions, KLWeight
 
 
@@ -55,6 +56,7 @@ class CJGRPO:
     Config = CJGRPOConfig
     scoring = "trajectory"
     plan_family = "masked"  # the plan type `schedule` returns
+    advantages = _options.advantages  # the shared advantage options
 
     def __init__(self, config: CJGRPOConfig):
         self.config = config
@@ -67,9 +69,6 @@ class CJGRPO:
         """Every decoding step samples and is trained, one step per unit."""
         steps = list(range(num_steps))
         return MaskedPlan(num_steps=num_steps, train_units=[[s] for s in steps], token_scores=True)
-
-    def advantages(self, scores: torch.Tensor, group_ids: torch.Tensor) -> torch.Tensor:
-        return self.config.advantage.compute(scores, group_ids)
 
     def loss(self, new: Score, old_log_prob, advantages, ref: Score | None = None) -> LossOutput:
         """Clipped surrogate of one decoding step (see [`token_step_loss`]).

@@ -25,11 +25,11 @@ from typing import Literal
 
 import torch
 
-from ..plans import TokenPlan
 from ..types import LossOutput, Score
 from ..validation import check_fields, embedded
+from . import _options, _token
 from ._options import AdvantageOptions, ClipOptions, KLOptions, KLWeight
-from ._token import GROUND_TRUTH_DOC, clipped_token_loss, token_mask, token_plan, token_traits
+from ._token import GROUND_TRUTH_DOC, clipped_token_loss, token_mask, token_traits
 
 UPDATE_MEANS = {"rollout": "rollout_entries", "update": "entries", "update_with_signal": "entries"}
 
@@ -54,8 +54,7 @@ class DAPOConfig:
     advantage: AdvantageOptions = embedded(AdvantageOptions, scale_rewards="group", adv_std="unbiased", adv_eps=1e-4)
     ground_truth_member: bool = False
 
-    def __post_init__(self):
-        check_fields(self)
+    __post_init__ = check_fields  # every check is the fields' own or the shared records'
 
 
 DAPOConfig.__doc__ += GROUND_TRUTH_DOC
@@ -67,17 +66,12 @@ class DAPO:
     Config = DAPOConfig
     scoring = "trajectory"
     plan_family = "token"  # the plan type `schedule` returns
+    schedule, advantages = _token.schedule, _options.advantages  # the token plan; the shared advantage options
 
     def __init__(self, config: DAPOConfig):
         self.config = config
         self.kl = KLWeight(config.kl)  # the KL weight, moving under a schedule
         self.traits = token_traits(config, self.kl, update_mean=UPDATE_MEANS[config.token_mean])
-
-    def schedule(self, num_steps: int, generator: torch.Generator | None = None) -> TokenPlan:
-        return token_plan(num_steps, self.config.ground_truth_member)
-
-    def advantages(self, scores: torch.Tensor, group_ids: torch.Tensor) -> torch.Tensor:
-        return self.config.advantage.compute(scores, group_ids)
 
     def loss(self, new: Score, old_log_prob, advantages, ref: Score | None = None) -> LossOutput:
         """Clipped token surrogate averaged over the counted tokens, their number as ``entries`` (the trainer makes

@@ -39,6 +39,7 @@ from ..plans import FlowPlan
 from ..types import AlgorithmTraits, LossOutput, Score
 from ..validation import check_fields, check_range, embedded
 from ._limits import SCALE_LIMIT, SHIFT_LIMIT, STEP_LIMIT
+from . import _options
 from ._options import AdvantageOptions, ClipOptions, KLOptions, KLWeight
 
 
@@ -111,6 +112,7 @@ class DGPO:
     Config = DGPOConfig
     scoring = "likelihood"
     plan_family = "flow"  # the plan type `schedule` returns
+    advantages = _options.advantages  # the shared advantage options
 
     def __init__(self, config: DGPOConfig):
         self.config = config
@@ -150,9 +152,6 @@ class DGPO:
             scoring="likelihood",
             seed=int(torch.randint(0, 2**62, (1,), generator=generator)),
         )
-
-    def advantages(self, scores: torch.Tensor, group_ids: torch.Tensor) -> torch.Tensor:
-        return self.config.advantage.compute(scores, group_ids)
 
     # ---------------------------------------------------------------------------------- the fast-EMA old model
     def old_policy(self, policy):

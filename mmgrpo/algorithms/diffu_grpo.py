@@ -18,6 +18,7 @@ from ..types import AlgorithmTraits, LossOutput, Score
 from ..validation import check_fields, check_range, embedded
 from ._limits import DRAWS_LIMIT
 from ._masked import TOKEN_STEP_READS, token_step_loss
+from . import _options
 from ._options import AdvantageOptions, ClipOptions, KLOptions, KLWeight
 
 
@@ -55,6 +56,7 @@ class DiffuGRPO:
     Config = DiffuGRPOConfig
     scoring = "likelihood"
     plan_family = "masked"  # the plan type `schedule` returns
+    advantages = _options.advantages  # the shared advantage options
 
     def __init__(self, config: DiffuGRPOConfig):
         self.config = config
@@ -72,9 +74,6 @@ class DiffuGRPO:
             num_steps=num_steps, train_units=[[j] for j in range(self.config.draws)], scoring="likelihood", seed=seed,
             token_scores=True,
         )
-
-    def advantages(self, scores: torch.Tensor, group_ids: torch.Tensor) -> torch.Tensor:
-        return self.config.advantage.compute(scores, group_ids)
 
     def loss(self, new: Score, old_log_prob, advantages, ref: Score | None = None) -> LossOutput:
         """Per-token clipped surrogate (+ k3 KL) over the completion, for one draw (see

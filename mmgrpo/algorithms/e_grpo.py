@@ -18,7 +18,6 @@ Not implemented: the authors' multi-granularity rewards (ODE continuations with 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
 
 import torch
 
@@ -26,8 +25,9 @@ from ..losses import clipped_surrogate, gaussian_mean_kl
 from ..plans import FlowPlan
 from ..types import AlgorithmTraits, LossOutput, Score
 from ..validation import check_fields, check_range, embedded
-from ._limits import NOISE_LEVEL_RANGE, SCALE_LIMIT, STEP_LIMIT
-from ._options import AdvantageOptions, ClipOptions, KLOptions, KLWeight
+from ._limits import SCALE_LIMIT, STEP_LIMIT
+from . import _options
+from ._options import FASTVIDEO_ADVANTAGES, AdvantageOptions, ClipOptions, KLOptions, KLWeight, SDEOptions
 
 
 @dataclass
@@ -53,8 +53,6 @@ class EGRPOConfig:
         adv_clip_max (`float`, *optional*): advantages are clamped to ``[-adv_clip_max, adv_clip_max]`` (5).
         kl_beta (`float`): weight of the exact transition KL to the reference at each sample's SDE step (0: off, no
             reference forward).
-        noise_level (`float`): SDE noise scale eta.
-        sde_type (`str`): ``"sde"`` or ``"cps"``.
     """
 
     sde_steps: list[int] = field(default_factory=lambda: [1])
@@ -62,11 +60,9 @@ class EGRPOConfig:
     entropy_threshold: float | None = None
     max_merge: int = 4
     clip: ClipOptions = embedded(ClipOptions, clip_low=1e-4)
-    advantage: AdvantageOptions = embedded(AdvantageOptions, scale_rewards="group", adv_std="unbiased", adv_eps=1e-8,
-                                           adv_clip_max=5.0)
+    advantage: AdvantageOptions = embedded(AdvantageOptions, **FASTVIDEO_ADVANTAGES)
     kl: KLOptions = embedded(KLOptions, kl_beta=0.0)
-    noise_level: float = 0.7
-    sde_type: Literal["sde", "cps"] = "sde"
+    sde: SDEOptions = embedded(SDEOptions, noise_level=0.7)
 
     def __post_init__(self):
         check_fields(self)
@@ -77,7 +73,6 @@ class EGRPOConfig:
                 check_range(f"{key}[{i}]", step, 0 if key == "sde_steps" else 1, STEP_LIMIT,
                             fix="a denoising-step index or count")
         check_range("max_merge", self.max_merge, 1, STEP_LIMIT, fix="a count of denoising steps")
-        check_range("noise_level", self.noise_level, *NOISE_LEVEL_RANGE, fix="0.7 is usual")
         if not self.sde_steps or len(set(self.sde_steps)) != len(self.sde_steps):
             raise ValueError(f"sde_steps must be distinct step indices >= 0, got {self.sde_steps}.")
         if self.merge_steps is not None:
@@ -95,6 +90,7 @@ class EGRPO:
     Config = EGRPOConfig
     scoring = "trajectory"
     plan_family = "flow"  # the plan type `schedule` returns
+    advantages = _options.advantages  # per (prompt, SDE step): the rollout's branch group ids
 
     def __init__(self, config: EGRPOConfig):
         self.config = config
@@ -119,18 +115,14 @@ class EGRPO:
             num_steps=num_steps,
             sde_steps=list(c.sde_steps),
             train_units=[list(c.sde_steps)],
-            noise_level=c.noise_level,
-            sde_type=c.sde_type,
+            noise_level=c.sde.noise_level,
+            sde_type=c.sde.sde_type,
             merge=dict(zip(c.sde_steps, c.merge_steps)) if c.merge_steps else {},
             merge_entropy=c.entropy_threshold,
             max_merge=c.max_merge,
             branch=True,
             seed=int(torch.randint(0, 2**62, (1,), generator=generator)),
         )
-
-    def advantages(self, scores: torch.Tensor, group_ids: torch.Tensor) -> torch.Tensor:
-        """Group-normalised within samples sharing a prompt and an SDE step (the rollout's branch group ids)."""
-        return self.config.advantage.compute(scores, group_ids)
 
     def loss(self, new: Score, old_log_prob, advantages, ref: Score | None = None) -> LossOutput:
         """Clipped surrogate on each sample's SDE step, plus the KL term.

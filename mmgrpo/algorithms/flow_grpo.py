@@ -24,8 +24,9 @@ from ..losses import clipped_surrogate, gaussian_mean_kl
 from ..plans import FlowPlan
 from ..types import AlgorithmTraits, LossOutput, Score
 from ..validation import check_fields, check_range, embedded
-from ._limits import NOISE_LEVEL_RANGE, STEP_LIMIT
-from ._options import AdvantageOptions, ClipOptions, KLOptions, KLWeight
+from ._limits import STEP_LIMIT
+from . import _options
+from ._options import AdvantageOptions, ClipOptions, KLOptions, KLWeight, SDEOptions
 
 
 @dataclass
@@ -49,8 +50,6 @@ class FlowGRPOConfig:
               For CPS both divide by the transition std (the two conventions agree).
         drop_zero_advantage (`bool`): the authors' filter of samples with advantage exactly 0 (see the module
             docstring); false keeps them in the minibatch mean with a zero policy gradient.
-        noise_level (`float`): SDE noise scale eta (0.7 for SDE, 0.8 for CPS in the authors' configs).
-        sde_type (`str`): ``"sde"`` or ``"cps"``.
         sde_window_size (`int`): Flow-GRPO-Fast: number of consecutive SDE steps (0: every step is SDE).
         sde_window_range (`list[int]`, *optional*): ``[lo, hi)`` range of the window start (default: the first
             half of the steps).
@@ -63,15 +62,13 @@ class FlowGRPOConfig:
     kl: KLOptions = embedded(KLOptions, kl_beta=0.0)
     kl_convention: Literal["transition", "flow_grpo"] = "transition"
     drop_zero_advantage: bool = True
-    noise_level: float = 0.7
-    sde_type: Literal["sde", "cps"] = "sde"
+    sde: SDEOptions = embedded(SDEOptions, noise_level=0.7)
     sde_window_size: int = 0
     sde_window_range: list[int] | None = None
     timestep_fraction: float = 1.0
 
     def __post_init__(self):
         check_fields(self)
-        check_range("noise_level", self.noise_level, *NOISE_LEVEL_RANGE, fix="0.7 is usual")
         check_range("sde_window_size", self.sde_window_size, 0, STEP_LIMIT, fix="0: every step is an SDE step")
         check_range("timestep_fraction", self.timestep_fraction, 0, 1, low_open=True,
                     fix="the first int(num_steps * fraction) steps are trained")
@@ -89,6 +86,7 @@ class FlowGRPO:
     Config = FlowGRPOConfig
     scoring = "trajectory"
     plan_family = "flow"  # the plan type `schedule` returns
+    advantages = _options.advantages  # the shared advantage options
 
     def __init__(self, config: FlowGRPOConfig):
         self.config = config
@@ -118,12 +116,9 @@ class FlowGRPO:
             num_steps=num_steps,
             sde_steps=sde_steps,
             train_units=[[s] for s in trained],
-            noise_level=c.noise_level,
-            sde_type=c.sde_type,
+            noise_level=c.sde.noise_level,
+            sde_type=c.sde.sde_type,
         )
-
-    def advantages(self, scores: torch.Tensor, group_ids: torch.Tensor) -> torch.Tensor:
-        return self.config.advantage.compute(scores, group_ids)
 
     def loss(self, new: Score, old_log_prob, advantages, ref: Score | None = None) -> LossOutput:
         """Clipped surrogate on one unit of steps, plus the KL term.

@@ -36,6 +36,7 @@ from ..losses import clipped_surrogate, k3_kl, masked_mean
 from ..types import AlgorithmTraits, LossOutput, Score
 from ..plans import MaskedPlan
 from ._limits import DRAWS_LIMIT
+from . import _options
 from ._options import AdvantageOptions, ClipOptions, KLOptions, KLWeight
 from ..validation import ConfigError, check_fields, check_range, embedded
 
@@ -87,6 +88,7 @@ class GDPO:
     Config = GDPOConfig
     scoring = "likelihood"
     plan_family = "masked"  # the plan type `schedule` returns
+    advantages = _options.advantages  # the shared advantage options
 
     def __init__(self, config: GDPOConfig):
         self.config = config
@@ -104,9 +106,6 @@ class GDPO:
         return MaskedPlan(num_steps=num_steps, train_units=[[j] for j in range(self.config.draws)],
                           scoring="likelihood", seed=seed, likelihood="elbo",
                           elbo_convention=self.config.elbo_convention)
-
-    def advantages(self, scores: torch.Tensor, group_ids: torch.Tensor) -> torch.Tensor:
-        return self.config.advantage.compute(scores, group_ids)
 
     def _divisors(self, new: Score) -> tuple:
         """``(ratio divisor, KL divisor)`` of the ELBOs of `new`, each `[n, k]` or a number: the scored tokens

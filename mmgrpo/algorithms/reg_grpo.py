@@ -28,12 +28,12 @@ from typing import Literal
 
 import torch
 
-from ..plans import TokenPlan
 from ..types import LossOutput, Score
 from ..validation import check_fields, check_range, embedded
 from ._limits import SCALE_LIMIT
+from . import _options, _token
 from ._options import AdvantageOptions, KLOptions, KLWeight
-from ._token import GROUND_TRUTH_DOC, TOKEN_READS, add_kl, ratio_metrics, token_mask, token_plan, token_traits
+from ._token import GROUND_TRUTH_DOC, TOKEN_READS, add_kl, ratio_metrics, token_mask, token_traits
 
 
 @dataclass
@@ -84,18 +84,13 @@ class RegGRPO:
     Config = RegGRPOConfig
     scoring = "trajectory"
     plan_family = "token"  # the plan type `schedule` returns
+    schedule, advantages = _token.schedule, _options.advantages  # the token plan; the shared advantage options
 
     def __init__(self, config: RegGRPOConfig):
         self.config = config
         self.kl = KLWeight(config.kl)  # the KL weight, moving under a schedule
         reads = TOKEN_READS | ({"group_ids"} if config.center == "group" else set())
         self.traits = token_traits(config, self.kl, reads=reads)
-
-    def schedule(self, num_steps: int, generator: torch.Generator | None = None) -> TokenPlan:
-        return token_plan(num_steps, self.config.ground_truth_member)
-
-    def advantages(self, scores: torch.Tensor, group_ids: torch.Tensor) -> torch.Tensor:
-        return self.config.advantage.compute(scores, group_ids)
 
     def loss(self, new: Score, old_log_prob, advantages, ref: Score | None = None) -> LossOutput:
         """Squared error between the advantage and the predicted one, mean over the sequences with scored tokens;

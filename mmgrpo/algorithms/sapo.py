@@ -13,12 +13,12 @@ from dataclasses import dataclass
 
 import torch
 
-from ..plans import TokenPlan
 from ..types import LossOutput, Score
 from ..validation import check_fields, check_range, embedded
 from ._limits import SCALE_LIMIT
+from . import _options, _token
 from ._options import AdvantageOptions, KLOptions, KLWeight
-from ._token import GROUND_TRUTH_DOC, add_kl, aggregate, ratio_metrics, token_mask, token_plan, token_traits
+from ._token import GROUND_TRUTH_DOC, add_kl, aggregate, ratio_metrics, token_mask, token_traits
 
 
 @dataclass
@@ -53,17 +53,12 @@ class SAPO:
     Config = SAPOConfig
     scoring = "trajectory"
     plan_family = "token"  # the plan type `schedule` returns
+    schedule, advantages = _token.schedule, _options.advantages  # the token plan; the shared advantage options
 
     def __init__(self, config: SAPOConfig):
         self.config = config
         self.kl = KLWeight(config.kl)  # the KL weight, moving under a schedule
         self.traits = token_traits(config, self.kl)
-
-    def schedule(self, num_steps: int, generator: torch.Generator | None = None) -> TokenPlan:
-        return token_plan(num_steps, self.config.ground_truth_member)
-
-    def advantages(self, scores: torch.Tensor, group_ids: torch.Tensor) -> torch.Tensor:
-        return self.config.advantage.compute(scores, group_ids)
 
     def loss(self, new: Score, old_log_prob, advantages, ref: Score | None = None) -> LossOutput:
         """Soft-gated token surrogate; arguments as [`~mmgrpo.algorithms.grpo.GRPO.loss`]. ``clip_frac`` is the

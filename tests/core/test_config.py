@@ -43,7 +43,7 @@ def test_real_sd3_config_carries_flow_grpo_hyperparameters(monkeypatch):
     monkeypatch.chdir(ROOT)
     cfg = config_mod.load(ROOT / "configs" / "sd3_5_medium_flow_grpo.yaml")
     assert cfg.pipeline.options.lora_rank == 32 and cfg.pipeline.options.lora_alpha == 64
-    assert cfg.algorithm.options.clip.clip_low == 1e-4 and cfg.algorithm.options.noise_level == 0.7
+    assert cfg.algorithm.options.clip.clip_low == 1e-4 and cfg.algorithm.options.sde.noise_level == 0.7
     assert cfg.algorithm.options.advantage.scale_rewards == "batch"  # the authors' global_std: true
     assert cfg.train.group_size == 24 and cfg.pipeline.options.num_steps == 10
 

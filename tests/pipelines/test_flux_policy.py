@@ -98,7 +98,7 @@ def test_real_flux_config_carries_flow_grpo_hyperparameters(monkeypatch):
     assert cfg.pipeline.name == "flux" and pipe.pretrained == "black-forest-labs/FLUX.1-dev"
     assert (pipe.num_steps, pipe.eval_num_steps, pipe.guidance_scale, pipe.resolution) == (6, 28, 3.5, 512)
     assert (pipe.lora_rank, pipe.lora_alpha, pipe.weights_dtype) == (64, 128, "bfloat16")
-    assert (algo.noise_level, algo.clip.clip_low, algo.kl.kl_beta, algo.timestep_fraction) == (0.9, 1e-4, 0.0, 0.99)
+    assert (algo.sde.noise_level, algo.clip.clip_low, algo.kl.kl_beta, algo.timestep_fraction) == (0.9, 1e-4, 0.0, 0.99)
     assert algo.advantage.scale_rewards == "batch"  # the authors' global_std: true
     assert cfg.train.mixed_precision == "bf16" and (cfg.train.prompts_per_step, cfg.train.group_size) == (48, 24)
 

@@ -198,12 +198,12 @@ def test_real_wan_configs_carry_their_recipes(monkeypatch):
     pipe, algo = cfg.pipeline.options, cfg.algorithm.options
     assert cfg.pipeline.name == "wan" and pipe.pretrained == "Wan-AI/Wan2.1-T2V-1.3B-Diffusers"
     assert (pipe.num_frames, pipe.height, pipe.width, pipe.num_steps, pipe.eval_num_steps) == (33, 240, 416, 20, 50)
-    assert (pipe.guidance_scale, algo.noise_level, algo.clip.clip_low, algo.kl.kl_beta) == (4.5, 0.7, 1e-3, 0.004)
+    assert (pipe.guidance_scale, algo.sde.noise_level, algo.clip.clip_low, algo.kl.kl_beta) == (4.5, 0.7, 1e-3, 0.004)
     assert cfg.train.group_size == 4 and cfg.train.learning_rate == 1e-4 and cfg.reward.options.modality == "video"
     cfg = config_mod.load(root / "configs" / "wan2_2_t2v_a14b_flow_grpo.yaml")
     pipe, algo = cfg.pipeline.options, cfg.algorithm.options
     assert (pipe.guidance_scale, pipe.guidance_scale_2, pipe.flow_shift, pipe.num_steps) == (4.0, 3.0, 3.0, 10)
     assert (pipe.lora_rank, pipe.lora_alpha, cfg.train.group_size) == (64, 128, 16)
-    assert (algo.noise_level, algo.kl.kl_beta, algo.clip.clip_low) == (0.9, 0.0, 1e-4)
+    assert (algo.sde.noise_level, algo.kl.kl_beta, algo.clip.clip_low) == (0.9, 0.0, 1e-4)
     starts = {tuple(FlowGRPO(algo).schedule(10, seeded(seed)).sde_steps) for seed in range(40)}
     assert starts == {(1,), (2,), (3,)}  # one SDE step, drawn from steps 1-3
