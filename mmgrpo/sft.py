@@ -39,21 +39,20 @@ import json
 import os
 import random
 import re
-import time
 from pathlib import Path
 
 import torch
-from tqdm.auto import tqdm
 
 from . import checkpoint, registry, sharding
 from .config import ExperimentConfig
-from .evaluation import evaluate_held_out, evaluation_due, process_share
+from .evaluation import evaluate_held_out, process_share
 from .metrics_log import MetricsLog, read_records
 from .optim import build_optimizer
 from .prompt_stream import PromptStream, items_to_batch
+from .run_loop import make_accelerator, run_steps, sum_over_processes
 from .seeding import mix_seed
 from .stop_signals import StopSignals
-from .tracking import Trackers, accelerator_options
+from .tracking import Trackers
 from .validation import ConfigError
 
 THOUGHT = re.compile(r"<think>.*?</think>", re.DOTALL)
@@ -161,7 +160,6 @@ class SFTTrainer:
     """
 
     def __init__(self, config: ExperimentConfig, accelerator=None, items: list[dict] | None = None):
-        from accelerate import Accelerator
         from accelerate.utils import set_seed
 
         self.config = config
@@ -169,10 +167,7 @@ class SFTTrainer:
         self.output_dir = Path(config.output_dir)
         # one optimizer update per step: the schedule counts max_steps updates
         self.train_config = dataclasses.replace(config.train, updates_per_step=1, inner_epochs=1)
-        self.accelerator = acc = accelerator or Accelerator(
-            cpu=not torch.cuda.is_available(), mixed_precision=sharding.autocast_precision(config.train),
-            step_scheduler_with_optimizer=False, **accelerator_options(config, self.output_dir),
-        )
+        self.accelerator = acc = accelerator or make_accelerator(config)
         self.world, self.rank = acc.num_processes, acc.process_index
         if config.train.prompts_per_step % self.world:
             raise ValueError(f"train.prompts_per_step = {config.train.prompts_per_step} items per SFT step does not "
@@ -195,11 +190,11 @@ class SFTTrainer:
         self.reward = reward_cls(config.reward.options) if reward_cls else None
         self.log = MetricsLog(self.output_dir, enabled=acc.is_main_process)
         self.step, self.skipped_updates, self.train_seconds = 0, 0, 0.0
-        self._eval_mark = 0.0  # train_seconds at the last held-out evaluation
+        self.eval_mark = 0.0  # train_seconds at the last held-out evaluation
         if resume:
             state = checkpoint.load(acc, resume, self.policy, self.optimizer, self.lr_scheduler, weights=False)
             self.step, self.skipped_updates = state["step"], state["skipped_updates"]
-            self.train_seconds = self._eval_mark = state["train_seconds"]
+            self.train_seconds = self.eval_mark = state["train_seconds"]
             self.stream.load_state_dict(state["prompt_stream"])
             self.log.truncate_after(self.step)
         self.log.trackers = Trackers(acc, config, self.step) if acc.is_main_process else None
@@ -295,51 +290,13 @@ class SFTTrainer:
 
     def _sum(self, value: float) -> float:
         """The sum of `value` over every process."""
-        return float(self._gathered(value).sum())
-
-    def _max(self, value: float) -> float:
-        """The largest `value` over every process."""
-        return float(self._gathered(value).max())
-
-    def _gathered(self, value: float) -> torch.Tensor:
-        """`value` of every process `[world]` (float64)."""
-        acc = self.accelerator
-        value = torch.tensor([value], dtype=torch.float64)
-        return value if self.world == 1 else acc.gather(value.to(acc.device))
+        return sum_over_processes(self.accelerator, value)
 
     def train(self) -> dict:
-        """Runs the remaining steps, saves a checkpoint, writes ``model/`` and ``summary.json``; returns the summary.
-        A SIGINT / SIGTERM finishes the step and saves (no ``model/``: resume to finish)."""
-        cfg, main = self.config, self.accelerator.is_main_process
-        stopped_by = None
-        with StopSignals(announce=main, at_once=True) as stop:  # at once until the first step has finished
-            if self.step == 0 and self.evaluating:
-                self.log.write(0, self.evaluate(0))
-            bar = tqdm(range(self.step, cfg.train.max_steps), disable=not main, desc="sft")
-            for _ in bar:
-                self.step += 1
-                start = time.perf_counter()
-                metrics = self.train_step()
-                stop.at_once = False
-                # every process must agree on when the time budget is spent and when to evaluate: the slowest counts
-                self.train_seconds += self._max(time.perf_counter() - start)
-                metrics.update({"time/train_s": self.train_seconds})
-                out_of_time = 0 < cfg.train.max_seconds <= self.train_seconds
-                last = out_of_time or self.step == cfg.train.max_steps
-                if self.evaluating and (last or evaluation_due(cfg.eval.every, cfg.eval.every_seconds, self.step,
-                                                               self.train_seconds, self._eval_mark)):
-                    metrics.update(self.evaluate(self.step))
-                    self._eval_mark = self.train_seconds
-                if self.step % cfg.log_every == 0 or last or "eval/loss" in metrics:
-                    self.log.write(self.step, metrics)
-                bar.set_postfix(loss=f"{metrics['train/loss']:.4f}")
-                if cfg.checkpoint.every and self.step % cfg.checkpoint.every == 0:
-                    self.save()
-                if out_of_time:
-                    break
-                if self._sum(float(stop.received is not None)) > 0:
-                    stopped_by = stop.name or "SIGTERM"
-                    break
+        """Runs the remaining steps ([`~mmgrpo.run_loop.run_steps`]), saves a checkpoint, writes ``model/`` and
+        ``summary.json``; returns the summary. A SIGINT / SIGTERM finishes the step and saves (no ``model/``: resume
+        to finish)."""
+        stopped_by = run_steps(self, "sft", ("loss", "train/loss"))
         self.save()
         if stopped_by is None:
             self.export(self.output_dir / MODEL_FOLDER)

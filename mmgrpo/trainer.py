@@ -33,89 +33,26 @@ import contextlib
 import json
 import math
 import os
-import time
 from pathlib import Path
 
 import torch
-from tqdm.auto import tqdm
 
-from . import checkpoint, registry, sharding
+from . import checkpoint, sharding
 from .advantages import groups_with_signal, kept_samples, reward_advantages
+from .components import build_components, score_unit
 from .config import ExperimentConfig
-from .evaluation import evaluate_held_out, evaluation_due, finite_mean, gather_rewards
+from .evaluation import evaluate_held_out, finite_mean, gather_rewards
 from .metrics_log import MetricsLog, read_records
 from .optim import build_optimizer
-from .preflight import SCORERS, check_modalities, require_plan
 from .prompt_stream import PromptStream
-from .types import RewardResult, Score
 from .plans import SamplingPlan
-from .reference import reference_needed
+from .run_loop import make_accelerator, run_steps, sum_over_processes, timed_step
 from .seeding import mix_seed
-from .tracking import Trackers, accelerator_options
-from .vas import refresh_weights
 from .stop_signals import StopSignals
+from .tracking import Trackers
+from .types import RewardResult
+from .vas import refresh_weights
 from .visualize import plot_reward_curve
-
-
-def build_components(config: ExperimentConfig):
-    """Instantiates the plugins named by `config`; checks, before the pipeline loads, that the reward can score the
-    pipeline's outputs. Any layout of groups over processes works: a reward that scores a sample against its group
-    does so in its group stage, on the gathered batch ([`Trainer.gather_rewards`])."""
-    policy_cls = registry.get("pipeline", config.pipeline.name)
-    reward = registry.get("reward", config.reward.name)(config.reward.options)
-    check_modalities(config)
-    data = registry.get("data", config.data.name)(config.data.options)
-    algorithm = registry.get("algorithm", config.algorithm.name)(config.algorithm.options)
-    with reference_needed(algorithm.traits.needs_reference):  # no frozen copy of the weights for nothing
-        policy = policy_cls(config.pipeline.options)
-    check_plan(policy, algorithm, config)
-    return policy, algorithm, reward, data
-
-
-def check_plan(policy, algorithm, config: ExperimentConfig) -> None:
-    """[`mmgrpo.preflight.require_plan`] on a built policy (its own number of steps)."""
-    require_plan(policy, algorithm, policy.num_steps, config)
-
-
-def score_unit(policy, algorithm, sub, unit: list[int], device) -> tuple[Score, torch.Tensor, Score | None]:
-    """The inputs of `algorithm.loss` for one unit of a minibatch: ``(new, old_log_prob, ref)``.
-
-    `new` is the policy's score of `sub` at `unit`, with gradients: ``policy.log_prob`` or ``policy.likelihood`` as
-    `algorithm.scoring` says. `old_log_prob` `[n, k]` is what ``algorithm.traits.old_source`` declares (see
-    [`~mmgrpo.types.AlgorithmTraits`]): the log-probs the rollout recorded (``"rollout"``), the `log_prob` of the score
-    under the algorithm's own old model (``"old_model"``: inside its ``old_policy(policy)`` context, e.g. DGPO's fast
-    EMA) or that of `new`, detached (``"current"``: no old model is read, no extra forward).
-    `ref` is the reference policy's score when ``algorithm.traits.needs_reference``.
-    """
-    score = SCORERS[algorithm.scoring](policy)  # the method the policy declares in `provides`
-    source = algorithm.traits.old_source
-    if source == "old_model":
-        with torch.no_grad(), algorithm.old_policy(policy):  # before `new`: a weight swap must not touch a live graph
-            old = score(sub, unit).log_prob
-    new = score(sub, unit)
-    if source == "rollout":
-        old = sub.old_log_probs[:, unit].to(device)
-    elif source == "current":
-        old = new.log_prob.detach()  # the algorithm reads no old model: it is the current one, no extra forward
-    ref = None
-    if algorithm.traits.needs_reference:
-        with torch.no_grad(), policy.reference():
-            ref = score(sub, unit)
-    return new, old, ref
-
-
-def make_accelerator(config: ExperimentConfig):
-    """An `Accelerator` that also works on CPU-only machines under torchrun (accelerate needs ``cpu=True`` there)."""
-    from accelerate import Accelerator
-
-    # step_scheduler_with_optimizer=False: the schedule counts optimizer updates, which are global (one per update on
-    # every rank); accelerate's default would step it once per process, i.e. world-size times too fast.
-    return Accelerator(
-        cpu=not torch.cuda.is_available(),
-        mixed_precision=sharding.autocast_precision(config.train),  # "no" under FSDP2: its own mixed precision
-        step_scheduler_with_optimizer=False,
-        **accelerator_options(config, Path(config.output_dir)),  # trackers (tracking.log_with) and their folder
-    )
 
 
 class Trainer:
@@ -160,7 +97,7 @@ class Trainer:
         self.step = 0
         self.skipped_updates = 0
         self.train_seconds = 0.0  # wall-clock time of training steps only (what train.max_seconds limits)
-        self._eval_mark = 0.0  # train_seconds at the last evaluation
+        self.eval_mark = 0.0  # train_seconds at the last evaluation
         if resume:
             self._resume(resume)
         # trackers start once the resumed step is known (TensorBoard then hides what a stopped run wrote after it); an
@@ -169,52 +106,16 @@ class Trainer:
 
     # ------------------------------------------------------------------------------------------------- the loop
     def train(self) -> dict:
-        cfg = self.config
-        evaluating = bool(cfg.eval.every or cfg.eval.every_seconds)
-        stopped_by = None
-        # SIGINT / SIGTERM: finish the step, save, exit; at once until the first step has finished (nothing to save)
-        with StopSignals(announce=self.accelerator.is_main_process, at_once=True) as stop:
-            if self.step == 0 and evaluating:
-                self.log.write(0, self.evaluate(0))
-            bar = tqdm(range(self.step, cfg.train.max_steps), disable=not self.accelerator.is_main_process,
-                       desc="train")
-            for _ in bar:
-                self.step += 1
-                metrics = self.timed_train_step()
-                stop.at_once = False
-                out_of_time = 0 < cfg.train.max_seconds <= self.train_seconds
-                last = out_of_time or self.step == cfg.train.max_steps
-                if evaluating and (last or evaluation_due(cfg.eval.every, cfg.eval.every_seconds, self.step,
-                                                          self.train_seconds, self._eval_mark)):
-                    metrics.update(self.evaluate(self.step))
-                    self._eval_mark = self.train_seconds
-                if self.step % cfg.log_every == 0 or last or any(k.startswith("eval/") for k in metrics):
-                    self.log.write(self.step, metrics)
-                bar.set_postfix(reward=f"{metrics['reward/mean']:.3f}")
-                if cfg.checkpoint.every and self.step % cfg.checkpoint.every == 0:
-                    self.save()
-                if out_of_time:
-                    break  # train.max_seconds spent: the last step was evaluated above, and is saved below
-                if self._sum_over_processes(float(stop.received is not None)) > 0:  # every process stops together
-                    stopped_by = stop.name or "SIGTERM"  # the signal reached another process
-                    break
+        """Runs the remaining steps ([`~mmgrpo.run_loop.run_steps`]), saves, writes the summary and returns it."""
+        stopped_by = run_steps(self, "train", ("reward", "reward/mean"))
         self.save()
         summary = self._finish(stopped_by)  # with a signal, `mmgrpo train` then exits with 128 + its number
         self.log.close()
         return summary
 
     def timed_train_step(self) -> dict[str, float]:
-        """[`train_step`] plus its wall-clock time (``time/step_s``) and the running total of training time
-        (``time/train_s``, what ``train.max_seconds`` limits; evaluation and checkpoints are outside it)."""
-        start = time.perf_counter()
-        metrics = self.train_step()
-        elapsed = time.perf_counter() - start
-        if self.world > 1:  # every process must agree on when the budget is spent and when to evaluate
-            elapsed = self.accelerator.gather(torch.tensor([elapsed], device=self.accelerator.device)).max().item()
-        self.train_seconds += elapsed
-        metrics["time/step_s"] = elapsed
-        metrics["time/train_s"] = self.train_seconds
-        return metrics
+        """One step with its timing (``time/step_s``, ``time/train_s``), as the loop runs it."""
+        return timed_step(self)
 
     def train_step(self) -> dict[str, float]:
         cfg = self.config
@@ -352,9 +253,7 @@ class Trainer:
 
     def _sum_over_processes(self, value: float) -> float:
         """The sum of `value` over every process (every process calls it, in the same order)."""
-        if self.world == 1:
-            return value
-        return float(self.accelerator.gather(torch.tensor([value], device=self.accelerator.device)).sum())
+        return sum_over_processes(self.accelerator, value)
 
     def _accumulate(self, rollout, units, group, mine, advantages, rollout_entries=None) -> list[dict[str, float]]:
         """Backward passes of one update: each minibatch of `group`, each unit, its scored samples (`mine` `[n]`)
@@ -450,7 +349,7 @@ class Trainer:
         self.step = state["step"]
         self.stream.load_state_dict(state.get("prompt_stream", {"position": state["data_position"]}))
         self.skipped_updates = state["skipped_updates"]
-        self.train_seconds = self._eval_mark = state.get("train_seconds", 0.0)  # absent in older checkpoints
+        self.train_seconds = self.eval_mark = state.get("train_seconds", 0.0)  # absent in older checkpoints
         self.log.truncate_after(self.step)
 
     def load_weights(self, checkpoint_dir: str) -> None:

@@ -29,7 +29,7 @@ def held_out_flow_rollout(config_path, count):
 
     from mmgrpo import config as config_mod
     from mmgrpo.prompt_stream import items_to_batch
-    from mmgrpo.trainer import build_components
+    from mmgrpo.components import build_components
     from mmgrpo.plans import FlowPlan
 
     config = config_mod.load(config_path)

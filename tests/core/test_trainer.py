@@ -158,14 +158,14 @@ class FakeClock:
 
 
 def fake_timed_trainer(tmp_path, tiny_sd3_dir, monkeypatch, train: dict, eval: dict):
-    from mmgrpo import trainer as trainer_mod
+    from mmgrpo import run_loop
 
     raw = make_config(tmp_path, tiny_sd3_dir, **train)
     raw["eval"].update(eval)
     raw["checkpoint"]["every"] = 0
     trainer = Trainer(config_mod.from_dict(raw))
     clock = FakeClock()
-    monkeypatch.setattr(trainer_mod, "time", clock)
+    monkeypatch.setattr(run_loop, "time", clock)  # the shared loop times the steps
 
     def train_step():
         clock.now += 1.0

@@ -10,7 +10,7 @@ import torch
 from mmgrpo.algorithms.cj_grpo import CJGRPO, CJGRPOConfig
 from mmgrpo.algorithms.diffu_grpo import DiffuGRPO, DiffuGRPOConfig
 from mmgrpo.samplers.masked_diffusion import ass_sizes, eoser_gamma, linear_sizes, make_schedule, unmask_step
-from mmgrpo.trainer import score_unit
+from mmgrpo.components import score_unit
 from mmgrpo.types import PromptBatch
 from algorithm_options import algo_config
 

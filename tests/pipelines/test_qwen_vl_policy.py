@@ -8,7 +8,7 @@ from PIL import Image
 
 from mmgrpo.algorithms.grpo import GRPO, GRPOConfig
 from mmgrpo.pipelines.qwen_vl import QwenVLConfig, QwenVLPolicy
-from mmgrpo.trainer import score_unit
+from mmgrpo.components import score_unit
 from mmgrpo.types import PromptBatch
 from mmgrpo.plans import TokenPlan
 from algorithm_options import algo_config
