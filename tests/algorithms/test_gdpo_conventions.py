@@ -17,7 +17,7 @@ import torch
 
 from mmgrpo.algorithms.gdpo import GDPO, GDPOConfig
 from mmgrpo.pipelines import _mdlm_elbo
-from mmgrpo.trainer import score_unit
+from mmgrpo.components import score_unit
 from mmgrpo.types import PromptBatch, Score
 from mmgrpo.validation import build_dataclass
 
