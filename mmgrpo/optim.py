@@ -7,7 +7,7 @@ import math
 
 import torch
 
-from .config import TrainConfig
+from .sections import TrainConfig
 
 
 def learning_rate_factor(update: int, config: TrainConfig) -> float:

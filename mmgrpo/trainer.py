@@ -4,7 +4,7 @@ Per step: next prompt batch repeated `G` times with global group ids -> this pro
 (no grad) -> ``reward`` per sample -> scores, components, features and the rollout's group ids gathered from every
 process -> the reward's ``group_stage`` on the whole batch, if it has one ([`gather_rewards`]) ->
 ``algorithm.advantages`` -> for each inner epoch and minibatch, each trained unit is scored (``policy.log_prob`` or
-``policy.likelihood``, as ``algorithm.scoring`` says; see [`score_unit`]), passed to ``algorithm.loss`` and
+``policy.likelihood``, as ``algorithm.scoring`` says; see [`~mmgrpo.components.score_unit`]), passed to ``algorithm.loss`` and
 back-propagated, then clipped and stepped. Distribution: accelerate's DDP, or FSDP2 applied by mmgrpo
 (``train.sharding``, see [`mmgrpo.sharding`]).
 

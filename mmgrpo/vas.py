@@ -58,7 +58,7 @@ class VASConfig:
 
 
 def check_sampling(train) -> None:
-    """The checks of ``train.prompt_sampling_mix`` (`train`: a [`~mmgrpo.config.TrainConfig`]): MMR1's mixture ratio
+    """The checks of ``train.prompt_sampling_mix`` (`train`: a [`~mmgrpo.sections.TrainConfig`]): MMR1's mixture ratio
     in [0, 1] under ``vas``; under ``group_variance`` the share of draws by variance, in [0, 1) (the rest uniform)."""
     mix = train.prompt_sampling_mix
     if train.prompt_sampling == "vas":

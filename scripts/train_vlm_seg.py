@@ -48,7 +48,7 @@ import torch  # noqa: E402
 from builders._tokenizers import QWEN_CORPUS, qwen_tokenizer  # noqa: E402
 from builders.qwen_vl import tiny_qwen_vl  # noqa: E402
 from mmgrpo.data.seg_shapes import QUADRANTS, THOUGHTS, SegShapes, SegShapesConfig, target_quadrant  # noqa: E402
-from mmgrpo.config import TrainConfig  # noqa: E402
+from mmgrpo.sections import TrainConfig  # noqa: E402
 from mmgrpo.data.vlm_shapes import COLOURS, SHAPES  # noqa: E402
 from mmgrpo.optim import build_optimizer  # noqa: E402
 from train_vlm_shapes import supervised_step  # noqa: E402

@@ -10,7 +10,8 @@ import torch
 import yaml
 
 from mmgrpo import config as config_mod
-from mmgrpo.config import ConfigError, TrainConfig
+from mmgrpo.config import ConfigError
+from mmgrpo.sections import TrainConfig
 from algorithm_options import algo_config
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from mmgrpo import sharding
-from mmgrpo.config import TrainConfig
+from mmgrpo.sections import TrainConfig
 from mmgrpo.validation import ConfigError
 
 

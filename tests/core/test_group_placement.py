@@ -13,7 +13,7 @@ import pytest
 from mmgrpo import registry, sharding
 from mmgrpo.algorithms.flow_grpo import FlowGRPOConfig
 from mmgrpo.algorithms.grpo import GRPOConfig
-from mmgrpo.config import TrainConfig
+from mmgrpo.sections import TrainConfig
 from mmgrpo.validation import ConfigError
 from algorithm_options import algo_config
 

@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from mmgrpo import config as config_mod
-from mmgrpo.config import ConfigError, TrainConfig, build_dataclass
+from mmgrpo.config import ConfigError, build_dataclass
+from mmgrpo.sections import TrainConfig
 from mmgrpo.prompt_stream import PromptStream
 from mmgrpo.vas import VASConfig
 

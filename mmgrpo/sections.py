@@ -1,0 +1,210 @@
+"""The fixed sections of an experiment config: ``train`` ([`TrainConfig`]: optimisation, rollout sizes, distribution,
+prompt sampling), ``eval`` ([`EvalConfig`]), ``checkpoint`` ([`CheckpointConfig`]) and ``sft`` ([`SFTConfig`]), each
+checked in ``__post_init__`` with its bounds. [`mmgrpo.config`] assembles them with the plugins' options."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from .validation import ConfigError, check_fields, check_range, check_seed, check_text
+from .vas import VASConfig, check_sampling
+
+STEPS_LIMIT = 10**9  # trainer steps (and the step counts of warm-up, evaluation, checkpoints, logging)
+SECONDS_LIMIT = 10**8  # a time budget in seconds (three years)
+SAMPLES_LIMIT = 2**20  # samples per step (prompts x group size), and held-out prompts per evaluation
+# the sizes of one step: a refusal beyond these limits, which no real run reaches
+SIZE_LIMITS = {"max_steps": STEPS_LIMIT, "prompts_per_step": 2**16, "group_size": 1024, "minibatch_size": 2**16,
+               "updates_per_step": 1024, "inner_epochs": 1024}
+SIZE_FIXES = {"prompts_per_step": "real runs use 8 to ~1024 prompts per step",
+              "group_size": "real runs use 4 to ~64 samples per prompt",
+              "minibatch_size": "samples per backward pass; gradients accumulate over minibatches"}
+
+
+@dataclass
+class TrainConfig:
+    """Optimisation and rollout sizes.
+
+    Args:
+        max_steps (`int`): number of trainer steps (one rollout batch and its updates each).
+        max_seconds (`float`): wall-clock training budget in seconds; 0 (the default) sets none. Only the time spent
+            in training steps (rollout, reward, updates; logged as ``time/step_s``, cumulated as ``time/train_s``)
+            counts: start-up, evaluation and checkpointing do not. The run stops after the step during which the
+            total passed the budget (or at `max_steps`, whichever comes first), then evaluates and saves as after
+            the last step. The total is kept in checkpoints, so a resumed run continues the same budget.
+        prompts_per_step (`int`): distinct prompts sampled per step, over all processes (`B`).
+        group_size (`int`): samples per prompt (`G`); `B * G` must divide evenly across processes.
+        minibatch_size (`int`): samples per backward pass; gradients accumulate over minibatches.
+        updates_per_step (`int`): optimizer updates per rollout batch (minibatches are split between them).
+        inner_epochs (`int`): passes over each rollout batch.
+        learning_rate (`float`), weight_decay (`float`), adam_betas (`list[float]`), adam_eps (`float`): AdamW.
+        warmup_steps (`int`): linear learning-rate warm-up, in optimizer updates.
+        lr_schedule (`str`): after warm-up, ``"constant"`` or ``"cosine"`` (decays to ``min_lr_ratio`` times the
+            learning rate at the last update; group-relative RL on small models tends to gain fast and then
+            oscillate, and a decay keeps what was gained).
+        min_lr_ratio (`float`): final learning rate of the cosine schedule, as a fraction of `learning_rate`.
+        prompt_sampling (`str`), vas (`VASConfig`): ``"uniform"`` (a seeded shuffle per epoch), ``"vas"`` (MMR1's
+            variance-aware sampling from extra rollouts; options in `vas`, see [`mmgrpo.vas`]) or ``"group_variance"``
+            (by the training groups' reward variance); see [`~mmgrpo.prompt_stream.PromptStream`]. Checkpointed.
+        prompt_sampling_mix (`float`): MMR1's mixture ratio under ``"vas"`` (in [0, 1]), else the share by variance.
+        max_grad_norm (`float`): gradient clipping.
+        mixed_precision (`str`): ``"no"``, ``"bf16"`` or ``"fp16"`` (accelerate's autocast; under ``sharding:
+            fsdp`` with several processes, ``bf16`` is FSDP2's mixed precision: bf16 compute, fp32 gradient reduction
+            and fp32 sharded weights, and ``fp16`` is refused).
+        sharding (`str`): how a multi-process run distributes the trained module: ``"ddp"`` (every process holds
+            all of it), ``"fsdp"`` (FSDP2: parameters, gradients and optimizer state sharded per transformer block),
+            ``"hybrid"`` (HSDP: sharded within each node, replicated across nodes; every node runs the same number of
+            processes) or ``"none"`` (a single process; a multi-process launch is refused). One process is never
+            sharded.
+        group_placement (`str`): where a step's groups live. ``"spread"``: the batch is split over the processes in
+            order and a group may span two of them; rewards are gathered, and the reward's group stage and the
+            advantages run on the whole batch. ``"contiguous"``: every group lies on one process (``prompts_per_step``
+            must be a multiple of the number of processes); they run on each process's own groups and only the final
+            scores and advantages are gathered. Refused with advantages normalised over the whole batch.
+    """
+
+    max_steps: int = 100
+    max_seconds: float = 0.0
+    prompts_per_step: int = 8
+    group_size: int = 8
+    minibatch_size: int = 8
+    updates_per_step: int = 1
+    inner_epochs: int = 1
+    learning_rate: float = 3e-4
+    weight_decay: float = 1e-4
+    adam_betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    adam_eps: float = 1e-8
+    warmup_steps: int = 0
+    lr_schedule: Literal["constant", "cosine"] = "constant"
+    min_lr_ratio: float = 0.1
+    prompt_sampling: Literal["uniform", "group_variance", "vas"] = "uniform"
+    prompt_sampling_mix: float = 0.5
+    vas: VASConfig = field(default_factory=VASConfig)
+    max_grad_norm: float = 1.0
+    mixed_precision: Literal["no", "bf16", "fp16"] = "no"
+    sharding: Literal["none", "ddp", "fsdp", "hybrid"] = "ddp"
+    group_placement: Literal["spread", "contiguous"] = "spread"
+
+    def __post_init__(self):
+        check_fields(self)
+        if self.sharding in ("fsdp", "hybrid") and self.mixed_precision == "fp16":
+            raise ConfigError(f"train.mixed_precision: fp16 does not combine with train.sharding: {self.sharding} "
+                              "(sharded fp16 needs a sharded loss scaler): use bf16 (bf16 compute, fp32 reductions) "
+                              "or no.")
+        values = vars(self)  # field name -> value
+        for name, high in SIZE_LIMITS.items():
+            check_range(f"train.{name}", values[name], 1, high, fix=SIZE_FIXES.get(name, ""))
+        check_range("train.max_seconds", self.max_seconds, 0, SECONDS_LIMIT, fix="0: no time limit")
+        if self.group_size < 2:
+            raise ConfigError("train.group_size must be >= 2: group-relative advantages need at least two samples.")
+        samples = self.prompts_per_step * self.group_size
+        if samples > SAMPLES_LIMIT:
+            raise ConfigError(f"train.prompts_per_step x train.group_size = {samples} samples per step, more than any "
+                              f"real run ({SAMPLES_LIMIT}): lower train.prompts_per_step or train.group_size.")
+        check_range("train.learning_rate", self.learning_rate, 0, 1.0, low_open=True,
+                    fix="AdamW steps each weight by about the learning rate (RL runs use 1e-6 to 1e-3)")
+        check_range("train.weight_decay", self.weight_decay, 0, 10.0, fix="1e-4 to 0.1 is usual")
+        if self.learning_rate * self.weight_decay >= 1:
+            raise ConfigError(f"train.weight_decay {self.weight_decay} x train.learning_rate {self.learning_rate} must "
+                              "be < 1: AdamW multiplies each weight by 1 - lr x weight_decay every update, which would "
+                              "zero or flip it; lower train.weight_decay.")
+        if len(self.adam_betas) != 2:
+            raise ConfigError(f"train.adam_betas must have two values, got {self.adam_betas}.")
+        for i, beta in enumerate(self.adam_betas):
+            check_range(f"train.adam_betas[{i}]", beta, 0, 1, high_open=True, fix="AdamW's betas are in [0, 1)")
+        check_range("train.adam_eps", self.adam_eps, 1e-30, 1.0, fix="1e-8 is usual; smaller vanishes in float32 and "
+                    "turns a zero gradient into 0 / 0")
+        check_range("train.warmup_steps", self.warmup_steps, 0, STEPS_LIMIT, fix="0: no warm-up")
+        check_range("train.min_lr_ratio", self.min_lr_ratio, 0, 1)
+        check_sampling(self)  # train.prompt_sampling_mix, by sampling
+        check_range("train.max_grad_norm", self.max_grad_norm, 0, 1e12, low_open=True,
+                    fix="1.0 is usual; 1e6 clips nothing")
+
+
+@dataclass
+class EvalConfig:
+    """Held-out evaluation.
+
+    Args:
+        every (`int`): evaluate every this many steps (and before the first and after the last step); 0 disables.
+        every_seconds (`float`): also evaluate each time the training time (as counted by ``train.max_seconds``:
+            training steps only) passes a multiple of this many seconds; 0 (the default) disables. For curves over
+            wall-clock time, when the number of steps a budget allows is not known in advance. Evaluation happens
+            before the first and after the last step when either `every` or `every_seconds` is set.
+        num_prompts (`int`): held-out prompts evaluated (one deterministic sample each).
+        grid_size (`int`): samples drawn in each `samples/step_*.png` grid.
+        metric (`str`): the reward component reported as the headline eval metric (e.g. ``strict``), or
+            ``score`` for the reward itself; not ``prompt``, ``n`` or ``reward``, the other columns of
+            ``eval/step_*.json``.
+        seed (`int`): noise seed of evaluation samples (the same every evaluation).
+    """
+
+    every: int = 10
+    every_seconds: float = 0.0
+    num_prompts: int = 64
+    grid_size: int = 16
+    metric: str = "score"
+    seed: int = 1234
+
+    def __post_init__(self):
+        check_fields(self)
+        check_range("eval.every", self.every, 0, STEPS_LIMIT, fix="0 disables")
+        check_range("eval.every_seconds", self.every_seconds, 0, SECONDS_LIMIT, fix="0 disables")
+        check_range("eval.num_prompts", self.num_prompts, 1, SAMPLES_LIMIT)
+        check_range("eval.grid_size", self.grid_size, 0, 1024, fix="0 draws no grid")
+        check_seed("eval.seed", self.seed)
+        if not self.metric.strip():
+            raise ConfigError("eval.metric must name a reward component, or 'score' for the reward itself; got ''.")
+        if self.metric in ("prompt", "n", "reward"):  # the other columns of eval/step_*.json
+            raise ConfigError(
+                f"eval.metric {self.metric!r} is a column name of eval/step_*.json: name a reward component, or "
+                f"'score' for the reward itself."
+            )
+
+
+@dataclass
+class CheckpointConfig:
+    """Atomic checkpoints.
+
+    Args:
+        every (`int`): save every this many steps (0: only at the end).
+        keep_last (`int`): complete checkpoints kept.
+        resume_from (`str`, *optional*): ``"latest"`` (in this output_dir) or a checkpoint folder.
+    """
+
+    every: int = 0
+    keep_last: int = 2
+    resume_from: str | None = None
+
+    def __post_init__(self):
+        check_fields(self)
+        check_range("checkpoint.every", self.every, 0, STEPS_LIMIT, fix="0 saves only at the end")
+        check_range("checkpoint.keep_last", self.keep_last, 1, 10**6, fix="the newest checkpoint is always kept")
+        check_text("checkpoint.resume_from", self.resume_from)
+
+
+@dataclass
+class SFTConfig:
+    """Supervised fine-tuning (``mmgrpo sft``; ``mmgrpo train`` ignores this section). The SFT run takes its sizes and
+    optimizer from ``train`` (``max_steps``, ``prompts_per_step`` items per step, ``minibatch_size``, the learning
+    rate and its schedule, clipping, precision; one optimizer update per step: ``group_size``, ``updates_per_step``
+    and ``inner_epochs`` are RL-only). See [`mmgrpo.sft`].
+
+    Args:
+        target_key (`str`): the key of each item's metadata that holds its target completion (a JSONL row's
+            ``"completion"`` field; ``vlm_shapes`` writes it with ``with_targets: true``).
+        thought_dropout (`float`): TON's thought dropout: the probability that a target's ``<think>...</think>``
+            content is replaced by an empty thought, drawn once per item from the run's seed.
+        eval_reward (`bool`): at each held-out evaluation (``eval.every``), also sample the held-out prompts
+            greedily and score them with the config's reward, as ``mmgrpo train`` evaluates (``eval/score``,
+            ``eval/<component>``, per-prompt scores and samples); otherwise only the held-out target loss.
+    """
+
+    target_key: str = "completion"
+    thought_dropout: float = 0.0
+    eval_reward: bool = False
+
+    def __post_init__(self):
+        check_fields(self)
+        check_text("sft.target_key", self.target_key)
+        check_range("sft.thought_dropout", self.thought_dropout, 0, 1, fix="0 keeps every thought, 1 empties all")
