@@ -116,7 +116,7 @@ class FlowPlan:
         """The opt-in features this plan uses, a subset of [`FLOW_PLAN_FEATURES`]: ``"merge"`` (fixed or
         entropy-adaptive merged SDE steps), ``"branch"`` (group branches from one anchor), ``"unit_selection"``
         (per-sample trained units), ``"dpm"`` (the DPM-Solver++ rollout) and ``"likelihood"`` (scoring by
-        [`mmgrpo.samplers.flow_plan.plan_likelihood`]); a policy must list them all in its ``plan_features``."""
+        [`mmgrpo.samplers.flow_likelihood.plan_likelihood`]); a policy must list them all in its ``plan_features``."""
         used = {
             "merge": bool(self.merge) or self.merge_entropy is not None,
             "branch": self.branch,

@@ -28,7 +28,8 @@ from mmgrpo.hub import DTYPES, load_diffusers_pipeline
 from mmgrpo.pipelines._checkpointing import checkpoint_diffusers
 from mmgrpo.pipelines._flow_common import TrainableTransformer
 from mmgrpo.plans import FlowPlan
-from mmgrpo.samplers.flow_plan import plan_likelihood, replay_plan, run_plan
+from mmgrpo.samplers.flow_likelihood import plan_likelihood
+from mmgrpo.samplers.flow_plan import replay_plan, run_plan
 from mmgrpo.types import PromptBatch, Rollout, Score
 
 EXPERTS = ("transformer", "transformer_2")  # a pipeline's trainable transformers, in the order of its noise levels
@@ -187,7 +188,7 @@ def likelihood(self: FlowModel, rollout: Rollout, steps: list[int]) -> Score:
 
     Returns:
         [`Score`] with `log_prob` `[n, k]`, `velocity` `[n, k, ...]` and ``group_ids`` `[n]`; see
-        [`mmgrpo.samplers.flow_plan.plan_likelihood`].
+        [`mmgrpo.samplers.flow_likelihood.plan_likelihood`].
     """
     velocity = _velocity(self, _inputs(self, rollout.trajectory), guidance=False)
     return plan_likelihood(velocity, self._noise, rollout.trajectory, rollout.group_ids, steps, self.device)

@@ -1,13 +1,13 @@
-"""Everything that interprets a flow-matching sampling plan, for the flow adapters (`sd3`, `flux`), which wire their
-model in as small callables (see `pipelines/sd3.py`) and own no sampling loop:
+"""Everything that interprets a flow-matching sampling plan, for the flow adapters (`sd3`, `flux`, `wan`), which wire
+their model in as small callables (see `pipelines/_flow_policy.py`) and own no sampling loop:
 
 - [`run_plan`] (``sample``): plain plans go to [`sample_flow`] (SDE on the plan's SDE steps, ODE elsewhere); merged
   SDE steps and group branches from one shared ODE anchor (E-GRPO), per-sample trained units (Chunk-GRPO,
   [`select_units`]) and the deterministic DPM-Solver++ rollout (DGPO) are handled here.
 - [`replay_plan`] (``log_prob``): replays only the transitions a sample trains; a step taken from a group's shared
   anchor is forwarded once per group, not once per sample.
-- [`plan_likelihood`] (``likelihood``): minus the flow-matching loss of the final samples at the plan's noise levels,
-  with noise shared within a group (DGPO).
+- [`~mmgrpo.samplers.flow_likelihood.plan_likelihood`] (``likelihood``, its own module): minus the flow-matching
+  loss of the final samples at the plan's noise levels, with noise shared within a group (DGPO).
 
 The steps themselves are [`mmgrpo.samplers.flow_sde.flow_sde_step`] (stateless math, fp32 inside).
 """
@@ -25,7 +25,7 @@ from mmgrpo.seeding import mix_seed
 from mmgrpo.types import Score
 
 PLAN_FEATURES = FLOW_PLAN_FEATURES  # this interpretation implements every feature a flow plan names
-# scoring method -> the `Score` fields a flow adapter fills ([`replay_plan`], [`plan_likelihood`])
+# scoring method -> the `Score` fields a flow adapter fills ([`replay_plan`], [`~mmgrpo.samplers.flow_likelihood.plan_likelihood`])
 SCORE_FIELDS = {
     "log_prob": frozenset({"log_prob", "mask", "mean", "std", "noise_scale"}),
     "likelihood": frozenset({"log_prob", "velocity", "group_ids"}),
@@ -379,38 +379,4 @@ def _scatter(out, rows: torch.Tensor, n: int):
     return type(out)(
         prev_sample=full(out.prev_sample), log_prob=full(out.log_prob), mean=full(out.mean), std=full(out.std),
         noise_scale=full(out.noise_scale),
-    )
-
-
-def plan_likelihood(
-    velocity: Velocity,
-    noise: Noise,
-    trajectory: dict,
-    group_ids: torch.Tensor,
-    steps: list[int],
-    device: torch.device,
-) -> Score:
-    """Minus the flow-matching loss of the final samples ``x0`` at noise levels ``sigmas[j]``, `j` in `steps`.
-
-    ``x_t = (1 - s) x0 + s eps``, target ``eps - x0``, ``eps`` shared within a group and fixed by the plan's seed, the
-    group and `j` (so the policy, its reference and an old copy see the same noise on every process).
-
-    Returns:
-        [`Score`] with `log_prob` `[n, k]` (``-mean((v - target)^2)`` per sample), `velocity` `[n, k, ...]` and
-        `group_ids` `[n]`.
-    """
-    x0 = trajectory["latents"][:, -1].to(device).float()  # [n, ...]
-    sigmas, seed = trajectory["shared_sigmas"], trajectory["shared_seed"]
-    dims = tuple(range(1, x0.dim()))
-    log_probs, velocities = [], []
-    for j in steps:
-        eps = group_noise(noise, group_ids, seed, salt=j).to(device).float()  # [n, ...]
-        s = sigmas[j].to(device)
-        v = velocity((1 - s) * x0 + s * eps, sigmas[j], None)
-        log_probs.append(-((v - (eps - x0)) ** 2).mean(dim=dims))
-        velocities.append(v)
-    return Score(
-        log_prob=torch.stack(log_probs, dim=1),  # [n, k]
-        velocity=torch.stack(velocities, dim=1),  # [n, k, ...]
-        group_ids=group_ids,  # [n]
     )
