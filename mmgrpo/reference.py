@@ -1,6 +1,7 @@
 """The trained module of a policy and its reference policy, for every adapter that trains one module.
 
-Not a plugin: adapters compose it (`pipelines/_flow_common.py` for `sd3` / `flux` / `wan`, `pipelines/mdlm.py`, `pipelines/qwen_vl.py`).
+Not a plugin: adapters compose it (`pipelines/_flow_common.py` for `sd3` / `flux` / `wan`, `pipelines/mdlm.py`,
+`pipelines/qwen_vl.py`).
 """
 
 from __future__ import annotations
