@@ -69,3 +69,11 @@ def test_no_module_imports_itself_back():
 def test_the_cycle_check_finds_a_cycle():
     assert cycle_from("a", {"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
     assert cycle_from("a", {"a": {"b"}, "b": set()}) is None
+
+
+def test_no_source_file_is_over_400_lines():
+    """Files split along their seams stay readable: every module of the package, `pipelines/`, `rewards/`, `data/`
+    and `scripts/` holds at most 400 lines."""
+    long = {str(f.relative_to(ROOT)): n for folder in (*PACKAGES.values(), "scripts")
+            for f in (ROOT / folder).rglob("*.py") if (n := len(f.read_text(encoding="utf-8").splitlines())) > 400}
+    assert not long, f"files over 400 lines: {long}"
