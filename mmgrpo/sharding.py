@@ -104,7 +104,7 @@ def check_group_placement(train_config, world: int, traits) -> None:
                          "of the number of processes, or use spread.")
     if world > 1 and not traits.group_local_advantages:
         raise ValueError("train.group_placement: contiguous computes advantages on each process's groups, but the "
-                         "algorithm normalises them over the whole batch (global_std / scale_rewards: batch): use "
+                         "algorithm normalises them over the whole batch (scale_rewards: batch): use "
                          "spread, or normalise per group.")
 
 
