@@ -148,7 +148,7 @@ def test_trainer_refuses_a_plan_the_pipeline_cannot_follow():
     from types import SimpleNamespace
 
     from mmgrpo.algorithms.dgpo import DGPO, DGPOConfig
-    from mmgrpo.trainer import check_plan
+    from mmgrpo.components import check_plan
 
     class PlainPolicy:  # samples plain SDE/ODE plans only and has no likelihood
         num_steps = 6

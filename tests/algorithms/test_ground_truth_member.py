@@ -10,7 +10,7 @@ import torch
 
 from mmgrpo import registry
 from mmgrpo.algorithms.grpo import GRPO, GRPOConfig
-from mmgrpo.trainer import check_plan, score_unit
+from mmgrpo.components import check_plan, score_unit
 from mmgrpo.types import PromptBatch
 from algorithm_options import algo_config
 

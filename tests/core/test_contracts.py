@@ -14,7 +14,7 @@ import torch
 from mmgrpo import registry
 from mmgrpo.protocols import Algorithm, RewardFn, StochasticPolicy
 from mmgrpo.preflight import SCORING_METHODS, require_plan, require_scores
-from mmgrpo.trainer import check_plan, score_unit
+from mmgrpo.components import check_plan, score_unit
 from mmgrpo.types import PromptBatch, Score
 from mmgrpo.algorithms._options import AdvantageOptions, KLOptions, KLWeight
 from mmgrpo.validation import build_dataclass, flat_dict, flat_hints, is_embedded
