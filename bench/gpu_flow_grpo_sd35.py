@@ -87,7 +87,7 @@ def run_case(root: Path, args, pipe_factory, lora: bool, checkpointing: bool) ->
     import torch
 
     from mmgrpo import config as config_mod
-    from mmgrpo.pipelines import sd3
+    from mmgrpo.pipelines import _flow_policy
     from mmgrpo.prompt_stream import items_to_batch
     from mmgrpo.trainer import Trainer
 
@@ -100,7 +100,7 @@ def run_case(root: Path, args, pipe_factory, lora: bool, checkpointing: bool) ->
         pipe = pipe_factory()
         return pipe if dtype in (None, torch.float32) else pipe.to(dtype=dtype)
 
-    with mock.patch.object(sd3, "load_diffusers_pipeline", loader):
+    with mock.patch.object(_flow_policy, "load_diffusers_pipeline", loader):  # where the flow adapters load
         trainer = Trainer(config_mod.from_dict(raw))
     params = trainer.policy.trainable_parameters()
     total = sum(p.numel() for p in trainer.policy.transformer.parameters())
