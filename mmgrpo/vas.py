@@ -94,12 +94,9 @@ def refresh_weights(stream, policy, algorithm, reward, accelerator, seed: int, s
         mine = padded[first : first + per_call]
         accuracy = sample_accuracy(policy, plan, reward, [stream.items[i] for i in mine], options, generator)
         scores.append(accelerator.gather(accuracy.to(accelerator.device)).cpu())  # [world * per_call, rollouts]
-    gathered = torch.cat(scores) if scores else torch.zeros(0, options.rollouts)  # [calls * world * per_call, n]
-    order = [(call * world + r) * per_call + k for call in range(calls) for r in range(world) for k in range(per_call)]
-    by_item = {}
-    for row, position in enumerate(order):
-        if position < len(indices):
-            by_item[indices[position]] = gathered[row]  # [n]
+    # [calls * world * per_call, n]: call by call, rank by rank, so row r holds padded[r] (the padding rows last)
+    gathered = torch.cat(scores) if scores else torch.zeros(0, options.rollouts)
+    by_item = {index: gathered[row] for row, index in enumerate(indices)}  # [n] each
     return stream.refresh(by_item, step - 1)
 
 
