@@ -48,7 +48,8 @@ def remote_code_keys(config: ExperimentConfig) -> list[str]:
             elif key == REMOTE_CODE_KEY and value is True:
                 found.append(f"{prefix}{key}")
 
-    walk({kind: config.to_dict()[kind] for kind in PLUGIN_KINDS}, "")
+    whole = config.to_dict()
+    walk({kind: whole[kind] for kind in PLUGIN_KINDS}, "")
     return found
 
 
