@@ -26,6 +26,24 @@ WEIGHT_LIMIT = 1e3  # a term's weight, scale or divisor (papers: ~0.1 to 100)
 PIXEL_DISTANCE_LIMIT = 1e5  # a distance in pixels
 _BRACE = re.compile(r"[{}]")
 
+# A reward's declarations (see mmgrpo.protocols.RewardFn), taken into its class by name:
+# ``modalities_for = classmethod(fixed_modalities)``, ``artifacts_for = classmethod(fixed_artifacts)``.
+
+
+def fixed_modalities(cls, config) -> frozenset[str]:
+    """``modalities_for`` of a reward that scores its class's `modalities` whatever its options."""
+    return cls.modalities
+
+
+def modality_option(cls, config) -> frozenset[str]:
+    """``modalities_for`` of a reward whose ``modality`` option says what it scores (``"image"`` or ``"video"``)."""
+    return frozenset({config.modality})
+
+
+def fixed_artifacts(cls, config) -> frozenset[str]:
+    """``artifacts_for`` of a reward whose results carry its class's `artifacts` (none) whatever its options."""
+    return cls.artifacts
+
 
 def nans(n: int) -> torch.Tensor:
     """A `[n]` float32 vector of NaN ("not applicable")."""

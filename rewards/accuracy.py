@@ -37,8 +37,8 @@ from typing import Any, Literal
 
 from mmgrpo.rewards import _math
 from mmgrpo.rewards._common import (
-    MAX_COMPLETION_CHARS, WEIGHT_LIMIT, check_max_completion_chars, check_tag, cut_texts, last_boxed, last_tag_block,
-    nans, texts,
+    MAX_COMPLETION_CHARS, WEIGHT_LIMIT, check_max_completion_chars, check_tag, cut_texts, fixed_artifacts,
+    fixed_modalities, last_boxed, last_tag_block, nans, texts,
 )
 from mmgrpo.types import PromptBatch, RewardResult
 from mmgrpo.validation import check_fields, check_range, check_text
@@ -147,13 +147,8 @@ class AccuracyReward:
     group_stage = None  # each score depends on its sample only (see mmgrpo.protocols.RewardFn)
     artifacts = frozenset()  # adds nothing for the sample writers
 
-    @classmethod
-    def modalities_for(cls, config: AccuracyConfig) -> frozenset[str]:
-        return cls.modalities  # whatever the options (see mmgrpo.protocols.RewardFn)
-
-    @classmethod
-    def artifacts_for(cls, config: AccuracyConfig) -> frozenset[str]:
-        return cls.artifacts
+    modalities_for = classmethod(fixed_modalities)  # see mmgrpo.protocols.RewardFn
+    artifacts_for = classmethod(fixed_artifacts)
 
     def __init__(self, config: AccuracyConfig | None = None):
         self.config = config or AccuracyConfig()

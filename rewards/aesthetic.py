@@ -18,7 +18,9 @@ import torch
 from torch import nn
 
 from mmgrpo.rewards import _clip
-from mmgrpo.rewards._common import check_frame_options, frames, non_finite_samples, reduce_frames
+from mmgrpo.rewards._common import (
+    check_frame_options, fixed_artifacts, frames, modality_option, non_finite_samples, reduce_frames,
+)
 from mmgrpo.types import PromptBatch, RewardResult
 from mmgrpo.validation import check_fields
 
@@ -107,13 +109,8 @@ class AestheticScore:
     group_stage = None  # each score depends on its sample only (see mmgrpo.protocols.RewardFn)
     artifacts = frozenset()  # adds nothing for the sample writers
 
-    @classmethod
-    def modalities_for(cls, config: AestheticScoreConfig) -> frozenset[str]:
-        return frozenset({config.modality})  # its `modality` option (see mmgrpo.protocols.RewardFn)
-
-    @classmethod
-    def artifacts_for(cls, config: AestheticScoreConfig) -> frozenset[str]:
-        return cls.artifacts
+    modalities_for = classmethod(modality_option)  # see mmgrpo.protocols.RewardFn
+    artifacts_for = classmethod(fixed_artifacts)
 
     def __init__(self, config: AestheticScoreConfig):
         self.config = config

@@ -40,7 +40,8 @@ from typing import Any, Literal
 import torch
 
 from mmgrpo.rewards._common import (
-    MAX_COMPLETION_CHARS, check_max_completion_chars, check_tag, cut_texts, last_tag_block, nans, tag_spans, texts,
+    MAX_COMPLETION_CHARS, check_max_completion_chars, check_tag, cut_texts, fixed_artifacts, fixed_modalities,
+    last_tag_block, nans, tag_spans, texts,
 )
 from mmgrpo.rewards._matching import max_weight_matching
 from mmgrpo.types import PromptBatch, RewardResult
@@ -120,13 +121,8 @@ class BoxIoU:
     group_stage = None  # each score depends on its sample only (see mmgrpo.protocols.RewardFn)
     artifacts = frozenset()  # adds nothing for the sample writers
 
-    @classmethod
-    def modalities_for(cls, config: BoxIoUConfig) -> frozenset[str]:
-        return cls.modalities  # whatever the options (see mmgrpo.protocols.RewardFn)
-
-    @classmethod
-    def artifacts_for(cls, config: BoxIoUConfig) -> frozenset[str]:
-        return cls.artifacts
+    modalities_for = classmethod(fixed_modalities)  # see mmgrpo.protocols.RewardFn
+    artifacts_for = classmethod(fixed_artifacts)
 
     def __init__(self, config: BoxIoUConfig | None = None):
         self.config = config or BoxIoUConfig()

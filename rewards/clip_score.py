@@ -12,7 +12,9 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from mmgrpo.rewards import _clip
-from mmgrpo.rewards._common import WEIGHT_LIMIT, check_frame_options, frames, non_finite_samples, reduce_frames
+from mmgrpo.rewards._common import (
+    WEIGHT_LIMIT, check_frame_options, fixed_artifacts, frames, modality_option, non_finite_samples, reduce_frames,
+)
 from mmgrpo.types import PromptBatch, RewardResult
 from mmgrpo.validation import check_fields, check_range
 
@@ -62,13 +64,8 @@ class ClipScore:
     group_stage = None  # each score depends on its sample only (see mmgrpo.protocols.RewardFn)
     artifacts = frozenset()  # adds nothing for the sample writers
 
-    @classmethod
-    def modalities_for(cls, config: ClipScoreConfig) -> frozenset[str]:
-        return frozenset({config.modality})  # its `modality` option (see mmgrpo.protocols.RewardFn)
-
-    @classmethod
-    def artifacts_for(cls, config: ClipScoreConfig) -> frozenset[str]:
-        return cls.artifacts
+    modalities_for = classmethod(modality_option)  # see mmgrpo.protocols.RewardFn
+    artifacts_for = classmethod(fixed_artifacts)
 
     def __init__(self, config: ClipScoreConfig | None = None):
         self.config = config or ClipScoreConfig()

@@ -33,7 +33,9 @@ import torch
 import torch.nn.functional as F
 
 from mmgrpo.rewards import _clip
-from mmgrpo.rewards._common import WEIGHT_LIMIT, check_frame_options, frames, nans, non_finite_samples
+from mmgrpo.rewards._common import (
+    WEIGHT_LIMIT, check_frame_options, fixed_artifacts, frames, modality_option, nans, non_finite_samples,
+)
 from mmgrpo.types import PromptBatch, RewardResult
 from mmgrpo.validation import check_fields, check_range
 
@@ -100,13 +102,8 @@ class DppDiversity:
     modalities = frozenset({"video"})  # the default; an instance holds its configured modality
     artifacts = frozenset()  # adds nothing for the sample writers
 
-    @classmethod
-    def modalities_for(cls, config: DppDiversityConfig) -> frozenset[str]:
-        return frozenset({config.modality})  # its `modality` option (see mmgrpo.protocols.RewardFn)
-
-    @classmethod
-    def artifacts_for(cls, config: DppDiversityConfig) -> frozenset[str]:
-        return cls.artifacts
+    modalities_for = classmethod(modality_option)  # see mmgrpo.protocols.RewardFn
+    artifacts_for = classmethod(fixed_artifacts)
 
     def __init__(self, config: DppDiversityConfig | None = None):
         self.config = config or DppDiversityConfig()

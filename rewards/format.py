@@ -28,7 +28,8 @@ from typing import Any
 import torch
 
 from mmgrpo.rewards._common import (
-    MAX_COMPLETION_CHARS, check_max_completion_chars, check_tag, cut_texts, last_tag_block, texts,
+    MAX_COMPLETION_CHARS, check_max_completion_chars, check_tag, cut_texts, fixed_artifacts, fixed_modalities,
+    last_tag_block, texts,
 )
 from mmgrpo.types import PromptBatch, RewardResult
 from mmgrpo.validation import ConfigError, check_fields, check_text
@@ -108,13 +109,8 @@ class FormatReward:
     group_stage = None  # each score depends on its sample only (see mmgrpo.protocols.RewardFn)
     artifacts = frozenset()  # adds nothing for the sample writers
 
-    @classmethod
-    def modalities_for(cls, config: FormatConfig) -> frozenset[str]:
-        return cls.modalities  # whatever the options (see mmgrpo.protocols.RewardFn)
-
-    @classmethod
-    def artifacts_for(cls, config: FormatConfig) -> frozenset[str]:
-        return cls.artifacts
+    modalities_for = classmethod(fixed_modalities)  # see mmgrpo.protocols.RewardFn
+    artifacts_for = classmethod(fixed_artifacts)
 
     def __init__(self, config: FormatConfig | None = None):
         self.config = config or FormatConfig()

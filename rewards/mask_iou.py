@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from mmgrpo.rewards._common import nans
+from mmgrpo.rewards._common import fixed_artifacts, fixed_modalities, nans
 from mmgrpo.rewards._seg_masks import predicted_mask
 from mmgrpo.types import PromptBatch, RewardResult
 from mmgrpo.validation import check_fields, check_range, check_text
@@ -108,13 +108,8 @@ class MaskIoU:
     group_stage = None  # each score depends on its sample only (see mmgrpo.protocols.RewardFn)
     artifacts = frozenset()  # adds nothing for the sample writers
 
-    @classmethod
-    def modalities_for(cls, config: MaskIoUConfig) -> frozenset[str]:
-        return cls.modalities  # whatever the options (see mmgrpo.protocols.RewardFn)
-
-    @classmethod
-    def artifacts_for(cls, config: MaskIoUConfig) -> frozenset[str]:
-        return cls.artifacts
+    modalities_for = classmethod(fixed_modalities)  # see mmgrpo.protocols.RewardFn
+    artifacts_for = classmethod(fixed_artifacts)
 
     def __init__(self, config: MaskIoUConfig | None = None):
         self.config = config or MaskIoUConfig()

@@ -28,6 +28,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from mmgrpo.rewards._common import fixed_artifacts, fixed_modalities
 from mmgrpo.data.shapes import BACKGROUND, PALETTE
 from mmgrpo.types import PromptBatch, RewardResult
 from mmgrpo.validation import check_fields
@@ -158,13 +159,8 @@ class MiniGenEval:
     group_stage = None  # each score depends on its sample only (see mmgrpo.protocols.RewardFn)
     artifacts = frozenset()  # adds nothing for the sample writers
 
-    @classmethod
-    def modalities_for(cls, config: MiniGenEvalConfig) -> frozenset[str]:
-        return cls.modalities  # whatever the options (see mmgrpo.protocols.RewardFn)
-
-    @classmethod
-    def artifacts_for(cls, config: MiniGenEvalConfig) -> frozenset[str]:
-        return cls.artifacts
+    modalities_for = classmethod(fixed_modalities)  # see mmgrpo.protocols.RewardFn
+    artifacts_for = classmethod(fixed_artifacts)
 
     def __init__(self, config: MiniGenEvalConfig | None = None):
         self.config = config or MiniGenEvalConfig()

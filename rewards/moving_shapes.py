@@ -37,6 +37,7 @@ from typing import Any
 
 import torch
 
+from mmgrpo.rewards._common import fixed_artifacts, fixed_modalities
 from mmgrpo.data.moving_shapes import TRANSLATIONS
 from mmgrpo.rewards.mini_geneval import MiniGenEval, shape_distance
 from mmgrpo.types import PromptBatch, RewardResult
@@ -99,13 +100,8 @@ class MovingShapesReward:
     group_stage = None  # each score depends on its sample only (see mmgrpo.protocols.RewardFn)
     artifacts = frozenset()  # adds nothing for the sample writers
 
-    @classmethod
-    def modalities_for(cls, config: MovingShapesRewardConfig) -> frozenset[str]:
-        return cls.modalities  # whatever the options (see mmgrpo.protocols.RewardFn)
-
-    @classmethod
-    def artifacts_for(cls, config: MovingShapesRewardConfig) -> frozenset[str]:
-        return cls.artifacts
+    modalities_for = classmethod(fixed_modalities)  # see mmgrpo.protocols.RewardFn
+    artifacts_for = classmethod(fixed_artifacts)
 
     def __init__(self, config: MovingShapesRewardConfig | None = None):
         self.config = config or MovingShapesRewardConfig()

@@ -17,7 +17,8 @@ import torch
 from mmgrpo.hub import resolve_pretrained
 from mmgrpo.rewards._clip import resize_crop_normalize
 from mmgrpo.rewards._common import (
-    BATCH_LIMIT, WEIGHT_LIMIT, check_frame_options, frames, non_finite_samples, reduce_frames,
+    BATCH_LIMIT, WEIGHT_LIMIT, check_frame_options, fixed_artifacts, frames, modality_option, non_finite_samples,
+    reduce_frames,
 )
 from mmgrpo.types import PromptBatch, RewardResult
 from mmgrpo.validation import check_fields, check_range, check_text
@@ -71,13 +72,8 @@ class PickScore:
     group_stage = None  # each score depends on its sample only (see mmgrpo.protocols.RewardFn)
     artifacts = frozenset()  # adds nothing for the sample writers
 
-    @classmethod
-    def modalities_for(cls, config: PickScoreConfig) -> frozenset[str]:
-        return frozenset({config.modality})  # its `modality` option (see mmgrpo.protocols.RewardFn)
-
-    @classmethod
-    def artifacts_for(cls, config: PickScoreConfig) -> frozenset[str]:
-        return cls.artifacts
+    modalities_for = classmethod(modality_option)  # see mmgrpo.protocols.RewardFn
+    artifacts_for = classmethod(fixed_artifacts)
 
     def __init__(self, config: PickScoreConfig | None = None):
         from transformers import CLIPModel, CLIPProcessor

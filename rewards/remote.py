@@ -29,6 +29,7 @@ from typing import Any, Literal
 
 from mmgrpo.errors import RunError
 from mmgrpo.reward_codec import TOKEN_ENV, TOKEN_HINT, decode_result, encode_request, is_loopback, read_token
+from mmgrpo.rewards._common import fixed_artifacts
 from mmgrpo.types import PromptBatch, RewardResult
 
 
@@ -144,9 +145,7 @@ class RemoteReward:
     def modalities_for(cls, config: RemoteConfig) -> frozenset[str]:
         return frozenset(config.modalities)  # the served reward's, as configured (see mmgrpo.protocols.RewardFn)
 
-    @classmethod
-    def artifacts_for(cls, config: RemoteConfig) -> frozenset[str]:
-        return cls.artifacts
+    artifacts_for = classmethod(fixed_artifacts)
 
     def __init__(self, config: RemoteConfig | None = None):
         self.config = config or RemoteConfig()

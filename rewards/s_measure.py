@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from mmgrpo.rewards._common import nans
+from mmgrpo.rewards._common import fixed_artifacts, fixed_modalities, nans
 from mmgrpo.rewards._seg_masks import load_mask, predicted_mask
 from mmgrpo.rewards.mask_iou import s_measure
 from mmgrpo.types import PromptBatch, RewardResult
@@ -63,13 +63,8 @@ class SMeasure:
     group_stage = None  # each score depends on its sample only (see mmgrpo.protocols.RewardFn)
     artifacts = frozenset()  # adds nothing for the sample writers
 
-    @classmethod
-    def modalities_for(cls, config: SMeasureConfig) -> frozenset[str]:
-        return cls.modalities  # whatever the options (see mmgrpo.protocols.RewardFn)
-
-    @classmethod
-    def artifacts_for(cls, config: SMeasureConfig) -> frozenset[str]:
-        return cls.artifacts
+    modalities_for = classmethod(fixed_modalities)  # see mmgrpo.protocols.RewardFn
+    artifacts_for = classmethod(fixed_artifacts)
 
     def __init__(self, config: SMeasureConfig | None = None):
         self.config = config or SMeasureConfig()

@@ -42,7 +42,9 @@ import torch
 import torch.nn.functional as F
 
 from mmgrpo.hub import DTYPES, resolve_pretrained
-from mmgrpo.rewards._common import BATCH_LIMIT, MAX_COMPLETION_CHARS, check_max_completion_chars, cut_texts, nans, texts
+from mmgrpo.rewards._common import (
+    BATCH_LIMIT, MAX_COMPLETION_CHARS, check_max_completion_chars, cut_texts, fixed_modalities, nans, texts,
+)
 from mmgrpo.rewards._seg_masks import intersection_union, load_mask
 from mmgrpo.rewards._seg_parse import COUNTERS, FORMATS, SegPrompt, parse_prompt
 from mmgrpo.rewards.box_iou import BoxIoU
@@ -122,9 +124,7 @@ class SamMask:
     group_stage = None  # each score depends on its sample only (see mmgrpo.protocols.RewardFn)
     artifacts = frozenset({"mask", "seg_prompts"})  # the default (attach_masks); an instance holds its options'
 
-    @classmethod
-    def modalities_for(cls, config: SamMaskConfig) -> frozenset[str]:
-        return cls.modalities  # whatever the options (see mmgrpo.protocols.RewardFn)
+    modalities_for = classmethod(fixed_modalities)  # see mmgrpo.protocols.RewardFn
 
     @classmethod
     def artifacts_for(cls, config: SamMaskConfig) -> frozenset[str]:

@@ -28,7 +28,8 @@ from typing import Any, Literal
 import torch
 
 from mmgrpo.rewards._common import (
-    MAX_COMPLETION_CHARS, PIXEL_DISTANCE_LIMIT, WEIGHT_LIMIT, check_max_completion_chars, cut_texts, nans, texts,
+    MAX_COMPLETION_CHARS, PIXEL_DISTANCE_LIMIT, WEIGHT_LIMIT, check_max_completion_chars, cut_texts,
+    fixed_artifacts, fixed_modalities, nans, texts,
 )
 from mmgrpo.rewards._matching import max_weight_matching
 from mmgrpo.rewards._seg_parse import map_prompts, parse_seg_zero
@@ -105,13 +106,8 @@ class SegZero:
     group_stage = None  # each score depends on its sample only (see mmgrpo.protocols.RewardFn)
     artifacts = frozenset()  # adds nothing for the sample writers
 
-    @classmethod
-    def modalities_for(cls, config: SegZeroConfig) -> frozenset[str]:
-        return cls.modalities  # whatever the options (see mmgrpo.protocols.RewardFn)
-
-    @classmethod
-    def artifacts_for(cls, config: SegZeroConfig) -> frozenset[str]:
-        return cls.artifacts
+    modalities_for = classmethod(fixed_modalities)  # see mmgrpo.protocols.RewardFn
+    artifacts_for = classmethod(fixed_artifacts)
 
     def __init__(self, config: SegZeroConfig | None = None):
         self.config = config or SegZeroConfig()

@@ -40,7 +40,8 @@ from typing import Any, Literal
 import torch
 
 from mmgrpo.rewards._common import (
-    COMPLETION_CHARS_LIMIT, MAX_COMPLETION_CHARS, check_max_completion_chars, cut_texts, last_tag_block, nans, texts,
+    COMPLETION_CHARS_LIMIT, MAX_COMPLETION_CHARS, check_max_completion_chars, cut_texts, fixed_artifacts,
+    fixed_modalities, last_tag_block, nans, texts,
 )
 from mmgrpo.rewards._step_headers import step_sections
 from mmgrpo.types import PromptBatch, RewardResult
@@ -94,13 +95,8 @@ class StepRARReward:
     group_stage = None  # each score depends on its sample only (see mmgrpo.protocols.RewardFn)
     artifacts = frozenset()  # adds nothing for the sample writers
 
-    @classmethod
-    def modalities_for(cls, config: StepRARConfig) -> frozenset[str]:
-        return cls.modalities  # whatever the options (see mmgrpo.protocols.RewardFn)
-
-    @classmethod
-    def artifacts_for(cls, config: StepRARConfig) -> frozenset[str]:
-        return cls.artifacts
+    modalities_for = classmethod(fixed_modalities)  # see mmgrpo.protocols.RewardFn
+    artifacts_for = classmethod(fixed_artifacts)
 
     def __init__(self, config: StepRARConfig | None = None):
         self.config = config or StepRARConfig()

@@ -33,7 +33,9 @@ from typing import Any, Literal
 
 import torch
 
-from mmgrpo.rewards._common import MAX_COMPLETION_CHARS, check_max_completion_chars, cut_texts, texts
+from mmgrpo.rewards._common import (
+    MAX_COMPLETION_CHARS, check_max_completion_chars, cut_texts, fixed_artifacts, fixed_modalities, texts,
+)
 from mmgrpo.rewards._step_headers import R1_VL_STEP, step_headers
 from mmgrpo.types import PromptBatch, RewardResult
 from mmgrpo.validation import check_fields, check_range
@@ -86,13 +88,8 @@ class StepRVRReward:
     group_stage = None  # each score depends on its sample only (see mmgrpo.protocols.RewardFn)
     artifacts = frozenset()  # adds nothing for the sample writers
 
-    @classmethod
-    def modalities_for(cls, config: StepRVRConfig) -> frozenset[str]:
-        return cls.modalities  # whatever the options (see mmgrpo.protocols.RewardFn)
-
-    @classmethod
-    def artifacts_for(cls, config: StepRVRConfig) -> frozenset[str]:
-        return cls.artifacts
+    modalities_for = classmethod(fixed_modalities)  # see mmgrpo.protocols.RewardFn
+    artifacts_for = classmethod(fixed_artifacts)
 
     def __init__(self, config: StepRVRConfig | None = None):
         self.config = config or StepRVRConfig()

@@ -21,7 +21,9 @@ from typing import Any
 import torch
 
 from mmgrpo.rewards import _clip
-from mmgrpo.rewards._common import FRAME_STRIDE_LIMIT, frames, nans, non_finite_samples
+from mmgrpo.rewards._common import (
+    FRAME_STRIDE_LIMIT, fixed_artifacts, fixed_modalities, frames, nans, non_finite_samples,
+)
 from mmgrpo.types import PromptBatch, RewardResult
 from mmgrpo.validation import check_fields, check_range
 
@@ -71,13 +73,8 @@ class TemporalConsistency:
     group_stage = None  # each score depends on its sample only (see mmgrpo.protocols.RewardFn)
     artifacts = frozenset()  # adds nothing for the sample writers
 
-    @classmethod
-    def modalities_for(cls, config: TemporalConsistencyConfig) -> frozenset[str]:
-        return cls.modalities  # whatever the options (see mmgrpo.protocols.RewardFn)
-
-    @classmethod
-    def artifacts_for(cls, config: TemporalConsistencyConfig) -> frozenset[str]:
-        return cls.artifacts
+    modalities_for = classmethod(fixed_modalities)  # see mmgrpo.protocols.RewardFn
+    artifacts_for = classmethod(fixed_artifacts)
 
     def __init__(self, config: TemporalConsistencyConfig | None = None):
         self.config = config or TemporalConsistencyConfig()

@@ -34,7 +34,8 @@ from typing import Any
 import torch
 
 from mmgrpo.rewards._common import (
-    MAX_COMPLETION_CHARS, check_max_completion_chars, check_tag, cut_texts, nans, tag_spans, texts,
+    MAX_COMPLETION_CHARS, check_max_completion_chars, check_tag, cut_texts, fixed_artifacts, fixed_modalities, nans,
+    tag_spans, texts,
 )
 from mmgrpo.types import PromptBatch, RewardResult
 from mmgrpo.validation import check_fields, check_text
@@ -111,13 +112,8 @@ class TIoU:
     group_stage = None  # each score depends on its sample only (see mmgrpo.protocols.RewardFn)
     artifacts = frozenset()  # adds nothing for the sample writers
 
-    @classmethod
-    def modalities_for(cls, config: TIoUConfig) -> frozenset[str]:
-        return cls.modalities  # whatever the options (see mmgrpo.protocols.RewardFn)
-
-    @classmethod
-    def artifacts_for(cls, config: TIoUConfig) -> frozenset[str]:
-        return cls.artifacts
+    modalities_for = classmethod(fixed_modalities)  # see mmgrpo.protocols.RewardFn
+    artifacts_for = classmethod(fixed_artifacts)
 
     def __init__(self, config: TIoUConfig | None = None):
         self.config = config or TIoUConfig()
