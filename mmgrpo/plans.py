@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import ClassVar, Union
 
-FLOW_PLAN_FEATURES = frozenset({"merge", "branch", "unit_selection", "dpm", "likelihood"})
+FLOW_PLAN_FEATURES = frozenset({"merge", "branch", "unit_selection", "dpm", "likelihood", "tree"})
 
 
 @dataclass
@@ -55,6 +55,13 @@ class FlowPlan:
         flow_shift (`float`): the ``flow_shift`` of the ``"dpm"`` solver's noise levels.
         scoring (`str`): ``"trajectory"`` or, feature ``"likelihood"``, ``"likelihood"`` (the policy's
             ``likelihood`` scores the final samples at the noise levels of `train_units`).
+        tree_split_points (`list[int]`): feature ``"tree"`` (BranchGRPO): each group is a tree from one root noise;
+            at each of these SDE steps every node splits into `branch_factor` children, so a group has
+            ``branch_factor ** len(tree_split_points)`` leaves (its members, ``PromptBatch.member_ids`` giving each
+            leaf's path); shared prefixes are computed once per node. See [`mmgrpo.samplers.flow_tree`].
+        branch_factor (`int`): children per node at a split point.
+        tree_split_noise_scale (`float`): the standard normal noise of a split step is multiplied by it, while the
+            recorded log-probability keeps the transition's unscaled std (as BranchGRPO's code).
     """
 
     family: ClassVar[str] = "flow"
@@ -74,6 +81,9 @@ class FlowPlan:
     solver: str = "flow"
     flow_shift: float = 3.0
     scoring: str = "trajectory"
+    tree_split_points: list[int] = field(default_factory=list)
+    branch_factor: int = 2
+    tree_split_noise_scale: float = 1.0
 
     def __post_init__(self):
         trained = self.trained_steps
@@ -95,6 +105,7 @@ class FlowPlan:
         if not 0 <= self.units_per_sample <= len(self.train_units):
             raise ValueError(f"units_per_sample {self.units_per_sample} must be in 0..{len(self.train_units)}.")
         self._check_merges()
+        self._check_tree()
         if self.branch and (not self.sde_steps or len(set(self.sde_steps)) != len(self.sde_steps)):
             raise ValueError(f"A branching plan needs distinct sde_steps (one per branch), got {self.sde_steps}.")
 
@@ -112,17 +123,38 @@ class FlowPlan:
                 if inside:
                     raise ValueError(f"Merged step {i} (spanning {m} steps) jumps over SDE steps {inside}.")
 
+    def _check_tree(self) -> None:
+        points = self.tree_split_points
+        if not points:
+            return
+        if points != sorted(set(points)) or any(p not in self.sde_steps for p in points):
+            raise ValueError(f"FlowPlan.tree_split_points {points} must be increasing, distinct SDE steps "
+                             f"(sde_steps={self.sde_steps}).")
+        if self.branch_factor < 2 or not self.tree_split_noise_scale > 0:
+            raise ValueError(f"A tree plan needs branch_factor >= 2 and tree_split_noise_scale > 0, got "
+                             f"{self.branch_factor} and {self.tree_split_noise_scale}.")
+        if self.branch or self.merge or self.merge_entropy is not None or self.solver != "flow" or \
+                self.scoring != "trajectory" or self.units_per_sample:
+            raise ValueError("A tree plan (tree_split_points) combines with no other flow plan feature.")
+
+    @property
+    def tree_leaves(self) -> int:
+        """Leaves of a tree plan's group, ``branch_factor ** len(tree_split_points)`` (1 without a tree)."""
+        return self.branch_factor ** len(self.tree_split_points)
+
     def features(self) -> set[str]:
         """The opt-in features this plan uses, a subset of [`FLOW_PLAN_FEATURES`]: ``"merge"`` (fixed or
         entropy-adaptive merged SDE steps), ``"branch"`` (group branches from one anchor), ``"unit_selection"``
         (per-sample trained units), ``"dpm"`` (the DPM-Solver++ rollout) and ``"likelihood"`` (scoring by
-        [`mmgrpo.samplers.flow_likelihood.plan_likelihood`]); a policy must list them all in its ``plan_features``."""
+        [`mmgrpo.samplers.flow_likelihood.plan_likelihood`]) and ``"tree"`` (BranchGRPO's tree rollout); a policy must
+        list them all in its ``plan_features``."""
         used = {
             "merge": bool(self.merge) or self.merge_entropy is not None,
             "branch": self.branch,
             "unit_selection": self.units_per_sample > 0,
             "dpm": self.solver == "dpm",
             "likelihood": self.scoring == "likelihood",
+            "tree": bool(self.tree_split_points),
         }
         return {name for name, on in used.items() if on}
 

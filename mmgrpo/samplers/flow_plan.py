@@ -3,7 +3,8 @@ their model in as small callables (see `pipelines/_flow_policy.py`) and own no s
 
 - [`run_plan`] (``sample``): plain plans go to [`sample_flow`] (SDE on the plan's SDE steps, ODE elsewhere); merged
   SDE steps and group branches from one shared ODE anchor (E-GRPO), per-sample trained units (Chunk-GRPO,
-  [`select_units`]) and the deterministic DPM-Solver++ rollout (DGPO) are handled here.
+  [`select_units`]) and the deterministic DPM-Solver++ rollout (DGPO) are handled here; BranchGRPO's tree rollouts
+  in [`mmgrpo.samplers.flow_tree`].
 - [`replay_plan`] (``log_prob``): replays only the transitions a sample trains; a step taken from a group's shared
   anchor is forwarded once per group, not once per sample.
 - [`~mmgrpo.samplers.flow_likelihood.plan_likelihood`] (``likelihood``, its own module): minus the flow-matching
@@ -21,6 +22,7 @@ import torch
 
 from mmgrpo.plans import FLOW_PLAN_FEATURES, FlowPlan
 from mmgrpo.samplers.flow_sde import entropy_merge_span, flow_sde_step
+from mmgrpo.samplers.flow_tree import sample_tree
 from mmgrpo.seeding import mix_seed
 from mmgrpo.types import Score
 
@@ -169,7 +171,9 @@ def run_plan(
         `[N]` (re-keyed by branch for branching plans).
     """
     n = len(group_ids)
-    if plan.solver == "dpm":
+    if plan.tree_split_points:  # BranchGRPO's tree: one root per group, shared prefixes once per node
+        trajectory, log_probs, mask = sample_tree(velocity, noise, sigmas, plan, group_ids, member_ids)
+    elif plan.solver == "dpm":
         trajectory, log_probs, mask = _sample_dpm(velocity, noise(n, generator), plan)
     elif plan.branch or plan.merge or plan.merge_entropy is not None:
         trajectory, log_probs, mask = _sample_paths(velocity, noise, sigmas, plan, group_ids, member_ids, generator)
