@@ -125,12 +125,16 @@ class SDEOptions:
     """The SDE steps of a flow-matching rollout (Flow-GRPO's sampler, `mmgrpo/samplers/flow_sde.py`).
 
     Args:
-        noise_level (`float`): the SDE's noise scale eta (Flow-GRPO's configs: 0.7 for SDE, 0.8 for CPS).
-        sde_type (`str`): ``"sde"`` (Flow-GRPO's step) or ``"cps"`` (coefficient-preserving sampling).
+        noise_level (`float`): the SDE's noise scale eta (Flow-GRPO's configs: 0.7 for SDE, 0.8 for CPS; DanceGRPO's:
+            0.3).
+        sde_type (`str`): ``"sde"`` (Flow-GRPO's step), ``"cps"`` (coefficient-preserving sampling) or ``"dance"``
+            (DanceGRPO's step: ``mu = x + dsigma v - eta^2 s_hat dsigma / 2``, std ``eta sqrt(|dsigma|)``; see
+            [`~mmgrpo.samplers.flow_sde.dance_step_mean`]). MixGRPO's ``--flow_grpo_sampling`` is ``"sde"``, its
+            default (the flag off) ``"dance"``.
     """
 
     noise_level: float = 0.7
-    sde_type: Literal["sde", "cps"] = "sde"
+    sde_type: Literal["sde", "cps", "dance"] = "sde"
 
     def __post_init__(self):
         check_fields(self)

@@ -1,7 +1,8 @@
-"""One step of a rectified-flow sampler as a stochastic policy: the Flow-GRPO SDE step, its CPS variant and the
-deterministic ODE (Euler) step, each with the log-probability of the transition it takes.
+"""One step of a rectified-flow sampler as a stochastic policy: the Flow-GRPO SDE step, its CPS variant, DanceGRPO's
+SDE step and the deterministic ODE (Euler) step, each with the log-probability of the transition it takes.
 
-Flow-GRPO: https://arxiv.org/abs/2505.05470 ; coefficients-preserving sampling (CPS): https://arxiv.org/abs/2509.05952
+Flow-GRPO: https://arxiv.org/abs/2505.05470 ; coefficients-preserving sampling (CPS): https://arxiv.org/abs/2509.05952 ;
+DanceGRPO: https://arxiv.org/abs/2505.07818 (its ``flux_step``, also MixGRPO's Dance-SDE)
 
 Convention: sigmas fall from 1 (noise) to 0 (data); ``x_sigma = (1 - sigma) * x0 + sigma * noise``; the model
 predicts the velocity ``v = noise - x0``; a step goes from ``sigma`` to ``sigma_next < sigma``.
@@ -20,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-SDE_TYPES = ("sde", "cps", "ode")
+SDE_TYPES = ("sde", "cps", "dance", "ode")
 
 
 @dataclass
@@ -35,7 +36,8 @@ class FlowStepOutput:
         std (`torch.FloatTensor` of shape `[N, 1, ...]`): standard deviation of the transition (broadcastable).
         noise_scale (`torch.FloatTensor` of shape `[N, 1, ...]`): the SDE's noise scale at the step, Flow-GRPO's
             ``std_dev_t``: ``sigma_t = eta * sqrt(sigma / (1 - sigma))`` for ``"sde"`` (so ``std = sigma_t *
-            sqrt(|dt|)``), the transition std itself for ``"cps"``, 0 for a deterministic step.
+            sqrt(|dt|)``), ``eta`` for ``"dance"`` (``std = eta * sqrt(|dt|)``), the transition std itself for
+            ``"cps"``, 0 for a deterministic step.
     """
 
     prev_sample: torch.Tensor
@@ -102,6 +104,24 @@ def check_step(
             )
 
 
+def dance_step_mean(x: torch.Tensor, v: torch.Tensor, s: torch.Tensor, s_next: torch.Tensor,
+                    noise_level: float) -> torch.Tensor:
+    """The mean of DanceGRPO's SDE step (its ``flux_step`` with ``sde_solver=True``) from `x` at `s` to `s_next`:
+    ``mu = x + dsigma * v - 0.5 * eta^2 * s_hat * dsigma`` with ``dsigma = s_next - s`` (< 0), the data estimate
+    ``x0_hat = x - s * v`` and the score estimate ``s_hat = -(x - (1 - s) * x0_hat) / s^2``; its std is ``eta *
+    sqrt(s - s_next)`` (a constant diffusion coefficient ``g = eta``).
+
+    Args:
+        x (`torch.FloatTensor` of shape `[N, ...]`), v (`torch.FloatTensor` of shape `[N, ...]`): latent and velocity.
+        s (`torch.FloatTensor` of shape `[N, 1, ...]`), s_next (`torch.FloatTensor` of shape `[N, 1, ...]`): the
+            sigmas (``s > 0``).
+    """
+    dsigma = s_next - s  # [N, 1, ...] < 0
+    x0_hat = x - s * v
+    score = -(x - (1 - s) * x0_hat) / s**2
+    return x + dsigma * v - 0.5 * noise_level**2 * score * dsigma
+
+
 def _check_density(std: torch.Tensor, noise_level: float) -> None:
     """Refuses an SDE transition whose variance underflows float32 (its log-density would be NaN or inf)."""
     if bool((std.float() ** 2 < torch.finfo(torch.float32).tiny).any()):
@@ -132,8 +152,8 @@ def flow_sde_step(
         sigma (`float` or `torch.FloatTensor` of shape `[N]`): current noise level.
         sigma_next (`float` or `torch.FloatTensor` of shape `[N]`): next noise level (smaller).
         noise_level (`float`): eta; 0 makes the SDE step an ODE step.
-        sde_type (`str`): ``"sde"`` (Flow-GRPO, marginal-preserving SDE), ``"cps"`` (coefficients-preserving) or
-            ``"ode"`` (Euler).
+        sde_type (`str`): ``"sde"`` (Flow-GRPO, marginal-preserving SDE), ``"cps"`` (coefficients-preserving),
+            ``"dance"`` (DanceGRPO's SDE, see [`dance_step_mean`]) or ``"ode"`` (Euler).
         sigma_at_one (`float`, *optional*): for ``"sde"``, the value used instead of `sigma` in ``1 - sigma`` when
             ``sigma == 1`` (Flow-GRPO uses the schedule's second sigma) to avoid dividing by zero.
         prev_sample (`torch.FloatTensor`, *optional*): re-score this next latent instead of sampling one.
@@ -141,8 +161,8 @@ def flow_sde_step(
         generator (`torch.Generator`, *optional*): used to draw `noise` when neither it nor `prev_sample` is given.
 
     Returns:
-        [`FlowStepOutput`]. ``"sde"``: exact Gaussian log-density averaged over elements. ``"cps"``: the CPS
-        surrogate ``-mean((x' - mean)^2)`` (constants and the 1/(2 std^2) scale dropped, as its authors do).
+        [`FlowStepOutput`]. ``"sde"``, ``"dance"``: exact Gaussian log-density averaged over elements. ``"cps"``: the
+        CPS surrogate ``-mean((x' - mean)^2)`` (constants and the 1/(2 std^2) scale dropped, as its authors do).
 
     Raises:
         `ValueError`: for the inputs [`check_step`] refuses, and for an ``"sde"`` transition whose standard deviation
@@ -165,6 +185,11 @@ def flow_sde_step(
         mean = x * (1 + std_t**2 / (2 * s) * dt) + v * (1 + std_t**2 * (1 - s) / (2 * s)) * dt
         std = std_t * torch.sqrt(-dt)
         noise_scale = std_t
+        _check_density(std, noise_level)
+    elif sde_type == "dance":
+        mean = dance_step_mean(x, v, s, s_next, noise_level)
+        noise_scale = torch.full_like(s, float(noise_level))  # DanceGRPO's g(t) = eta
+        std = noise_scale * torch.sqrt(-dt)
         _check_density(std, noise_level)
     else:  # cps
         std = s_next * math.sin(noise_level * math.pi / 2)
@@ -219,6 +244,8 @@ def flow_sde_std(
         return torch.zeros_like(s)
     if sde_type == "cps":
         return s_next * math.sin(noise_level * math.pi / 2)
+    if sde_type == "dance":
+        return noise_level * torch.sqrt(s - s_next)
     s_safe = s if sigma_at_one is None else torch.where(s >= 1, torch.as_tensor(sigma_at_one, dtype=torch.float32), s)
     return noise_level * torch.sqrt(s / (1 - s_safe)) * torch.sqrt(s - s_next)
 
