@@ -1,4 +1,5 @@
-"""Loss pieces shared by the algorithms: masked means and the clipped (PPO) surrogate on plain tensors."""
+"""Loss pieces shared by the algorithms: masked means, the clipped (PPO) surrogate and GRPO-Guard's normalised flow
+ratio, on plain tensors."""
 
 from __future__ import annotations
 
@@ -47,20 +48,25 @@ def clipped_surrogate(
     clip_low: float,
     clip_high: float,
     mask: torch.Tensor | None = None,
+    weight: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
-    """PPO's clipped objective ``mean(max(-A r, -A clip(r, 1 - clip_low, 1 + clip_high)))``.
+    """PPO's clipped objective ``mean(max(-A r, -A clip(r, 1 - clip_low, 1 + clip_high)))``, each entry times its
+    `weight` when given (GRPO-Guard's step weight, see [`ratio_norm`]).
 
     Args:
         log_ratio (`torch.FloatTensor` of shape `[n, k]`): ``log pi_new - log pi_old`` per scored entry.
         advantages (`torch.FloatTensor` of shape `[n]`).
         clip_low (`float`), clip_high (`float`): the ratio is clipped to ``[1 - clip_low, 1 + clip_high]``.
         mask (`torch.BoolTensor` of shape `[n, k]`, *optional*): entries to average over.
+        weight (`torch.FloatTensor` of shape `[n, k]`, *optional*): multiplies each entry's objective (no gradient).
 
     Returns:
         `tuple`: the loss `[]` and metrics (``policy_loss``, ``ratio_mean``, ``clip_frac``, ``approx_kl``), all over
         the masked entries.
     """
     per_entry, _ = clipped_objective(log_ratio, advantages, clip_low, clip_high)  # [n, k]
+    if weight is not None:
+        per_entry = per_entry * weight.detach()
     loss = masked_mean(per_entry, mask)
     if mask is not None and not bool(mask.any()):  # nothing trained here: log the on-policy values, not zeros
         return loss, {"policy_loss": 0.0, "ratio_mean": 1.0, "clip_frac": 0.0, "approx_kl": 0.0}
@@ -95,3 +101,46 @@ def gaussian_mean_kl(mean: torch.Tensor, ref_mean: torch.Tensor, std: torch.Tens
         return kl.mean()
     per_transition = kl.flatten(2).mean(-1)  # [n, k]
     return masked_mean(per_transition, mask)
+
+
+def _per_transition(value: torch.Tensor) -> torch.Tensor:
+    """A per-transition scalar stored broadcastable to the latents, `[n, k, 1, ...]` -> `[n, k]`."""
+    return value.reshape(*value.shape[:2], -1)[..., 0]
+
+
+def ratio_norm(
+    log_ratio: torch.Tensor,
+    mean: torch.Tensor,
+    old_mean: torch.Tensor,
+    std: torch.Tensor,
+    noise_scale: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """GRPO-Guard's RatioNorm (https://arxiv.org/abs/2510.22319) of the log-ratio of Gaussian flow-SDE transitions, and
+    each transition's step length ``|dt|``, whose inverse is GRPO-Guard's loss weight of the step.
+
+    With ``s = sigma_t sqrt(|dt|)`` the transition std and ``d = mu_theta - mu_old``, the normalised log-ratio is
+    ``(log_ratio + mean(d^2) / (2 s^2)) * s``. Since ``x' = mu_old + s eps``, the log-ratio of two Gaussians of std `s`
+    is ``mean(eps d) / s - mean(d^2) / (2 s^2)``: the added term removes its negative mean (the per-step bias), the
+    factor `s` its dependence on the noise level, leaving ``mean(eps d)``. ``|dt| = (s / sigma_t)^2``.
+
+    Args:
+        log_ratio (`torch.FloatTensor` of shape `[n, k]`): ``log pi_theta - log pi_old`` (element-mean log-densities).
+        mean (`torch.FloatTensor` of shape `[n, k, ...]`): the transitions' means under the policy (with gradients).
+        old_mean (`torch.FloatTensor` of shape `[n, k, ...]`): their means under the sampling policy.
+        std (`torch.FloatTensor` of shape `[n, k, 1, ...]`): the transition std `s` (0 on placeholders).
+        noise_scale (`torch.FloatTensor` of shape `[n, k, 1, ...]`): ``sigma_t`` (Flow-GRPO's ``std_dev_t``).
+
+    Returns:
+        `tuple`: the normalised log-ratio `[n, k]` and ``|dt|`` `[n, k]` (1 on placeholders, where both are
+        meaningless and the log-ratio is 0).
+    """
+    s = _per_transition(std).to(log_ratio.dtype)  # [n, k]
+    scale = _per_transition(noise_scale).to(log_ratio.dtype)  # [n, k]
+    real = s > 0
+    safe_s = torch.where(real, s, torch.ones_like(s))
+    shift = (mean - old_mean.detach()).pow(2).flatten(2).mean(-1)  # [n, k]
+    normed = (log_ratio + shift / (2 * safe_s**2)) * safe_s
+    dt = torch.where(real & (scale > 0), (s / torch.where(scale > 0, scale, torch.ones_like(scale))) ** 2,
+                     torch.ones_like(s))
+    return torch.where(real, normed, torch.zeros_like(normed)), dt
+

@@ -12,7 +12,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import ClassVar, Union
 
-FLOW_PLAN_FEATURES = frozenset({"merge", "branch", "unit_selection", "dpm", "likelihood", "tree"})
+FLOW_PLAN_FEATURES = frozenset({"merge", "branch", "unit_selection", "dpm", "likelihood", "tree", "old_mean"})
+# plan feature -> the `Score` fields a pipeline's scoring method fills only for a plan that uses the feature (its
+# ``provides`` lists them; an algorithm reading one must ask for the feature, which the checks before loading verify)
+FEATURE_SCORE_FIELDS = {"old_mean": frozenset({"old_mean"})}
 
 
 @dataclass
@@ -55,6 +58,9 @@ class FlowPlan:
         flow_shift (`float`): the ``flow_shift`` of the ``"dpm"`` solver's noise levels.
         scoring (`str`): ``"trajectory"`` or, feature ``"likelihood"``, ``"likelihood"`` (the policy's
             ``likelihood`` scores the final samples at the noise levels of `train_units`).
+        record_mean (`bool`): feature ``"old_mean"``: the rollout records the mean of every trained SDE transition
+            (one latent per trained step and sample), which the replay returns as ``Score.old_mean`` (GRPO-Guard's
+            RatioNorm, Flow-DPPO's divergence mask).
         tree_split_points (`list[int]`): feature ``"tree"`` (BranchGRPO): each group is a tree from one root noise;
             at each of these SDE steps every node splits into `branch_factor` children, so a group has
             ``branch_factor ** len(tree_split_points)`` leaves (its members, ``PromptBatch.member_ids`` giving each
@@ -81,6 +87,7 @@ class FlowPlan:
     solver: str = "flow"
     flow_shift: float = 3.0
     scoring: str = "trajectory"
+    record_mean: bool = False
     tree_split_points: list[int] = field(default_factory=list)
     branch_factor: int = 2
     tree_split_noise_scale: float = 1.0
@@ -98,6 +105,8 @@ class FlowPlan:
             raise ValueError(f"FlowPlan.scoring must be 'trajectory' or 'likelihood', got {self.scoring!r}.")
         if self.solver not in ("flow", "dpm"):
             raise ValueError(f"FlowPlan.solver must be 'flow' or 'dpm', got {self.solver!r}.")
+        if self.record_mean and self.scoring != "trajectory":
+            raise ValueError("FlowPlan.record_mean records SDE transitions' means: it needs 'trajectory' scoring.")
         if self.solver == "dpm" and self.sde_steps:
             raise ValueError("The 'dpm' solver is deterministic: a plan using it cannot have sde_steps.")
         if self.unit_weighting not in ("uniform", "latent_change"):
@@ -154,6 +163,7 @@ class FlowPlan:
             "unit_selection": self.units_per_sample > 0,
             "dpm": self.solver == "dpm",
             "likelihood": self.scoring == "likelihood",
+            "old_mean": self.record_mean,
             "tree": bool(self.tree_split_points),
         }
         return {name for name, on in used.items() if on}

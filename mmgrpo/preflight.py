@@ -16,7 +16,7 @@ import torch
 from . import registry
 from .config import PLUGIN_KINDS, ExperimentConfig
 from .memory_check import check_memory
-from .plans import FlowPlan, SamplingPlan
+from .plans import FEATURE_SCORE_FIELDS, FlowPlan, SamplingPlan
 from .validation import ConfigError
 
 
@@ -145,6 +145,12 @@ def require_plan(pipeline, algorithm, num_steps: int, names) -> SamplingPlan:
             f"which pipeline {names.pipeline.name!r} does not implement: choose another pipeline or algorithm."
         )
     require_scores(pipeline, algorithm, names)
+    unrecorded = sorted(algorithm.traits.reads & {f for feature, fs in FEATURE_SCORE_FIELDS.items()
+                                                  if feature not in plan.features() for f in fs})
+    if unrecorded:
+        raise ConfigError(f"algorithm.name: algorithm {names.algorithm.name!r} reads the score field(s) {unrecorded}, "
+                          f"which a pipeline fills only for plans asking for them (FEATURE_SCORE_FIELDS), but its plan "
+                          f"does not: make its schedule set the feature from the same option as its traits.reads.")
     if ("ground_truth_member" in plan.features()) != algorithm.traits.ground_truth_member:
         raise ConfigError(
             f"algorithm.name: algorithm {names.algorithm.name!r} declares traits.ground_truth_member="

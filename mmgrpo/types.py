@@ -165,6 +165,9 @@ class Score:
         noise_scale (`torch.FloatTensor` of shape `[n, k, 1, ...]`, *optional*): the flow SDE's noise scale at each
             step, ``sigma_t`` with ``std = sigma_t * sqrt(|dt|)`` (Flow-GRPO's ``std_dev_t``; equal to `std` for CPS),
             for KL conventions that divide by ``sigma_t^2``.
+        old_mean (`torch.FloatTensor` of shape `[n, k, ...]`, *optional*): `mean` under the sampling policy, recorded
+            at sampling for the plans that ask for it (flow plan feature ``"old_mean"``: GRPO-Guard's RatioNorm,
+            Flow-DPPO's divergence mask); no gradient.
         velocity (`torch.FloatTensor` of shape `[n, k, ...]`, *optional*): the model's velocity at each scored noise
             level of a flow likelihood (latent shape), for a velocity-space KL.
         group_ids (`torch.LongTensor` of shape `[n]`, *optional*): the group of each sample (a likelihood's
@@ -181,6 +184,7 @@ class Score:
     mean: torch.Tensor | None = None  # [n, k, ...]
     std: torch.Tensor | None = None  # [n, k, 1, ...]
     noise_scale: torch.Tensor | None = None  # [n, k, 1, ...]
+    old_mean: torch.Tensor | None = None  # [n, k, ...]
     velocity: torch.Tensor | None = None  # [n, k, ...]
     group_ids: torch.Tensor | None = None  # [n] long
     token_log_prob: torch.Tensor | None = None  # [n, k, L]

@@ -1,6 +1,7 @@
 """The options every algorithm shares, one record each, checked once: the advantage estimator ([`AdvantageOptions`]),
 the ratio clip ([`ClipOptions`]), the KL weight with its schedule ([`KLOptions`], held at run time as a
-[`KLWeight`], the algorithm's declared ``kl`` member) and the SDE steps of the flow algorithms ([`SDEOptions`]).
+[`KLWeight`], the algorithm's declared ``kl`` member), the SDE steps of the flow algorithms ([`SDEOptions`]) and the
+per-step ratio of the flow algorithms that replay SDE transitions ([`RatioOptions`]: GRPO-Guard's RatioNorm).
 
 An algorithm's ``Config`` embeds them with [`~mmgrpo.validation.embedded`], giving its own (its authors') defaults::
 
@@ -20,6 +21,8 @@ from typing import Literal
 import torch
 
 from ..advantages import StdEstimator, group_normalize, tempsamp_soft
+from ..losses import ratio_norm
+from ..types import Score
 from ..validation import ConfigError, check_fields, check_range
 from ._limits import (
     ADV_CLIP_LIMIT, ADV_EPS_LIMIT, CLIP_LIMIT, KL_BETA_LIMIT, NOISE_LEVEL_RANGE, SCALE_LIMIT, UPDATES_LIMIT,
@@ -139,6 +142,48 @@ class SDEOptions:
     def __post_init__(self):
         check_fields(self)
         check_range("noise_level", self.noise_level, *NOISE_LEVEL_RANGE, fix="0.7 is usual")
+
+
+@dataclass
+class RatioOptions:
+    """The per-step importance ratio of a flow algorithm that replays SDE transitions (`flow_grpo`, `e_grpo`,
+    `chunk_grpo`).
+
+    Args:
+        ratio_norm (`bool`): GRPO-Guard (https://arxiv.org/abs/2510.22319; code: the GRPO-Guard scripts of
+            yifan123/flow_grpo, verl-omni's ``grpo_guard`` loss). Off: ``r = exp(log pi_theta - log pi_old)``. On:
+            RatioNorm, ``r = exp(s (log pi_theta - log pi_old) + mean(|mu_theta - mu_old|^2) / (2 s))`` with ``s =
+            sigma_t sqrt(|dt|)`` the transition std, which removes the per-step negative mean of the log-ratio (so
+            the clip binds on both sides) and its dependence on the noise level; and the gradient reweight, each
+            step's clipped objective divided by its ``|dt|``. The rollout then records the mean ``mu_old`` of every
+            trained transition (plan feature ``"old_mean"``; memory: one latent per trained step and sample). Needs
+            ``sde_type: sde`` (the Gaussian log-density the identity is about).
+    """
+
+    ratio_norm: bool = False
+
+    def __post_init__(self):
+        check_fields(self)
+
+    @property
+    def reads(self) -> frozenset[str]:
+        """The [`~mmgrpo.types.Score`] fields the ratio reads besides ``log_prob``."""
+        return frozenset({"mean", "old_mean", "std", "noise_scale"}) if self.ratio_norm else frozenset()
+
+    def check_sde(self, sde: "SDEOptions") -> None:
+        """Refuses RatioNorm on an SDE whose log-probability is not the Gaussian density (CPS's surrogate...)."""
+        if self.ratio_norm and sde.sde_type != "sde":
+            raise ConfigError(f"ratio_norm (GRPO-Guard) normalises the Gaussian log-density of Flow-GRPO's SDE step; "
+                              f"sde_type {sde.sde_type!r} scores another quantity: use sde_type: sde, or ratio_norm: "
+                              f"false.")
+
+    def log_ratio(self, new: Score, old_log_prob: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The per-step log-ratio `[n, k]` of `new` to the sampling policy and, with `ratio_norm`, the step lengths
+        ``|dt|`` `[n, k]` (GRPO-Guard divides each step's objective by its ``|dt|``; `None` without)."""
+        log_ratio = new.log_prob - old_log_prob  # [n, k]
+        if not self.ratio_norm:
+            return log_ratio, None
+        return ratio_norm(log_ratio, new.mean, new.old_mean, new.std, new.noise_scale)
 
 
 @dataclass

@@ -13,6 +13,11 @@ weighs the same, so a chunk drawn by more samples weighs more: this is what make
 the chunks it draws more often); each chunk's loss is its mean over the samples that train it and reports their count
 (``traits.update_mean = "entries"`` when a fraction of the chunks is trained). Advantages divide by the group's unbiased
 std (n - 1) + 1e-8, as the authors' code (PyTorch's ``std``).
+
+With ``ratio_norm: true`` (default off) each step's log-ratio is GRPO-Guard's normalised one
+(https://arxiv.org/abs/2510.22319; see `flow_grpo` and [`~mmgrpo.losses.ratio_norm`]) before the chunk's mean, and a
+chunk's objective is divided by the mean ``|dt|`` of its steps (GRPO-Guard's step reweight carried to chunks): our
+combination, neither paper's. The k3 term then reads the normalised chunk log-ratio.
 """
 
 from __future__ import annotations
@@ -28,7 +33,9 @@ from ..types import AlgorithmTraits, LossOutput, Score
 from ..validation import check_fields, check_range, embedded
 from ._limits import STEP_LIMIT
 from . import _options
-from ._options import FASTVIDEO_ADVANTAGES, AdvantageOptions, ClipOptions, KLOptions, KLWeight, SDEOptions
+from ._options import (
+    FASTVIDEO_ADVANTAGES, AdvantageOptions, ClipOptions, KLOptions, KLWeight, RatioOptions, SDEOptions,
+)
 
 
 @dataclass
@@ -50,6 +57,7 @@ class ChunkGRPOConfig:
         adv_clip_max (`float`, *optional*): advantages are clamped to ``[-adv_clip_max, adv_clip_max]`` (5).
         kl_beta (`float`): weight of the k3 estimate ``exp(d) - 1 - d``, ``d = log pi_old - log pi_new`` of the
             chunk, between the sampling and the current policy (0: off, the authors' default).
+        ratio_norm (`bool`): GRPO-Guard's RatioNorm of each step and ``1 / mean |dt|`` chunk weight (off).
     """
 
     chunks: list[int] | None = None
@@ -60,9 +68,11 @@ class ChunkGRPOConfig:
     advantage: AdvantageOptions = embedded(AdvantageOptions, **FASTVIDEO_ADVANTAGES)
     kl: KLOptions = embedded(KLOptions, kl_beta=0.0)
     sde: SDEOptions = embedded(SDEOptions, noise_level=0.7)
+    ratio: RatioOptions = embedded(RatioOptions)
 
     def __post_init__(self):
         check_fields(self)
+        self.ratio.check_sde(self.sde)
         if self.chunks is not None and not self.chunks:
             raise ValueError("chunks must be a non-empty list of chunk lengths (or unset: chunks of chunk_size).")
         for i, length in enumerate(self.chunks or []):
@@ -84,7 +94,7 @@ class ChunkGRPO:
         self.config = config
         self.kl = KLWeight(config.kl)  # the KL weight (to the sampling policy), moving under a schedule
         self.traits = AlgorithmTraits(
-            reads=frozenset({"log_prob", "mask"}),  # mask: the chunks each sample trains
+            reads=frozenset({"log_prob", "mask"} | config.ratio.reads),  # mask: the chunks each sample trains
             group_local_advantages=config.advantage.group_local,
             # each trained (sample, chunk) pair weighs the same (with every chunk trained, the same as per sample)
             update_mean="entries" if config.timestep_fraction < 1 else "samples",
@@ -119,6 +129,7 @@ class ChunkGRPO:
             sde_type=self.config.sde.sde_type,
             units_per_sample=per_sample if per_sample < len(units) else 0,
             unit_weighting=self.config.weighting,
+            record_mean=self.config.ratio.ratio_norm,
         )
 
     def loss(self, new: Score, old_log_prob, advantages, ref: Score | None = None) -> LossOutput:
@@ -126,17 +137,22 @@ class ChunkGRPO:
 
         Args:
             new ([`Score`]): ``log_prob`` `[n, k]` of the chunk's `k` steps and, optionally, ``mask`` `[n, k]` (samples
-                that do not train this chunk are ignored).
+                that do not train this chunk are ignored); with `ratio_norm` ``mean``, ``old_mean``, ``std`` and
+                ``noise_scale``.
             old_log_prob (`torch.FloatTensor` of shape `[n, k]`): log-probs recorded at sampling.
             advantages (`torch.FloatTensor` of shape `[n]`).
         """
         mask = new.mask
         steps = mask.float() if mask is not None else torch.ones_like(new.log_prob)  # [n, k]
-        chunk_log_ratio = ((new.log_prob - old_log_prob) * steps).sum(1) / steps.sum(1).clamp_min(1.0)  # [n]
+        log_ratio, dt = self.config.ratio.log_ratio(new, old_log_prob)  # [n, k], GRPO-Guard's |dt| [n, k] or None
+        count = steps.sum(1).clamp_min(1.0)  # [n]
+        chunk_log_ratio = (log_ratio * steps).sum(1) / count  # [n]
         trains = steps.sum(1) > 0  # [n] samples that train this chunk
+        # GRPO-Guard's weight, 1 / the mean |dt| of the chunk's steps the sample trains
+        weight = None if dt is None else 1 / torch.where(trains, (dt * steps).sum(1) / count, 1.0)[:, None]  # [n, 1]
         clip = self.config.clip
         loss, metrics = clipped_surrogate(chunk_log_ratio[:, None], advantages, clip.clip_low, clip.high,
-                                          trains[:, None])
+                                          trains[:, None], weight=weight)
         beta = self.kl()
         if beta > 0:
             # k3 to the old policy: in log-ratio terms the old policy sits at 0

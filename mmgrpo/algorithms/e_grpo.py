@@ -12,6 +12,10 @@ Advantages as the authors' code: the unbiased std (PyTorch's ``std``) + 1e-8, cl
 term (``kl_beta``; off by default) is the exact KL of the Gaussian transitions to the reference at each sample's own
 SDE step, as `flow_grpo`'s ``kl_convention: transition``.
 
+With ``ratio_norm: true`` (default off) each sample's SDE step takes GRPO-Guard's normalised ratio and ``1 / |dt|``
+weight (https://arxiv.org/abs/2510.22319; see `flow_grpo` and [`~mmgrpo.losses.ratio_norm`]), ``|dt|`` the whole
+(merged) step's ``sigma_i - sigma_{i+m}``: our combination, neither paper's.
+
 Not implemented: the authors' multi-granularity rewards (ODE continuations with strides ``granular_list``).
 """
 
@@ -27,7 +31,9 @@ from ..types import AlgorithmTraits, LossOutput, Score
 from ..validation import check_fields, check_range, embedded
 from ._limits import SCALE_LIMIT, STEP_LIMIT
 from . import _options
-from ._options import FASTVIDEO_ADVANTAGES, AdvantageOptions, ClipOptions, KLOptions, KLWeight, SDEOptions
+from ._options import (
+    FASTVIDEO_ADVANTAGES, AdvantageOptions, ClipOptions, KLOptions, KLWeight, RatioOptions, SDEOptions,
+)
 
 
 @dataclass
@@ -53,6 +59,7 @@ class EGRPOConfig:
         adv_clip_max (`float`, *optional*): advantages are clamped to ``[-adv_clip_max, adv_clip_max]`` (5).
         kl_beta (`float`): weight of the exact transition KL to the reference at each sample's SDE step (0: off, no
             reference forward).
+        ratio_norm (`bool`): GRPO-Guard's RatioNorm and ``1 / |dt|`` step weight on each sample's SDE step (off).
     """
 
     sde_steps: list[int] = field(default_factory=lambda: [1])
@@ -63,9 +70,11 @@ class EGRPOConfig:
     advantage: AdvantageOptions = embedded(AdvantageOptions, **FASTVIDEO_ADVANTAGES)
     kl: KLOptions = embedded(KLOptions, kl_beta=0.0)
     sde: SDEOptions = embedded(SDEOptions, noise_level=0.7)
+    ratio: RatioOptions = embedded(RatioOptions)
 
     def __post_init__(self):
         check_fields(self)
+        self.ratio.check_sde(self.sde)
         if self.entropy_threshold is not None:
             check_range("entropy_threshold", self.entropy_threshold, 0, SCALE_LIMIT, low_open=True)
         for key, steps in (("sde_steps", self.sde_steps), ("merge_steps", self.merge_steps or [])):
@@ -96,7 +105,8 @@ class EGRPO:
         self.config = config
         self.kl = KLWeight(config.kl)  # the KL weight, moving under a schedule
         kl_reads = {"mean", "std"} if self.kl.ever_positive else set()
-        self.traits = AlgorithmTraits(reads=frozenset({"log_prob", "mask"} | kl_reads),  # mask: each sample's step
+        reads = {"log_prob", "mask"} | kl_reads | config.ratio.reads  # mask: each sample's step
+        self.traits = AlgorithmTraits(reads=frozenset(reads),
                                       needs_reference=self.kl.ever_positive,
                                       group_local_advantages=config.advantage.group_local)
 
@@ -122,6 +132,7 @@ class EGRPO:
             max_merge=c.max_merge,
             branch=True,
             seed=int(torch.randint(0, 2**62, (1,), generator=generator)),
+            record_mean=c.ratio.ratio_norm,
         )
 
     def loss(self, new: Score, old_log_prob, advantages, ref: Score | None = None) -> LossOutput:
@@ -129,13 +140,16 @@ class EGRPO:
 
         Args:
             new ([`Score`]): ``log_prob`` `[n, K]` and ``mask`` `[n, K]` (true at each sample's own SDE step); with a
-                KL term ``mean`` `[n, K, ...]` and ``std`` `[n, K, 1, ...]`.
+                KL term ``mean`` `[n, K, ...]` and ``std`` `[n, K, 1, ...]`; with `ratio_norm` ``mean``, ``old_mean``,
+                ``std`` and ``noise_scale``.
             old_log_prob (`torch.FloatTensor` of shape `[n, K]`): log-probs recorded at sampling.
             advantages (`torch.FloatTensor` of shape `[n]`).
             ref ([`Score`], *optional*): the reference policy's ``mean`` for the KL term.
         """
         clip = self.config.clip
-        loss, metrics = clipped_surrogate(new.log_prob - old_log_prob, advantages, clip.clip_low, clip.high, new.mask)
+        log_ratio, dt = self.config.ratio.log_ratio(new, old_log_prob)  # [n, K], GRPO-Guard's |dt| [n, K] or None
+        loss, metrics = clipped_surrogate(log_ratio, advantages, clip.clip_low, clip.high, new.mask,
+                                          weight=None if dt is None else 1 / dt)
         beta = self.kl()
         if beta > 0 and ref is not None:
             kl = gaussian_mean_kl(new.mean, ref.mean, new.std, new.mask)

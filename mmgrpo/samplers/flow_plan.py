@@ -21,6 +21,7 @@ from typing import Callable
 import torch
 
 from mmgrpo.plans import FLOW_PLAN_FEATURES, FlowPlan
+from mmgrpo.samplers.flow_record import path_recorded, path_state, record_path_step, recorded, recorded_means
 from mmgrpo.samplers.flow_sde import entropy_merge_span, flow_sde_step
 from mmgrpo.samplers.flow_tree import sample_tree
 from mmgrpo.seeding import mix_seed
@@ -29,7 +30,7 @@ from mmgrpo.types import Score
 PLAN_FEATURES = FLOW_PLAN_FEATURES  # this interpretation implements every feature a flow plan names
 # scoring method -> the `Score` fields a flow adapter fills ([`replay_plan`], [`~mmgrpo.samplers.flow_likelihood.plan_likelihood`])
 SCORE_FIELDS = {
-    "log_prob": frozenset({"log_prob", "mask", "mean", "std", "noise_scale"}),
+    "log_prob": frozenset({"log_prob", "mask", "mean", "std", "noise_scale", "old_mean"}),
     "likelihood": frozenset({"log_prob", "velocity", "group_ids"}),
 }
 
@@ -125,7 +126,7 @@ def sample_flow(
     """
     n = latents.shape[0]
     noise_levels = torch.tensor([plan.noise_level if i in plan.sde_steps else 0.0 for i in range(plan.num_steps)])
-    states, log_probs = [latents], []
+    states, log_probs, means = [latents], [], []  # means: feature "old_mean", those of the trained steps
     for i in range(plan.num_steps):
         v = velocity(latents, i)
         noise = torch.randn(latents.shape, generator=generator).to(latents.device) if noise_levels[i] > 0 else None
@@ -136,6 +137,7 @@ def sample_flow(
         latents = step.prev_sample
         states.append(latents)
         log_probs.append(step.log_prob)
+        means += [step.mean] if plan.record_mean and i in plan.trained_steps else []
     mask = torch.zeros(n, plan.num_steps, dtype=torch.bool)
     mask[:, [s for unit in plan.train_units for s in unit]] = True
     trajectory = {
@@ -143,6 +145,7 @@ def sample_flow(
         "shared_sigmas": sigmas,  # [S + 1]
         "shared_noise_levels": noise_levels,  # [S]
         "shared_sde_type": plan.sde_type,
+        **recorded(plan, means),  # feature "old_mean": old_means [N, T, ...]
     }
     return trajectory, torch.stack(log_probs, dim=1).cpu(), mask  # [N, S], [N, S]
 
@@ -222,7 +225,7 @@ def _sample_paths(velocity, noise, sigmas, plan, group_ids, member_ids, generato
     ends = torch.arange(1, num + 1).repeat(n, 1)  # [N, S] index of the sigma each step lands on
     levels = torch.zeros(n, num)  # [N, S]
     mask = torch.zeros(n, num, dtype=torch.bool)
-    state = dict(latents=latents, log_probs=log_probs, ends=ends, levels=levels)
+    state = dict(latents=latents, log_probs=log_probs, ends=ends, levels=levels, **path_state(plan, n, x))
     trained = set(plan.trained_steps)
     if not plan.branch:
         latents[:, 0] = x
@@ -249,6 +252,7 @@ def _sample_paths(velocity, noise, sigmas, plan, group_ids, member_ids, generato
         "shared_sigmas": sigmas,  # [S + 1]
         "shared_sde_type": plan.sde_type,
         "shared_anchor": plan.branch,  # the input of each sample's SDE step is its group's anchor state
+        **path_recorded(state),  # feature "old_mean": old_means [N, T, ...]
     }
     return trajectory, log_probs, mask
 
@@ -282,6 +286,7 @@ def _walk(velocity, x, rows, path, sigmas, plan, generator, state, first_v=None)
         state["log_probs"][rows, i] = step.log_prob.cpu()
         state["ends"][rows, i] = end
         state["levels"][rows, i] = level
+        record_path_step(state, rows, i, level, step.mean)
 
 
 @torch.no_grad()
@@ -363,6 +368,7 @@ def replay_plan(
         std=torch.stack([o.std for o in outs], dim=1),  # [n, k, 1, ...]
         noise_scale=torch.stack([o.noise_scale for o in outs], dim=1),  # [n, k, 1, ...]
         mask=torch.stack(masks, dim=1).to(device),  # [n, k]
+        old_mean=recorded_means(trajectory, steps, device),  # [n, k, ...] with feature "old_mean", else None
     )
 
 

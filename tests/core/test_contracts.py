@@ -15,6 +15,7 @@ from mmgrpo import registry
 from mmgrpo.protocols import Algorithm, RewardFn, StochasticPolicy
 from mmgrpo.preflight import SCORING_METHODS, require_plan, require_scores
 from mmgrpo.components import check_plan, score_unit
+from mmgrpo.plans import FEATURE_SCORE_FIELDS
 from mmgrpo.types import PromptBatch, Score
 from mmgrpo.algorithms._options import AdvantageOptions, KLOptions, KLWeight
 from mmgrpo.validation import build_dataclass, flat_dict, flat_hints, is_embedded
@@ -155,9 +156,11 @@ def test_pipeline_contract(name, algorithm_name, request):
         # old model), the reference's
         new, old, ref = score_unit(policy, algorithm, rollout, unit, torch.device("cpu"))
         # the declarations do not lie: the score has exactly the fields the pipeline declares, among them every field
-        # the algorithm reads, and the loss reads no other (it is unchanged with every other field left out)
+        # the algorithm reads, and the loss reads no other (it is unchanged with every other field left out); a field
+        # filled only for plans with a feature (FEATURE_SCORE_FIELDS) is there exactly when the plan has the feature
         method = SCORING_METHODS[algorithm.scoring]
-        assert new.provided() == policy.provides[method] and (ref is None or ref.provided() == new.provided())
+        unasked = {f for feature, fs in FEATURE_SCORE_FIELDS.items() if feature not in plan.features() for f in fs}
+        assert new.provided() == policy.provides[method] - unasked and (ref is None or ref.provided() == new.provided())
         assert algorithm.traits.reads <= new.provided()
         bare = {f: None for f in Score.field_names() - algorithm.traits.reads}
         only_read = algorithm.loss(dataclasses.replace(new, **bare), old, torch.zeros(4),
