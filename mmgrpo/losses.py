@@ -1,5 +1,5 @@
-"""Loss pieces shared by the algorithms: masked means, the clipped (PPO) surrogate and GRPO-Guard's normalised flow
-ratio, on plain tensors."""
+"""Loss pieces shared by the algorithms: masked means, the clipped (PPO) surrogate, GRPO-Guard's normalised flow ratio
+and Flow-DPPO's divergence mask, on plain tensors."""
 
 from __future__ import annotations
 
@@ -144,3 +144,35 @@ def ratio_norm(
                      torch.ones_like(s))
     return torch.where(real, normed, torch.zeros_like(normed)), dt
 
+
+def transition_kl(mean: torch.Tensor, other_mean: torch.Tensor, std: torch.Tensor) -> torch.Tensor:
+    """``mean((mean - other_mean)^2 / (2 std^2))`` over each transition's elements, `[n, k]`: the KL between two
+    Gaussian transitions of std `std` (0 where `std` is 0: placeholders, deterministic steps).
+
+    Args:
+        mean (`torch.FloatTensor` of shape `[n, k, ...]`), other_mean (`torch.FloatTensor` of shape `[n, k, ...]`).
+        std (`torch.FloatTensor` of shape `[n, k, 1, ...]`): broadcastable to `mean`.
+    """
+    safe = torch.where(std > 0, std, torch.ones_like(std))
+    kl = (mean - other_mean) ** 2 / (2 * safe**2)
+    kl = torch.where(std > 0, kl, torch.zeros_like(kl))  # [n, k, ...]
+    return kl.flatten(2).mean(-1)
+
+
+def divergence_masked_objective(
+    log_ratio: torch.Tensor, advantages: torch.Tensor, kl: torch.Tensor, threshold: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Flow-DPPO's objective per entry, ``-A r`` where kept, 0 where masked, `[n, k]`, and the mask `[n, k]`: an entry
+    is masked when its transition's KL to the sampling policy is at least `threshold` *and* the update moves it further
+    away (``r > 1`` with ``A > 0``, or ``r < 1`` with ``A < 0``); corrective updates stay.
+
+    Args:
+        log_ratio (`torch.FloatTensor` of shape `[n, k]`), advantages (`torch.FloatTensor` of shape `[n]`).
+        kl (`torch.FloatTensor` of shape `[n, k]`): each transition's KL to the sampling policy (no gradient needed).
+    """
+    ratio = torch.exp(log_ratio)  # [n, k]
+    adv = advantages[:, None].to(ratio.dtype).expand_as(ratio)  # [n, k]
+    outside = kl.detach() >= threshold
+    masked = outside & (((ratio > 1) & (adv > 0)) | ((ratio < 1) & (adv < 0)))
+    unclipped = -adv * ratio
+    return torch.where(masked.detach(), torch.zeros_like(unclipped), unclipped), masked
