@@ -67,22 +67,38 @@ def group_normalize(
     return advantages  # [N]
 
 
-def reward_advantages(algorithm, result, group_ids: torch.Tensor) -> torch.Tensor:
-    """The advantages `[N]` of a gathered reward `result` ([`~mmgrpo.types.RewardResult`], after its group stage):
-    ``algorithm.advantages(result.scores, group_ids)``, or, when the result declares ``scores_are_advantages`` (its
-    group stage ended in the advantage step, e.g. TRL's ``normalize_then_sum``), its scores as they are, NaN as 0 (such
-    a sample is not scored, see the trainer's skip rules)."""
+def reward_advantages(algorithm, result, group_ids: torch.Tensor, member_ids: torch.Tensor | None = None,
+                      plan=None) -> torch.Tensor:
+    """The advantages of a gathered reward `result` ([`~mmgrpo.types.RewardResult`], after its group stage):
+    ``algorithm.advantages(result.scores, group_ids)`` `[N]`, or, for an algorithm declaring
+    ``traits.step_advantages``, ``algorithm.step_advantages(result.scores, group_ids, member_ids, plan)`` `[N, S]`
+    (`member_ids` `[N]`: each sample's index in its group; `plan` the step's sampling plan). When the result declares
+    ``scores_are_advantages`` (its group stage ended in the advantage step, e.g. TRL's ``normalize_then_sum``), its
+    scores as they are, NaN as 0 (such a sample is not scored, see the trainer's skip rules)."""
     scores = result.scores.float()  # [N]
     if result.scores_are_advantages:
+        if algorithm is not None and algorithm.traits.step_advantages:
+            raise ValueError("The reward's scores are already the advantages (composite normalize_then_sum), but the "
+                             "algorithm computes an advantage per step from the rewards: use group_normalize_then_sum.")
         return torch.where(torch.isfinite(scores), scores, torch.zeros_like(scores))
-    return algorithm.advantages(scores, group_ids)
+    if algorithm.traits.step_advantages:
+        if member_ids is None or plan is None:
+            raise ValueError("An algorithm with per-step advantages needs the samples' member ids and the plan.")
+        return algorithm.step_advantages(scores, group_ids, member_ids, plan)  # [N, S]
+    return algorithm.advantages(scores, group_ids)  # [N]
+
+
+def sample_signal(advantages: torch.Tensor) -> torch.Tensor:
+    """Which samples have a non-zero advantage: `[N]` or per step `[N, S]` (any step) -> `[N]` bool."""
+    return (advantages != 0).reshape(len(advantages), -1).any(dim=1)
 
 
 def groups_with_signal(advantages: torch.Tensor, group_ids: torch.Tensor) -> torch.Tensor:
     """Which samples belong to a group with at least one non-zero advantage.
 
     Args:
-        advantages (`torch.FloatTensor` of shape `[N]`): advantages of the whole (gathered) batch.
+        advantages (`torch.FloatTensor` of shape `[N]` or `[N, S]`): advantages of the whole (gathered) batch, per
+            sample or per sample and step.
         group_ids (`torch.LongTensor` of shape `[N]`): group of each sample.
 
     Returns:
@@ -90,7 +106,7 @@ def groups_with_signal(advantages: torch.Tensor, group_ids: torch.Tensor) -> tor
     """
     _, inverse = torch.unique(group_ids, return_inverse=True)
     signal = torch.zeros(int(inverse.max()) + 1, dtype=torch.bool).index_put_(
-        (inverse,), advantages != 0, accumulate=True
+        (inverse,), sample_signal(advantages), accumulate=True
     )  # [groups]
     return signal[inverse]  # [N]
 
@@ -131,13 +147,14 @@ def kept_samples(advantages: torch.Tensor, parts: int, generator: torch.Generato
     samples; when none is kept, all are (the authors' Wan script then trains every sample).
 
     Args:
-        advantages (`torch.FloatTensor` of shape `[n]`): this process's advantages.
+        advantages (`torch.FloatTensor` of shape `[n]` or `[n, S]`): this process's advantages (per step: a sample is
+            dropped when all its steps' are 0).
         parts (`int`): the number of minibatches the kept samples are cut into.
 
     Returns:
         `torch.LongTensor` of shape `[k]`: the kept indices, increasing.
     """
-    keep = advantages != 0  # [n]
+    keep = sample_signal(advantages)  # [n]
     if not keep.any():
         return torch.arange(len(advantages))
     dropped = torch.nonzero(~keep).flatten()  # [n - k]

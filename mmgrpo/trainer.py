@@ -3,9 +3,10 @@
 Per step: next prompt batch repeated `G` times with global group ids -> this process's slice -> ``policy.sample``
 (no grad) -> ``reward`` per sample -> scores, components, features and the rollout's group ids gathered from every
 process -> the reward's ``group_stage`` on the whole batch, if it has one ([`gather_rewards`]) ->
-``algorithm.advantages`` -> for each inner epoch and minibatch, each trained unit is scored (``policy.log_prob`` or
-``policy.likelihood``, as ``algorithm.scoring`` says; see [`~mmgrpo.components.score_unit`]), passed to ``algorithm.loss`` and
-back-propagated, then clipped and stepped. Distribution: accelerate's DDP, or FSDP2 applied by mmgrpo
+``algorithm.advantages`` (``[N]``; or ``step_advantages`` ``[N, S]``, per step, where ``traits.step_advantages`` says
+so, each unit's loss then getting its columns) -> for each inner epoch and minibatch, each trained unit is scored
+(``policy.log_prob`` or ``policy.likelihood``, as ``algorithm.scoring`` says; see [`~mmgrpo.components.score_unit`]),
+passed to ``algorithm.loss`` and back-propagated, then clipped and stepped. Distribution: accelerate's DDP, or FSDP2 applied by mmgrpo
 (``train.sharding``, see [`mmgrpo.sharding`]).
 
 Skip rules (decided on the batch gathered from every process, so all processes agree):
@@ -128,8 +129,10 @@ class Trainer:
         plan = self.algorithm.schedule(self.policy.num_steps, torch.Generator().manual_seed(mix_seed(cfg.seed, self.step)))
         generator = torch.Generator().manual_seed(mix_seed(cfg.seed, self.step, self.rank, 1))
         rollout = self.policy.sample(local, plan, generator=generator)
-        placed = self.local_advantages if cfg.train.group_placement == "contiguous" else self.global_advantages
-        whole, all_groups, advantages = placed(self.reward(rollout.outputs, local), rollout.group_ids)
+        contiguous = cfg.train.group_placement == "contiguous"
+        placed = self.local_advantages if contiguous else self.global_advantages
+        members = local.member_ids if contiguous else batch.member_ids  # those of the samples the advantages read
+        whole, all_groups, advantages = placed(self.reward(rollout.outputs, local), rollout.group_ids, members, plan)
         all_scores = whole.scores.float()  # [N] after the reward's group stage
         if self.stream.adaptive:  # group_variance sampling reads back each prompt's group rewards (batch order)
             self.stream.observe(all_scores, batch.group_ids - (self.step - 1) * cfg.train.prompts_per_step)
@@ -142,6 +145,8 @@ class Trainer:
         metrics["lr"] = self.lr_scheduler.get_last_lr()[0]
         metrics["samples_seen"] = self.step * len(all_scores)
         metrics.update(refreshed)  # the VAS refresh before this step's batch, if any (vas/*)
+        if self.algorithm.traits.after_step:
+            self.algorithm.after_step()  # one rollout iteration done (MixGRPO's window), updates taken or not
         return metrics
 
     def gather_rewards(self, result: RewardResult, group_ids: torch.Tensor) -> tuple[RewardResult, torch.Tensor]:
@@ -149,24 +154,28 @@ class Trainer:
         ``(result [N], groups [N])``."""
         return gather_rewards(self.accelerator, result, group_ids, self.group_stage)
 
-    def global_advantages(self, result: RewardResult, group_ids: torch.Tensor):
+    def global_advantages(self, result: RewardResult, group_ids: torch.Tensor, member_ids: torch.Tensor | None = None,
+                          plan: SamplingPlan | None = None):
         """[`gather_rewards`] of this process's reward `result` and `group_ids` `[n]`, then ``algorithm.advantages``
-        on the whole batch. Returns ``(result [N] after the group stage, groups [N], advantages [N])``."""
+        on the whole batch (``step_advantages`` with the whole batch's `member_ids` `[N]` and the `plan`, where the
+        algorithm declares them). Returns ``(result [N] after the group stage, groups [N], advantages [N] or
+        [N, S])``."""
         whole, all_groups = self.gather_rewards(result, group_ids)
-        return whole, all_groups, reward_advantages(self.algorithm, whole, all_groups)  # advantages [N]
+        return whole, all_groups, reward_advantages(self.algorithm, whole, all_groups, member_ids, plan)
 
-    def local_advantages(self, result: RewardResult, group_ids: torch.Tensor):
+    def local_advantages(self, result: RewardResult, group_ids: torch.Tensor, member_ids: torch.Tensor | None = None,
+                         plan: SamplingPlan | None = None):
         """``train.group_placement: contiguous``: this process holds whole groups, so the reward's group stage and
-        ``algorithm.advantages`` run on its own samples; then the final scores, components, groups and advantages are
-        gathered. Returns what [`global_advantages`] returns."""
+        ``algorithm.advantages`` run on its own samples (`member_ids` `[n]` are theirs); then the final scores,
+        components, groups and advantages are gathered. Returns what [`global_advantages`] returns."""
         if self.group_stage is not None:
             result = self.group_stage(result, group_ids)
         if result.scores_are_advantages and self.world > 1:  # preflight refuses it: a batch statistic, per process
             raise ValueError("train.group_placement: contiguous cannot run a reward whose scores are the batch's "
                              "advantages (composite normalize_then_sum): use spread.")
-        advantages = reward_advantages(self.algorithm, result, group_ids)  # [n]
+        advantages = reward_advantages(self.algorithm, result, group_ids, member_ids, plan)  # [n] or [n, S]
 
-        def gather(values: torch.Tensor) -> torch.Tensor:  # [n] on every process -> [N], rank order
+        def gather(values: torch.Tensor) -> torch.Tensor:  # [n, ...] on every process -> [N, ...], rank order
             return self.accelerator.gather(values.to(self.accelerator.device)).cpu()
 
         whole = RewardResult(scores=gather(result.scores),
@@ -174,14 +183,15 @@ class Trainer:
         return whole, gather(group_ids), gather(advantages)
 
     def _this_process(self, values: torch.Tensor, n: int) -> torch.Tensor:
-        """This process's slice `[n]` of a batch gathered from every process `[N]`."""
+        """This process's slice `[n, ...]` of a batch gathered from every process `[N, ...]`."""
         return values[self.rank * n : (self.rank + 1) * n]
 
     def _update(self, rollout, plan: SamplingPlan, advantages, with_signal, generator, rewarded=None) -> dict:
         """Optimizer updates on one rollout batch, under the skip rules of the module docstring.
 
         Args:
-            advantages (`torch.FloatTensor` of shape `[n]`): this process's slice.
+            advantages (`torch.FloatTensor` of shape `[n]`, or `[n, S]` under ``traits.step_advantages``): this
+                process's slice.
             with_signal (`torch.BoolTensor` of shape `[N]`): whether a sample's group has a non-zero advantage, over
                 the global batch, so every process decides alike whether to skip or step.
             rewarded (`torch.BoolTensor` of shape `[N]`, *optional*): whether a sample's reward is finite (default:
@@ -305,8 +315,12 @@ class Trainer:
                     parameter.grad.div_(per_process)
 
     def _unit_loss(self, sub, unit: list[int], advantages):
+        """``algorithm.loss`` of `unit` on the minibatch `sub`, its advantages `[n]` (per step `[n, S]`: the unit's
+        columns `[n, k]` are passed)."""
         device = self.accelerator.device
         new, old, ref = score_unit(self.policy, self.algorithm, sub, unit, device)
+        if self.algorithm.traits.step_advantages:
+            advantages = advantages[:, unit]  # [n, k]
         return self.algorithm.loss(new, old, advantages.to(device), ref)
 
     @staticmethod

@@ -248,6 +248,11 @@ class AlgorithmTraits:
         group_local_advantages (`bool`): each sample's advantage depends on its own group's scores only, so a process
             holding whole groups can compute them alone (``train.group_placement: contiguous``); `False` when they
             read the whole batch (a batch standard deviation: ``scale_rewards: batch``).
+        step_advantages (`bool`): the advantage depends on the step (BranchGRPO's depth-wise advantages): the algorithm
+            has ``step_advantages(scores, group_ids, member_ids, plan) -> [N, S]``, each sample's advantage at each of
+            the plan's `S` steps (`member_ids` `[N]`: each sample's index in its group, ``PromptBatch.member_ids``),
+            which the trainer calls instead of ``advantages`` and slices: ``loss`` gets the scored unit's columns,
+            `[n, k]`. A sample has signal when any of its entries is non-zero.
         ground_truth_member (`bool`): member 0 of each group is not sampled but teacher-forced on its prompt's ground
             truth (TempSamp-R1's off-policy member; its plans' ``ground_truth_member``, which the checks before any
             model loads compare with this): the trainer also logs ``reward/sampled_mean``, the mean reward of the
@@ -264,6 +269,7 @@ class AlgorithmTraits:
     update_mean: Literal["samples", "entries", "rollout_entries"] = "samples"
     group_local_advantages: bool = True
     ground_truth_member: bool = False
+    step_advantages: bool = False
 
     def __post_init__(self):
         if self.update_mean not in ("samples", "entries", "rollout_entries"):
