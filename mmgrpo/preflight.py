@@ -190,12 +190,19 @@ def require_scores(pipeline, algorithm, names) -> None:
 
 def check_plan(config: ExperimentConfig) -> None:
     """The algorithm's plan fits the pipeline's steps and asks only for features and a scoring method the pipeline
-    implements; a branching plan splits each group into sub-groups of at least two samples."""
+    implements; a branching plan splits each group into sub-groups of at least two samples; a tree plan's group is
+    its leaves."""
     policy_cls = registry.get("pipeline", config.pipeline.name)
     num_steps = config.pipeline.options.num_steps
     with _named("algorithm", f" (pipeline.num_steps is {num_steps})"):
         algorithm = registry.get("algorithm", config.algorithm.name)(config.algorithm.options)
         plan = require_plan(policy_cls, algorithm, num_steps, config)
+    if isinstance(plan, FlowPlan) and plan.tree_split_points and config.train.group_size != plan.tree_leaves:
+        raise ConfigError(
+            f"train.group_size {config.train.group_size} must equal the tree's leaves, branch_factor ** "
+            f"len(tree_split_points) = {plan.branch_factor}^{len(plan.tree_split_points)} = {plan.tree_leaves}: set "
+            f"train.group_size: {plan.tree_leaves}, or change algorithm.tree_split_points / branch_factor."
+        )
     if not isinstance(plan, FlowPlan) or not plan.branch:  # only a flow plan branches
         return
     branches, group = len(plan.sde_steps), config.train.group_size

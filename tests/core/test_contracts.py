@@ -56,6 +56,8 @@ REWARD_OPTIONS = {
 # fit the tiny policies' 3 steps (dgpo); read the transitions' mean and std (flow_grpo's KL term)
 ALGORITHM_OPTIONS = {"dgpo": {"trunc_steps": 2, "num_train_timesteps": 2}, "flow_grpo": {"kl_beta": 0.04}}
 
+ALGORITHM_OPTIONS["branch_grpo"] = {"tree_split_points": [0]}  # a tree of 2 leaves: the contract's groups of 2
+
 
 def build_algorithm(name: str, **options):
     """Algorithm `name` with its tested options (`ALGORITHM_OPTIONS`) and `options`, flat as in a config file."""
@@ -248,6 +250,7 @@ def test_algorithm_contract(name):
     # optional members are declared: an algorithm has the hook and the state methods exactly when its traits say so
     traits = algorithm.traits
     assert callable(getattr(algorithm, "after_update", None)) == traits.after_update
+    assert callable(getattr(algorithm, "step_advantages", None)) == traits.step_advantages
     assert all(callable(getattr(algorithm, m, None)) == traits.has_state for m in ("state_dict", "load_state_dict"))
     if traits.has_state:
         algorithm.load_state_dict(algorithm.state_dict())
