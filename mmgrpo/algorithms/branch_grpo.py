@@ -26,8 +26,8 @@ rewarded but not trained.
 
 Differences from the authors' code:
 
-- The SDE step is mmgrpo's ``sde_type`` (Flow-GRPO's ``"sde"`` by default, ``noise_level`` 0.7); the authors use
-  DanceGRPO's flux step (std ``eta * sqrt(dt)``, eta 0.3).
+- The SDE step is the authors' by default (DanceGRPO's, ``sde_type: dance``, ``noise_level`` 0.3); any of mmgrpo's
+  ``sde_type`` may be chosen (``"sde"``: Flow-GRPO's).
 - Optimizer updates follow the trainer (``minibatch_size``, ``updates_per_step``), the gradient averaged over all the
   update's transitions; the authors step every ``gradient_accumulation_steps`` transitions of a shuffled list, each
   loss divided by the average transitions per tree.
@@ -70,12 +70,15 @@ class BranchGRPOConfig:
         depth_pruning (`list[int]`): depths whose incoming transitions are not trained (depth ``d``: the nodes after
             step ``d - 1``, 1 .. num_steps), as the authors' ``depth_pruning``; sampling and rewards are unchanged.
         clip_low (`float`): the per-transition ratio is clipped to ``[1 - clip_low, 1 + clip_high]`` (1e-3).
-        adv_std (`str`), adv_eps (`float`), adv_clip_max (`float`): the depth normalisation's std estimator
-            (``"unbiased"``, PyTorch's ``std``), the eps added to it (1e-8) and the clamp (5); with
-            ``scale_rewards: batch`` the std is that of the nodes of every tree at that depth (the mean stays the
-            tree's), with ``"none"`` nothing is divided.
+        scale_rewards (`str`): ``"group"``: the nodes of one tree at one depth are normalised together (the
+            authors'); ``"batch"``: the std is that of the nodes of every tree at that depth (the mean stays the
+            tree's); ``"none"``: centring only.
+        adv_std (`str`): the depth normalisation's std estimator (``"unbiased"``, PyTorch's ``std``: the authors').
+        adv_eps (`float`): added to the depth's std (the authors: 1e-8).
+        adv_clip_max (`float`, *optional*): the advantages are clamped to ``[-adv_clip_max, adv_clip_max]`` (5).
         kl_beta (`float`): weight of the exact KL of the Gaussian transitions to the reference (0: off, the authors').
-        noise_level (`float`), sde_type (`str`): the SDE of every step (see the module docstring).
+        noise_level (`float`): the SDE's eta (the authors: 0.3 with DanceGRPO's step).
+        sde_type (`str`): the SDE step (the authors': ``"dance"``, DanceGRPO's).
     """
 
     tree_split_points: list[int] = field(default_factory=lambda: [0, 3, 6, 9])
@@ -86,7 +89,7 @@ class BranchGRPOConfig:
     advantage: AdvantageOptions = embedded(AdvantageOptions, scale_rewards="group", adv_std="unbiased", adv_eps=1e-8,
                                            adv_clip_max=5.0)
     kl: KLOptions = embedded(KLOptions, kl_beta=0.0)
-    sde: SDEOptions = embedded(SDEOptions, noise_level=0.7)
+    sde: SDEOptions = embedded(SDEOptions, noise_level=0.3, sde_type="dance")
 
     def __post_init__(self):
         check_fields(self)
