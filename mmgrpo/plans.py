@@ -143,7 +143,7 @@ class FlowPlan:
             raise ValueError(f"A tree plan needs branch_factor >= 2 and tree_split_noise_scale > 0, got "
                              f"{self.branch_factor} and {self.tree_split_noise_scale}.")
         if self.branch or self.merge or self.merge_entropy is not None or self.solver != "flow" or \
-                self.scoring != "trajectory" or self.units_per_sample:
+                self.scoring != "trajectory" or self.units_per_sample or self.record_mean:
             raise ValueError("A tree plan (tree_split_points) combines with no other flow plan feature.")
 
     @property

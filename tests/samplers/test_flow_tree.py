@@ -112,8 +112,9 @@ def test_invalid_tree_plans_and_members_are_refused():
         _plan(points=(2, 0))
     with pytest.raises(ValueError, match="branch_factor >= 2"):
         _plan(factor=1)
-    with pytest.raises(ValueError, match="combines with no other"):
-        _plan(branch=True)
+    for other in ({"branch": True}, {"record_mean": True}, {"units_per_sample": 1}):
+        with pytest.raises(ValueError, match="combines with no other"):
+            _plan(**other)
     with pytest.raises(ValueError, match="set train.group_size to 4"):
         sample_tree(Model(torch.zeros(8, dtype=torch.long)), _noise, _sigmas(5), _plan(), torch.zeros(8, dtype=torch.long),
                     torch.arange(8))
