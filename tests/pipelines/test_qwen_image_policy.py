@@ -1,0 +1,116 @@
+"""The Qwen-Image adapter on real diffusers classes built from tiny configs (`builders/qwen_image.py`): ODE sampling
+equals the stock `QwenImagePipeline` (true CFG with a negative prompt and its norm rescale, or none), the noise levels
+are the stock ones (dynamic and terminal shift), replay and checkpoints reproduce samples, LoRA and full exports load
+back in the stock pipeline."""
+
+import pytest
+import torch
+
+from mmgrpo.algorithms.flow_grpo import FlowGRPO, FlowGRPOConfig
+from mmgrpo.pipelines.qwen_image import QwenImageConfig, QwenImagePolicy
+from mmgrpo.plans import FlowPlan
+from mmgrpo.types import PromptBatch
+from algorithm_options import algo_config
+from builders._weights import perturb
+
+PROMPTS = ["a red circle", "two blue squares", "a green triangle left of a yellow circle"]
+
+
+def make_policy(path, **overrides):
+    options = dict(pretrained=path, resolution=32, num_steps=3, true_cfg_scale=2.0, lora_rank=4, lora_alpha=8,
+                   max_sequence_length=32, weights_dtype="float32")
+    return QwenImagePolicy(QwenImageConfig(**{**options, **overrides}))
+
+
+def stock(path, lora=None):
+    from diffusers import QwenImagePipeline
+
+    pipe = QwenImagePipeline.from_pretrained(str(path))
+    pipe.set_progress_bar_config(disable=True)
+    if lora is not None:
+        pipe.load_lora_weights(str(lora))
+    return pipe
+
+
+def stock_images(pipe, policy, steps, prompts=PROMPTS[:2], seed=2):
+    c = policy.config
+    negative = [c.negative_prompt] * len(prompts) if c.true_cfg_scale > 1 else None
+    return pipe(prompt=list(prompts), negative_prompt=negative, true_cfg_scale=c.true_cfg_scale,
+                num_inference_steps=steps, height=32, width=32, output_type="pt",
+                generator=torch.Generator().manual_seed(seed), max_sequence_length=32).images.float()
+
+
+def ours(policy, steps, prompts=PROMPTS[:2], seed=2):
+    plan = FlowPlan.deterministic(steps)
+    return policy.sample(PromptBatch(prompts), plan, generator=torch.Generator().manual_seed(seed)).outputs["images"]
+
+
+@pytest.mark.parametrize("cfg", [2.0, 1.0], ids=["true-cfg", "no-cfg"])
+def test_ode_sampling_equals_stock_pipeline(tiny_qwen_image_dir, tmp_path, cfg):
+    policy = make_policy(tiny_qwen_image_dir, true_cfg_scale=cfg)
+    perturb(policy, seed=1)
+    policy.save_pretrained(str(tmp_path / "lora"))
+    pipe = stock(tiny_qwen_image_dir, tmp_path / "lora")
+    prompts = PROMPTS  # prompts of different lengths: padded text with a mask
+    torch.testing.assert_close(ours(policy, 3, prompts), stock_images(pipe, policy, 3, prompts), rtol=0, atol=1e-4)
+    torch.testing.assert_close(pipe.scheduler.sigmas, policy.sigmas(3), rtol=0, atol=0)
+
+
+def test_sigmas_follow_the_dynamic_and_terminal_shift(tiny_qwen_image_dir):
+    """linspace(1, 1/S, S), exponential shift with mu of the 8 x 8 = 64 packed tokens, stretched to end at 0.02."""
+    import math
+
+    from diffusers.pipelines.qwenimage.pipeline_qwenimage import calculate_shift
+
+    base = torch.linspace(1.0, 0.25, 4, dtype=torch.float64)
+    mu = calculate_shift(64, 256, 8192, 0.5, 0.9)
+    shifted = math.exp(mu) / (math.exp(mu) + (1 / base - 1))
+    one_minus = 1 - shifted
+    stretched = 1 - one_minus / ((1 - shifted[-1]) / (1 - 0.02))
+    sigmas = make_policy(tiny_qwen_image_dir).sigmas(4)
+    torch.testing.assert_close(sigmas[:-1].double(), stretched, rtol=0, atol=1e-6)
+    assert sigmas[-2] == pytest.approx(0.02) and sigmas[-1] == 0
+
+
+def test_replay_matches_rollout_and_minibatches(tiny_qwen_image_dir):
+    policy = make_policy(tiny_qwen_image_dir, num_steps=4)
+    plan = FlowGRPO(algo_config(FlowGRPOConfig, noise_level=0.9)).schedule(4)
+    rollout = policy.sample(PromptBatch(PROMPTS).repeat(2), plan, generator=torch.Generator().manual_seed(1))
+    assert rollout.trajectory["latents"].shape == (6, 5, 64, 16)
+    with torch.no_grad():
+        full = policy.log_prob(rollout, [0, 3]).log_prob
+        sub = policy.log_prob(rollout.select(torch.tensor([4, 1])), [0, 3]).log_prob
+    torch.testing.assert_close(full, rollout.old_log_probs[:, [0, 3]], rtol=0, atol=1e-5)
+    torch.testing.assert_close(sub, rollout.old_log_probs[[4, 1]][:, [0, 3]], rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("lora_rank, merge", [(4, True), (4, False), (0, False)], ids=["lora-merged", "lora", "full"])
+def test_export_loads_in_stock_pipeline_with_identical_outputs(tiny_qwen_image_dir, tmp_path, lora_rank, merge):
+    from mmgrpo.export import LORA_FOLDER
+
+    policy = make_policy(tiny_qwen_image_dir, lora_rank=lora_rank)
+    perturb(policy, seed=4)
+    policy.export_pretrained(str(tmp_path / "out"), merge_lora=merge)
+    pipe = stock(tmp_path / "out", tmp_path / "out" / LORA_FOLDER if lora_rank and not merge else None)
+    expected = ours(policy, 3)
+    torch.testing.assert_close(stock_images(pipe, policy, 3), expected, rtol=0, atol=1e-4)
+    assert not torch.allclose(stock_images(stock(tiny_qwen_image_dir), policy, 3), expected, atol=1e-3)
+
+
+@pytest.mark.parametrize("lora_rank", [4, 0], ids=["lora", "full"])
+def test_save_and_reload_reproduce_samples(tiny_qwen_image_dir, tmp_path, lora_rank):
+    policy = make_policy(tiny_qwen_image_dir, lora_rank=lora_rank)
+    perturb(policy, seed=3)
+    policy.save_pretrained(str(tmp_path / "ckpt"))
+    reloaded = make_policy(tiny_qwen_image_dir, lora_rank=lora_rank)
+    reloaded.load_trainable(str(tmp_path / "ckpt"))
+    assert torch.equal(ours(policy, 3), ours(reloaded, 3))
+
+
+def test_config_errors_name_the_fix(tiny_qwen_image_dir):
+    with pytest.raises(ValueError, match="multiple of 16"):
+        QwenImageConfig(pretrained=tiny_qwen_image_dir, resolution=40)
+    with pytest.raises(ValueError, match="true_cfg_scale"):
+        QwenImageConfig(pretrained=tiny_qwen_image_dir, true_cfg_scale=0.5)
+    with pytest.raises(ValueError, match="max_sequence_length"):
+        QwenImageConfig(pretrained=tiny_qwen_image_dir, max_sequence_length=2048)
