@@ -33,28 +33,37 @@ def check_plan(policy, algorithm, config: ExperimentConfig) -> None:
     require_plan(policy, algorithm, policy.num_steps, config)
 
 
-def score_unit(policy, algorithm, sub, unit: list[int], device) -> tuple[Score, torch.Tensor, Score | None]:
+def score_unit(policy, algorithm, sub, unit: list[int], device) -> tuple[Score, torch.Tensor | Score, Score | None]:
     """The inputs of `algorithm.loss` for one unit of a minibatch: ``(new, old_log_prob, ref)``.
 
     `new` is the policy's score of `sub` at `unit`, with gradients: ``policy.log_prob`` or ``policy.likelihood`` as
     `algorithm.scoring` says. `old_log_prob` `[n, k]` is what ``algorithm.traits.old_source`` declares (see
     [`~mmgrpo.types.AlgorithmTraits`]): the log-probs the rollout recorded (``"rollout"``), the `log_prob` of the score
     under the algorithm's own old model (``"old_model"``: inside its ``old_policy(policy)`` context, e.g. DGPO's fast
-    EMA) or that of `new`, detached (``"current"``: no old model is read, no extra forward).
+    EMA) or that of `new`, detached (``"current"``: no old model is read, no extra forward). With
+    ``algorithm.traits.old_score`` it is that old [`Score`] whole instead (DiffusionNFT reads its ``velocity``).
     `ref` is the reference policy's score when ``algorithm.traits.needs_reference``.
     """
     score = SCORERS[algorithm.scoring](policy)  # the method the policy declares in `provides`
-    source = algorithm.traits.old_source
+    traits = algorithm.traits
+    source = traits.old_source
     if source == "old_model":
         with torch.no_grad(), algorithm.old_policy(policy):  # before `new`: a weight swap must not touch a live graph
-            old = score(sub, unit).log_prob
+            old_score = score(sub, unit)
+        old = old_score if traits.old_score else old_score.log_prob
     new = score(sub, unit)
     if source == "rollout":
         old = sub.old_log_probs[:, unit].to(device)
-    elif source == "current":
-        old = new.log_prob.detach()  # the algorithm reads no old model: it is the current one, no extra forward
+    elif source == "current":  # the algorithm reads no old model: it is the current one, no extra forward
+        old = detached(new) if traits.old_score else new.log_prob.detach()
     ref = None
     if algorithm.traits.needs_reference:
         with torch.no_grad(), policy.reference():
             ref = score(sub, unit)
     return new, old, ref
+
+
+def detached(score: Score) -> Score:
+    """`score` with every tensor detached (the current score standing for the old one, ``old_source="current"``)."""
+    values = vars(score)
+    return Score(**{k: v.detach() if isinstance(v, torch.Tensor) else v for k, v in values.items()})

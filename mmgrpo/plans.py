@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import ClassVar, Union
 
-FLOW_PLAN_FEATURES = frozenset({"merge", "branch", "unit_selection", "dpm", "likelihood", "tree", "old_mean"})
+FLOW_PLAN_FEATURES = frozenset({"merge", "branch", "unit_selection", "dpm", "likelihood", "sample_noise", "tree", "old_mean"})
 # plan feature -> the `Score` fields a pipeline's scoring method fills only for a plan that uses the feature (its
 # ``provides`` lists them; an algorithm reading one must ask for the feature, which the checks before loading verify)
 FEATURE_SCORE_FIELDS = {"old_mean": frozenset({"old_mean"})}
@@ -58,6 +58,9 @@ class FlowPlan:
         flow_shift (`float`): the ``flow_shift`` of the ``"dpm"`` solver's noise levels.
         scoring (`str`): ``"trajectory"`` or, feature ``"likelihood"``, ``"likelihood"`` (the policy's
             ``likelihood`` scores the final samples at the noise levels of `train_units`).
+        likelihood_noise (`str`): the noise ``eps`` of a likelihood's noised points: ``"group"`` (shared within a
+            group, DGPO) or, feature ``"sample_noise"``, ``"sample"`` (each sample its own: DiffusionNFT, AWM); either
+            way fixed by the plan's seed, so the policy, its old model and its reference score the same points.
         record_mean (`bool`): feature ``"old_mean"``: the rollout records the mean of every trained SDE transition
             (one latent per trained step and sample), which the replay returns as ``Score.old_mean`` (GRPO-Guard's
             RatioNorm, Flow-DPPO's divergence mask).
@@ -87,6 +90,7 @@ class FlowPlan:
     solver: str = "flow"
     flow_shift: float = 3.0
     scoring: str = "trajectory"
+    likelihood_noise: str = "group"
     record_mean: bool = False
     tree_split_points: list[int] = field(default_factory=list)
     branch_factor: int = 2
@@ -105,6 +109,8 @@ class FlowPlan:
             raise ValueError(f"FlowPlan.scoring must be 'trajectory' or 'likelihood', got {self.scoring!r}.")
         if self.solver not in ("flow", "dpm"):
             raise ValueError(f"FlowPlan.solver must be 'flow' or 'dpm', got {self.solver!r}.")
+        if self.likelihood_noise not in ("group", "sample"):
+            raise ValueError(f"FlowPlan.likelihood_noise must be 'group' or 'sample', got {self.likelihood_noise!r}.")
         if self.record_mean and self.scoring != "trajectory":
             raise ValueError("FlowPlan.record_mean records SDE transitions' means: it needs 'trajectory' scoring.")
         if self.solver == "dpm" and self.sde_steps:
@@ -163,6 +169,7 @@ class FlowPlan:
             "unit_selection": self.units_per_sample > 0,
             "dpm": self.solver == "dpm",
             "likelihood": self.scoring == "likelihood",
+            "sample_noise": self.likelihood_noise == "sample",
             "old_mean": self.record_mean,
             "tree": bool(self.tree_split_points),
         }

@@ -56,7 +56,8 @@ class StochasticPolicy(Protocol):
 
         - ``likelihood(rollout, steps) -> Score``: for ``scoring = "likelihood"`` algorithms, a sample-only score of the
           final outputs with gradients, `log_prob` `[N, len(steps)]` (minus the flow-matching loss at the plan's noise
-          levels for diffusion), plus what the algorithm's loss reads (`velocity`, `group_ids`).
+          levels for diffusion), plus what the algorithm's loss reads (`velocity`, `group_ids`, the flow-matching
+          `target` and noise level `sigma` of each scored point).
         """
 
     def reference(self) -> AbstractContextManager:
@@ -142,6 +143,8 @@ class Algorithm(Protocol):
     - ``old_policy(policy) -> ContextManager``, when ``traits.old_source`` is ``"old_model"``: the algorithm keeps its
       own "old" model (DGPO's fast EMA); the trainer scores the unit inside this context, without gradients, and passes
       its `log_prob` as `old_log_prob` (the other sources, the rollout's record and the current score, need nothing).
+      With ``traits.old_score`` the loss gets that old [`~mmgrpo.types.Score`] whole instead of its `log_prob` (the
+      current score, detached, under ``"current"``): DiffusionNFT's implicit policies mix the old model's velocity in.
     """
 
     Config: type
@@ -160,13 +163,13 @@ class Algorithm(Protocol):
     def loss(
         self,
         new: Score,
-        old_log_prob: torch.Tensor,
+        old_log_prob: torch.Tensor | Score,
         advantages: torch.Tensor,
         ref: Score | None,
     ) -> LossOutput:
         """Loss of one unit of trained steps for a minibatch: `new` the [`Score`] of the scoring method (`log_prob`
-        `[n, k]`, maybe `mask` `[n, k]`...), `old_log_prob` `[n, k]`, `advantages` `[n]`, `ref` the reference policy's
-        score (or None)."""
+        `[n, k]`, maybe `mask` `[n, k]`...), `old_log_prob` `[n, k]` (the old policy's whole [`Score`] when
+        ``traits.old_score``), `advantages` `[n]`, `ref` the reference policy's score (or None)."""
 
 
 @runtime_checkable

@@ -170,6 +170,11 @@ class Score:
             Flow-DPPO's divergence mask); no gradient.
         velocity (`torch.FloatTensor` of shape `[n, k, ...]`, *optional*): the model's velocity at each scored noise
             level of a flow likelihood (latent shape), for a velocity-space KL.
+        target (`torch.FloatTensor` of shape `[n, k, ...]`, *optional*): the flow-matching target ``eps - x0`` of each
+            scored noise level of a flow likelihood (no gradient), so a loss can work in x0-space:
+            ``x0_hat - x0 = sigma * (target - v)`` (DiffusionNFT).
+        sigma (`torch.FloatTensor` of shape `[n, k]`, *optional*): the noise level ``s`` of each scored point
+            ``x_s = (1 - s) x0 + s eps`` of a flow likelihood (AWM's time weighting, DiffusionNFT's x0 prediction).
         group_ids (`torch.LongTensor` of shape `[n]`, *optional*): the group of each sample (a likelihood's
             group-shared noise), for losses that weigh groups.
         token_log_prob (`torch.FloatTensor` of shape `[n, k, L]`, *optional*): per-token log-probs of each scored step
@@ -186,6 +191,8 @@ class Score:
     noise_scale: torch.Tensor | None = None  # [n, k, 1, ...]
     old_mean: torch.Tensor | None = None  # [n, k, ...]
     velocity: torch.Tensor | None = None  # [n, k, ...]
+    target: torch.Tensor | None = None  # [n, k, ...]
+    sigma: torch.Tensor | None = None  # [n, k]
     group_ids: torch.Tensor | None = None  # [n] long
     token_log_prob: torch.Tensor | None = None  # [n, k, L]
     token_mask: torch.Tensor | None = None  # [n, k, L] bool
@@ -233,6 +240,10 @@ class AlgorithmTraits:
               EMA of the weights), which the algorithm then must have.
             - ``"current"``: the current score's `log_prob`, detached, with no extra forward (the ratio is 1: the
               loss reads no old model this run, e.g. DGPO without its clip or EMA reference).
+        old_score (`bool`): the loss gets the old policy's whole [`Score`] as `old_log_prob` instead of its `log_prob`
+            alone (DiffusionNFT's implicit policies and AWM's EMA KL read the old model's ``velocity`` at the same
+            noised points): with ``old_source="old_model"`` the score of the algorithm's old model, with ``"current"``
+            the current score with every tensor detached (no extra forward). Refused with ``"rollout"``.
         update_mean (`str`): how the losses of one optimizer update's passes (minibatch x unit) are combined:
 
             - ``"samples"``: each pass's loss weighs its share of the update's samples, each unit alike (a mean over
@@ -266,6 +277,7 @@ class AlgorithmTraits:
     has_state: bool = False
     after_update: bool = False
     old_source: Literal["rollout", "old_model", "current"] = "rollout"
+    old_score: bool = False
     update_mean: Literal["samples", "entries", "rollout_entries"] = "samples"
     group_local_advantages: bool = True
     ground_truth_member: bool = False
@@ -278,6 +290,9 @@ class AlgorithmTraits:
         if self.old_source not in ("rollout", "old_model", "current"):
             raise ValueError(f"AlgorithmTraits.old_source must be 'rollout', 'old_model' or 'current', got "
                              f"{self.old_source!r}.")
+        if self.old_score and self.old_source == "rollout":
+            raise ValueError("AlgorithmTraits.old_score passes the old model's whole Score, which a rollout does not "
+                             "record: use old_source 'old_model' or 'current'.")
         unknown = sorted(set(self.reads) - Score.field_names())
         if unknown:
             raise ValueError(f"AlgorithmTraits.reads names {unknown}, which are not Score fields: use some of "

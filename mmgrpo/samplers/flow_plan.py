@@ -31,7 +31,7 @@ PLAN_FEATURES = FLOW_PLAN_FEATURES  # this interpretation implements every featu
 # scoring method -> the `Score` fields a flow adapter fills ([`replay_plan`], [`~mmgrpo.samplers.flow_likelihood.plan_likelihood`])
 SCORE_FIELDS = {
     "log_prob": frozenset({"log_prob", "mask", "mean", "std", "noise_scale", "old_mean"}),
-    "likelihood": frozenset({"log_prob", "velocity", "group_ids"}),
+    "likelihood": frozenset({"log_prob", "velocity", "group_ids", "target", "sigma"}),
 }
 
 
@@ -190,6 +190,8 @@ def run_plan(
         change = relative_change(trajectory["latents"]) if plan.unit_weighting == "latent_change" else None
         mask = select_units(plan, n, change, generator)
     trajectory["shared_seed"] = plan.seed
+    if plan.likelihood_noise == "sample":  # feature "sample_noise": a sample's likelihood noise is keyed by its member
+        trajectory["member_ids"] = torch.arange(n) if member_ids is None else member_ids.long()
     return trajectory, log_probs, mask, group_ids
 
 

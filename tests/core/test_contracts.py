@@ -54,7 +54,9 @@ REWARD_OPTIONS = {
     "sam_mask": lambda request: {"model": request.getfixturevalue("tiny_sam2_dir"), "device": "cpu", "coords": "original"},
 }
 # fit the tiny policies' 3 steps (dgpo); read the transitions' mean and std (flow_grpo's KL term)
-ALGORITHM_OPTIONS = {"dgpo": {"trunc_steps": 2, "num_train_timesteps": 2}, "flow_grpo": {"kl_beta": 0.04}}
+ALGORITHM_OPTIONS = {"dgpo": {"trunc_steps": 2, "num_train_timesteps": 2},
+                     "diffusion_nft": {"scale_rewards": "group"},
+                     "flow_grpo": {"kl_beta": 0.04}}
 
 ALGORITHM_OPTIONS["branch_grpo"] = {"tree_split_points": [0]}  # a tree of 2 leaves: the contract's groups of 2
 
@@ -167,9 +169,10 @@ def test_pipeline_contract(name, algorithm_name, request):
         bare = {f: None for f in Score.field_names() - algorithm.traits.reads}
         only_read = algorithm.loss(dataclasses.replace(new, **bare), old, torch.zeros(4),
                                    ref and dataclasses.replace(ref, **bare))
-        scored = torch.ones_like(old, dtype=torch.bool) if new.mask is None else new.mask  # real transitions
+        old_log_prob = old.log_prob if algorithm.traits.old_score else old  # the old model's whole Score, or its log-probs
+        scored = torch.ones_like(old_log_prob, dtype=torch.bool) if new.mask is None else new.mask  # real transitions
         assert scored.any()
-        torch.testing.assert_close(new.log_prob.detach()[scored], old[scored], rtol=0, atol=1e-5)
+        torch.testing.assert_close(new.log_prob.detach()[scored], old_log_prob[scored], rtol=0, atol=1e-5)
         out = algorithm.loss(new, old, torch.zeros(4), ref)
         assert out.metrics == only_read.metrics and torch.equal(out.loss.detach(), only_read.loss.detach())
         assert out.metrics["ratio_mean"] == pytest.approx(1.0, abs=1e-5)
