@@ -56,6 +56,7 @@ REWARD_OPTIONS = {
 # fit the tiny policies' 3 steps (dgpo); read the transitions' mean and std (flow_grpo's KL term)
 ALGORITHM_OPTIONS = {"dgpo": {"trunc_steps": 2, "num_train_timesteps": 2},
                      "diffusion_nft": {"scale_rewards": "group"},
+                     "awm": {"scale_rewards": "group", "num_train_timesteps": 2},
                      "flow_grpo": {"kl_beta": 0.04}}
 
 ALGORITHM_OPTIONS["branch_grpo"] = {"tree_split_points": [0]}  # a tree of 2 leaves: the contract's groups of 2
