@@ -138,6 +138,7 @@ class Algorithm(Protocol):
     reads the declaration and never probes for a member:
 
     - ``after_update(policy)``, when ``traits.after_update``: called after every optimizer update taken.
+    - ``after_step()``, when ``traits.after_step``: called once at the end of every training step (one rollout).
     - ``state_dict() -> dict`` / ``load_state_dict(state)``, when ``traits.has_state``: saved in and restored from
       checkpoints.
     - ``old_policy(policy) -> ContextManager``, when ``traits.old_source`` is ``"old_model"``: the algorithm keeps its

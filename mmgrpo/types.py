@@ -231,6 +231,9 @@ class AlgorithmTraits:
             weight, the ``kl`` member every algorithm has, is stepped and checkpointed by the trainer in any case.)
         after_update (`bool`): the algorithm has an ``after_update(policy)`` hook, which the trainer calls after every
             optimizer update taken (DGPO's old model follows the weights).
+        after_step (`bool`): the algorithm has an ``after_step()`` hook, which the trainer calls once at the end of
+            every training step (one rollout), whether or not it took an update (MixGRPO's sliding window counts the
+            rollout iterations); checkpoint what it counts through ``has_state``.
         old_source (`str`): what the loss gets as `old_log_prob` `[n, k]`, the "old" policy of its ratio:
 
             - ``"rollout"``: the log-probs the rollout recorded at sampling (``Rollout.old_log_probs``), the policy
@@ -276,6 +279,7 @@ class AlgorithmTraits:
     drop_zero_advantage: bool = False
     has_state: bool = False
     after_update: bool = False
+    after_step: bool = False
     old_source: Literal["rollout", "old_model", "current"] = "rollout"
     old_score: bool = False
     update_mean: Literal["samples", "entries", "rollout_entries"] = "samples"

@@ -254,6 +254,7 @@ def test_algorithm_contract(name):
     # optional members are declared: an algorithm has the hook and the state methods exactly when its traits say so
     traits = algorithm.traits
     assert callable(getattr(algorithm, "after_update", None)) == traits.after_update
+    assert callable(getattr(algorithm, "after_step", None)) == traits.after_step
     assert callable(getattr(algorithm, "step_advantages", None)) == traits.step_advantages
     assert all(callable(getattr(algorithm, m, None)) == traits.has_state for m in ("state_dict", "load_state_dict"))
     if traits.has_state:
