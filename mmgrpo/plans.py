@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import ClassVar, Union
 
-FLOW_PLAN_FEATURES = frozenset({"merge", "branch", "unit_selection", "dpm", "likelihood", "sample_noise", "tree", "old_mean"})
+FLOW_PLAN_FEATURES = frozenset({"merge", "branch", "init_same_noise", "unit_selection", "dpm", "likelihood", "sample_noise", "tree", "old_mean"})
 # plan feature -> the `Score` fields a pipeline's scoring method fills only for a plan that uses the feature (its
 # ``provides`` lists them; an algorithm reading one must ask for the feature, which the checks before loading verify)
 FEATURE_SCORE_FIELDS = {"old_mean": frozenset({"old_mean"})}
@@ -49,6 +49,10 @@ class FlowPlan:
             group normalisation); see [`mmgrpo.samplers.flow_plan.branch_group_ids`].
         seed (`int`): seed of the noise shared within a group (the branch anchor's initial noise, the likelihood's
             noise); drawn by the algorithm from the generator that is seeded identically on every process.
+        init_same_noise (`bool`): feature ``"init_same_noise"`` (DanceGRPO's and MixGRPO's ``--init_same_noise``): the
+            samples of a group start from one initial noise, drawn from `seed` and the group id, so it is the same on
+            every process (see [`mmgrpo.samplers.flow_plan.group_noise`]); they differ only by their SDE noise. Not
+            with `branch` or a tree, whose groups share their root noise already.
         units_per_sample (`int`): feature ``"unit_selection"``: each sample trains only this many of `train_units`
             (0: all), drawn per sample after sampling, see [`mmgrpo.samplers.flow_plan.select_units`].
         unit_weighting (`str`): ``"uniform"`` or ``"latent_change"`` (a unit is drawn with probability proportional
@@ -85,6 +89,7 @@ class FlowPlan:
     max_merge: int = 1
     branch: bool = False
     seed: int = 0
+    init_same_noise: bool = False
     units_per_sample: int = 0
     unit_weighting: str = "uniform"
     solver: str = "flow"
@@ -123,6 +128,9 @@ class FlowPlan:
         self._check_tree()
         if self.branch and (not self.sde_steps or len(set(self.sde_steps)) != len(self.sde_steps)):
             raise ValueError(f"A branching plan needs distinct sde_steps (one per branch), got {self.sde_steps}.")
+        if self.init_same_noise and (self.branch or self.tree_split_points):
+            raise ValueError("FlowPlan.init_same_noise: a branching or tree plan already shares one initial noise per "
+                             "group; leave init_same_noise off.")
 
     def _check_merges(self) -> None:
         if any(i not in self.sde_steps or m < 1 or i + m > self.num_steps for i, m in self.merge.items()):
@@ -166,6 +174,7 @@ class FlowPlan:
         used = {
             "merge": bool(self.merge) or self.merge_entropy is not None,
             "branch": self.branch,
+            "init_same_noise": self.init_same_noise,
             "unit_selection": self.units_per_sample > 0,
             "dpm": self.solver == "dpm",
             "likelihood": self.scoring == "likelihood",

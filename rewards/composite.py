@@ -18,6 +18,18 @@
   here too). A batch z-score reads the whole batch: ``train.group_placement: contiguous`` is refused, and such a
   composite cannot be a component of another.
 
+MixGRPO's ``multi_reward_mix`` default (https://arxiv.org/abs/2507.21802, ``train_grpo_flux.py``), exactly, with the
+component weights as its reward weights; DanceGRPO's multi-reward rule (separate advantages per reward):
+
+- ``"advantage_aggr"``: each component is normalised within its group as the fastvideo scripts do, ``A_k = (r_k -
+  mean_group(r_k)) / (std_group(r_k) + 1e-8)`` (PyTorch's unbiased std; a group whose values are all equal gets 0),
+  and the advantage is their weighted sum, ``A = sum_k w_k A_k``, with no batch z-score. ``A`` is the advantage: the
+  result declares ``scores_are_advantages`` (the algorithm's ``scale_rewards``, ``adv_std``, ``adv_eps`` and
+  ``advantage_transform`` do not apply; `dance_grpo` and `mix_grpo` still clamp it to ``adv_clip_max`` in their loss,
+  as the authors). DanceGRPO's HunyuanVideo script adds the weighted clipped losses of the per-reward advantages
+  instead, the same wherever the ratio lies inside its clip. As for ``normalize_then_sum``, the stage runs on the
+  gathered batch: ``train.group_placement: contiguous`` is refused.
+
 The per-group variants, mmgrpo's own (population std, ``eps``; the algorithm then computes advantages from the scores):
 
 - ``"sum_then_group_normalize"``: ``(s - mean_group(s)) / (std_group(s) + eps)``.
@@ -68,9 +80,10 @@ from mmgrpo.validation import check_fields, check_range, coerce
 
 RESERVED = ("name", "weight")
 NORMALIZATIONS = ("none", "sum_then_normalize", "normalize_then_sum", "sum_then_group_normalize",
-                  "group_normalize_then_sum")
+                  "group_normalize_then_sum", "advantage_aggr")
 GROUP_VARIANTS = ("sum_then_group_normalize", "group_normalize_then_sum")  # the modes that read `eps`
 TRL_EPS = 1e-4  # TRL adds 1e-4 to every std of its multi-objective rules
+FASTVIDEO_EPS = 1e-8  # DanceGRPO's and MixGRPO's scripts add 1e-8 to the group's (unbiased) std
 
 
 def normalize_groups(values: torch.Tensor, group_ids: torch.Tensor | None, eps: float) -> torch.Tensor:
@@ -117,6 +130,26 @@ def trl_normalize_then_sum(rewards: torch.Tensor, weights: torch.Tensor,
     return torch.where(unscorable, summed, torch.nan_to_num(advantages, nan=0.0))
 
 
+def advantage_aggr(rewards: torch.Tensor, weights: torch.Tensor, group_ids: torch.Tensor | None) -> torch.Tensor:
+    """MixGRPO's ``advantage_aggr`` advantages (see the module docstring).
+
+    Args:
+        rewards (`torch.FloatTensor` of shape `[N, K]`): each component's score; NaN: not applicable (left out of its
+            group's statistics and of the sum).
+        weights (`torch.FloatTensor` of shape `[K]`): the components' weights.
+        group_ids (`torch.LongTensor` of shape `[N]`, *optional*): the groups (`None`: the whole batch is one group).
+
+    Returns:
+        `torch.FloatTensor` of shape `[N]`: ``sum_k w_k A_k``; NaN where every component is NaN.
+    """
+    groups = torch.zeros(rewards.shape[0], dtype=torch.long) if group_ids is None else group_ids.cpu()
+    parts = torch.stack([group_normalize(rewards[:, k].float(), groups, eps=FASTVIDEO_EPS, std="unbiased")
+                         for k in range(rewards.shape[1])], dim=1)  # [N, K], 0 where not finite
+    total = (parts * weights.float()).sum(dim=1)  # [N]
+    unscorable = ~torch.isfinite(rewards).any(dim=1)  # [N]
+    return torch.where(unscorable, torch.full_like(total, float("nan")), total)
+
+
 @dataclass
 class CompositeConfig:
     """Configuration of [`CompositeReward`].
@@ -126,15 +159,16 @@ class CompositeConfig:
         normalize (`str`, defaults to `"none"`): ``"none"`` (the weighted sum), TRL's ``"sum_then_normalize"`` (the
             weighted sum, normalised by the algorithm's advantage step) or ``"normalize_then_sum"`` (per-group z-scores
             summed, then a batch z-score: the advantages themselves), or mmgrpo's per-group variants
-            ``"sum_then_group_normalize"`` and ``"group_normalize_then_sum"`` (population std, `eps`). See the module
-            docstring.
+            ``"sum_then_group_normalize"`` and ``"group_normalize_then_sum"`` (population std, `eps`), or MixGRPO's
+            ``"advantage_aggr"`` (per-group advantages of each reward, summed with the weights: the advantages
+            themselves). See the module docstring.
         eps (`float`, defaults to 1e-4): added to the group standard deviation of the per-group variants (TRL's rules
             use TRL's 1e-4).
     """
 
     rewards: dict[str, dict] = field(default_factory=dict)
     normalize: Literal["none", "sum_then_normalize", "normalize_then_sum", "sum_then_group_normalize",
-                       "group_normalize_then_sum"] = "none"
+                       "group_normalize_then_sum", "advantage_aggr"] = "none"
     eps: float = 1e-4
 
     def __post_init__(self):
@@ -144,7 +178,7 @@ class CompositeConfig:
         check_range("eps", self.eps, 0, 1e3, low_open=True, fix="added to each reward's std; 1e-4 is usual")
         if self.eps != TRL_EPS and self.normalize not in GROUP_VARIANTS:
             raise ValueError(f"eps applies to normalize: {' / '.join(GROUP_VARIANTS)}; with {self.normalize!r} "
-                             "leave it out (TRL's rules add TRL's 1e-4).")
+                             "leave it out (TRL's rules add TRL's 1e-4, advantage_aggr the authors' 1e-8).")
         self.specs = {}  # component name -> (registry name, weight, plugin Config instance); not a field
         for key, raw in self.rewards.items():
             if not isinstance(raw, dict):
@@ -156,15 +190,16 @@ class CompositeConfig:
             plugin = registry.get("reward", name)
             built = build_dataclass(plugin.Config, options, f"reward.rewards.{key}")
             if isinstance(built, CompositeConfig) and built.scores_are_advantages:
-                raise ValueError(f"composite: reward.rewards.{key} has normalize: normalize_then_sum, whose scores are "
+                raise ValueError(f"composite: reward.rewards.{key} has normalize: {built.normalize}, whose scores are "
                                  "the batch's advantages, which a sum would re-normalise: use it as the top-level "
                                  "reward, or group_normalize_then_sum inside.")
             self.specs[key] = (name, weight, built)
 
     @property
     def scores_are_advantages(self) -> bool:
-        """Whether the group stage's scores are the advantages themselves (TRL's ``normalize_then_sum``)."""
-        return self.normalize == "normalize_then_sum"
+        """Whether the group stage's scores are the advantages themselves (TRL's ``normalize_then_sum``, MixGRPO's
+        ``advantage_aggr``)."""
+        return self.normalize in ("normalize_then_sum", "advantage_aggr")
 
 
 class CompositeReward:
@@ -258,6 +293,11 @@ class CompositeReward:
             advantages = trl_normalize_then_sum(rewards, weights, group_ids)  # [N]
             return RewardResult(scores=advantages.float(), components=components, features=result.features,
                                 scores_are_advantages=True)
+        if mode == "advantage_aggr":  # MixGRPO's: the advantages, group by group
+            rewards = torch.stack([components[k].float() for k in self.rewards], dim=1)  # [N, K]
+            weights = torch.tensor([self.weights[k] for k in self.rewards])  # [K]
+            return RewardResult(scores=advantage_aggr(rewards, weights, group_ids), components=components,
+                                features=result.features, scores_are_advantages=True)
         if mode == "group_normalize_then_sum":
             parts = {k: normalize_groups(components[k].float(), group_ids, eps) for k in self.rewards}
             total = _nan_sum(torch.stack([self.weights[k] * parts[k] for k in self.rewards]))  # [N]

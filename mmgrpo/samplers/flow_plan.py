@@ -174,6 +174,9 @@ def run_plan(
         `[N]` (re-keyed by branch for branching plans).
     """
     n = len(group_ids)
+    if plan.init_same_noise:  # DanceGRPO's: one initial noise per group, the same on every process
+        shared = group_noise(noise, group_ids, plan.seed, salt=-2)  # [N, ...]
+        noise = lambda count, generator=None: shared  # noqa: E731 (every remaining path draws the N initial latents)
     if plan.tree_split_points:  # BranchGRPO's tree: one root per group, shared prefixes once per node
         trajectory, log_probs, mask = sample_tree(velocity, noise, sigmas, plan, group_ids, member_ids)
     elif plan.solver == "dpm":
