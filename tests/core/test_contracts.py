@@ -56,6 +56,7 @@ REWARD_OPTIONS = {
 # fit the tiny policies' 3 steps (dgpo); read the transitions' mean and std (flow_grpo's KL term)
 ALGORITHM_OPTIONS = {"dgpo": {"trunc_steps": 2, "num_train_timesteps": 2},
                      "dance_grpo": {"kl_beta": 0.04},  # the KL term reads the transitions' mean and std
+                     "mix_grpo": {"kl_beta": 0.04},
                      "diffusion_nft": {"scale_rewards": "group"},
                      "awm": {"scale_rewards": "group", "num_train_timesteps": 2},
                      "flow_grpo": {"kl_beta": 0.04}}
