@@ -1,5 +1,6 @@
 """The options of the `qwen_vl` pipeline, [`QwenVLConfig`], and their checks (types, token and pixel budgets within
-the model's positions, sampling truncation, LoRA, attention backend), run before any weight loads.
+the model's positions, sampling truncation, LoRA, attention backend), run before any weight loads; and the model
+families it takes ([`FAMILIES`]: transformers class, box frame).
 
 Not a plugin: `mmgrpo.pipelines.qwen_vl` holds the policy and exposes this `Config` as ``QwenVLPolicy.Config``.
 """
@@ -16,6 +17,31 @@ from mmgrpo.model_limits import (
 )
 from mmgrpo.validation import ConfigError, check_fields, check_range
 
+
+
+@dataclass(frozen=True)
+class Family:
+    """What the adapter needs to know of one Qwen-VL family (keyed by the checkpoint's ``model_type``).
+
+    Args:
+        model_class (`str`): the transformers class.
+        box_frame (`str`): the frame the model writes boxes and points in, as `rewards/box_iou.py` names them:
+            ``"resized"`` (pixels of the resized model input: Qwen2.5-VL) or ``"norm1000"`` (0-1000 relative to the
+            image: Qwen2-VL, Qwen3-VL, Qwen3.5).
+    """
+
+    model_class: str
+    box_frame: Literal["resized", "norm1000"]
+
+
+FAMILIES = {
+    "qwen2_vl": Family("Qwen2VLForConditionalGeneration", "norm1000"),
+    "qwen2_5_vl": Family("Qwen2_5_VLForConditionalGeneration", "resized"),
+    "qwen3_vl": Family("Qwen3VLForConditionalGeneration", "norm1000"),
+    "qwen3_vl_moe": Family("Qwen3VLMoeForConditionalGeneration", "norm1000"),
+    "qwen3_5": Family("Qwen3_5ForConditionalGeneration", "norm1000"),
+    "qwen3_5_moe": Family("Qwen3_5MoeForConditionalGeneration", "norm1000"),
+}
 # transformers' attention backends (besides hub kernels "org/name")
 ATTENTION = ("sdpa", "eager", "flash_attention_2", "flash_attention_3", "flash_attention_4", "flex_attention",
              "paged|eager")
@@ -34,11 +60,14 @@ class QwenVLConfig:
         top_p (`float`), top_k (`int`): nucleus / top-k truncation of sampling only (1.0 / 0 disable them).
         system_prompt (`str`, *optional*): a system message put before every prompt.
         min_pixels (`int`, *optional*), max_pixels (`int`, *optional*): per-image pixel budget: each image is resized
-            once to a multiple of 28 pixels with an area in ``[min_pixels, max_pixels]``; unset: the processor's saved
-            value. At least 784 (28 x 28).
-        video_fps (`float`): frames per second of video inputs given as frame lists (temporal M-RoPE spacing).
+            once to a multiple of patch x merge pixels (28 for Qwen2-VL / Qwen2.5-VL, 32 for Qwen3-VL / Qwen3.5) with
+            an area in ``[min_pixels, max_pixels]``; unset: the processor's saved value. At least one cell (784 or
+            1024).
+        video_fps (`float`): frames per second of video inputs given as frame lists (temporal M-RoPE spacing for
+            Qwen2.5-VL, the frames' timestamps for Qwen3-VL / Qwen3.5).
         video_min_pixels (`int`, *optional*), video_max_pixels (`int`, *optional*): per-frame pixel budget, likewise
-            (``video_max_pixels`` at least 3136: qwen-vl-utils first resizes frame lists on a 56-pixel grid).
+            (``video_max_pixels`` at least 3136, 4096 for the Qwen3 families: qwen-vl-utils first resizes frame lists on
+            a grid twice as coarse).
         lora_rank (`int`): LoRA rank on the language model; 0 trains the whole language model (and the vision
             tower unless `freeze_vision`), with a frozen copy as the reference.
         lora_alpha (`int`), lora_dropout (`float`): LoRA scaling numerator and dropout.
@@ -102,16 +131,18 @@ class QwenVLConfig:
         check_range("top_p", self.top_p, 0, 1, low_open=True, fix="1 disables nucleus truncation")
         check_limit("top_k", self.top_k, 0, find_int(model, "vocab_size"), VOCAB_LIMIT, "the vocabulary size",
                     fix="0 disables top-k truncation")
-        bounds = (("", 28, self.min_pixels, self.max_pixels),
-                  ("video_", 56, self.video_min_pixels, self.video_max_pixels))
-        for prefix, cell, low, high in bounds:  # qwen-vl-utils' resize grid (frame lists: 56 first)
-            # one image's tokens (a token per 28 x 28 pixels) must fit in the model's positions
-            most = positions * 28**2 if positions else PIXELS_LIMIT
+        cell = vision_cell(model)
+        bounds = (("", cell, self.min_pixels, self.max_pixels),
+                  ("video_", 2 * cell, self.video_min_pixels, self.video_max_pixels))
+        for prefix, grid, low, high in bounds:  # qwen-vl-utils' resize grid (frame lists: twice as coarse first)
+            # one image's tokens (a token per cell) must fit in the model's positions
+            most = positions * cell**2 if positions else PIXELS_LIMIT
             if low is not None:
                 check_range(f"{prefix}min_pixels", low, 1, most, fix="or leave it unset (the processor's saved value)")
             if high is not None:
-                check_range(f"{prefix}max_pixels", high, cell**2, most, fix=f"qwen-vl-utils resizes to {cell}-pixel "
-                            "cells, and one image's tokens (one per 28 x 28 pixels) fit in the model's positions")
+                check_range(f"{prefix}max_pixels", high, grid**2, most,
+                            fix=f"qwen-vl-utils resizes to {grid}-pixel cells, and one image's tokens (one per "
+                            f"{cell} x {cell} pixels) fit in the model's positions")
             if low is not None and high is not None:
                 check_range(f"{prefix}min_pixels", low, high=high, fix=f"lower it or raise {prefix}max_pixels")
         check_range("video_fps", self.video_fps, 0.01, 1000, fix="the frame rate of frame-list videos, e.g. 2.0")
@@ -127,3 +158,11 @@ class QwenVLConfig:
             raise ConfigError("gradient_checkpointing needs prefix_sharing: false (a checkpointed layer runs without "
                               "the KV cache that the prefix-shared group forward expands): set "
                               "pipeline.prefix_sharing: false, or gradient_checkpointing: false.")
+
+
+def vision_cell(model: dict) -> int:
+    """The side in pixels of one merged vision token of a checkpoint's config (patch size x spatial merge: 28 for
+    Qwen2-VL / Qwen2.5-VL, 32 for Qwen3-VL / Qwen3.5); 28 when the config is not readable here."""
+    vision = model.get("vision_config") if isinstance(model.get("vision_config"), dict) else {}
+    patch, merge = vision.get("patch_size", 14), vision.get("spatial_merge_size", 2)
+    return patch * merge if isinstance(patch, int) and isinstance(merge, int) else 28

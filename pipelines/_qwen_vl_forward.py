@@ -1,4 +1,4 @@
-"""Prompt encoding, collation and the prefix-shared group forward of the Qwen2-VL / Qwen2.5-VL adapter (`qwen_vl`).
+"""Prompt collation and the prefix-shared group forward of the Qwen-VL adapter (`qwen_vl`).
 
 The `G` completions of one prompt share its text and vision tokens. [`GroupForward`] runs the vision tower and the
 prompt once per *unique* prompt (``U`` rows), expands the prompt's KV cache to the `N` samples with an index (a
@@ -7,11 +7,17 @@ differentiable ``index_select``), and runs only the completion tokens per sample
 sits at text position ``max(prompt positions) + 1 + j`` on all three axes, which is what the model computes for the
 whole sequence (tested against the naive forward, [`GroupForward.naive`]).
 
+Hybrid models (Qwen3.5's Gated DeltaNet layers) cache a convolution and a recurrent state per linear-attention layer
+instead of keys and values; ``reorder_cache`` expands them to the group the same way. transformers writes the new
+recurrent state into the cached tensor in place, after the continuation has read it as its initial state; the training
+forward keeps a copy of that tensor where autograd saves it ([`preserve_states`]), so gradients flow through it.
+
 Not a plugin: the name starts with an underscore and it defines no ``PLUGIN``.
 """
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import torch
@@ -71,11 +77,21 @@ def expand_prefix(prefix: dict[str, torch.Tensor], inverse: torch.Tensor) -> dic
 
 
 def _items_per_row(prefix: dict[str, torch.Tensor], count_key: str) -> list[int]:
-    """How many images (or videos) each prompt row holds: its runs of image (or video) tokens."""
+    """How many images (or videos) each prompt row holds, from its number of image (or video) tokens: item `i` has
+    ``prod(grid_i) / merge**2`` of them, and the items are in row order. (Counting runs of tokens would miscount the
+    Qwen3 families' videos, whose frames are runs of their own between timestamps.)"""
     kind = 1 if count_key == "image_grid_thw" else 2
-    types = prefix["mm_token_type_ids"] == kind  # [U, P]
-    starts = types & ~torch.nn.functional.pad(types, (1, 0))[:, :-1]  # first token of each run
-    return starts.sum(dim=1).tolist()
+    per_row = (prefix["mm_token_type_ids"] == kind).sum(dim=1).tolist()  # [U] tokens of this kind
+    sizes = prefix[count_key].prod(dim=1)  # [items] patches
+    merge_area = int(sizes.sum()) // max(sum(per_row), 1)  # patches per token (spatial merge squared)
+    counts, item = [], 0
+    for tokens in per_row:
+        start = item
+        while tokens > 0:
+            tokens -= int(sizes[item]) // merge_area
+            item += 1
+        counts.append(item - start)
+    return counts
 
 
 def unique_rows(items: list[Any]) -> tuple[list[Any], torch.Tensor]:
@@ -111,6 +127,20 @@ def _rope_arguments(model) -> set[str]:
     return set(inspect.signature(model.model.get_rope_index).parameters)
 
 
+def preserve_states(cache) -> contextlib.AbstractContextManager:
+    """A context in which autograd saves a copy of the cache's linear-attention recurrent states (not the tensors that
+    transformers then overwrites in place); a no-op for a cache without them."""
+    from transformers.cache_utils import LinearAttentionCacheLayerMixin
+
+    states = {state.data_ptr() for layer in cache.layers if isinstance(layer, LinearAttentionCacheLayerMixin)
+              for state in layer.recurrent_states.values() if state is not None}
+    if not states:
+        return contextlib.nullcontext()
+    return torch.autograd.graph.saved_tensors_hooks(
+        lambda tensor: tensor.clone() if tensor.data_ptr() in states else tensor, lambda tensor: tensor
+    )
+
+
 class GroupForward(torch.nn.Module):
     """Per-token log-probabilities of completions, with the prompt (and its vision tokens) forwarded once per group.
 
@@ -118,7 +148,7 @@ class GroupForward(torch.nn.Module):
     the policy's support (their logits are set to -inf), in sampling and in scoring alike.
 
     Args:
-        model: a ``Qwen2VLForConditionalGeneration`` or ``Qwen2_5_VLForConditionalGeneration``.
+        model: a Qwen-VL ``...ForConditionalGeneration`` (see `_qwen_vl_config.FAMILIES`).
         suppress_ids (`list[int]`): token ids the policy never emits.
     """
 
@@ -175,7 +205,8 @@ class GroupForward(torch.nn.Module):
         if length > 1:
             positions = start[:, None] + torch.arange(length - 1, device=start.device)  # [N, T - 1]
             mask = torch.cat([prompt_mask, prompt_mask.new_ones(n, length - 1)], dim=1)  # [N, P + T - 1]
-            rest = self.step(completion[:, :-1], cache, mask, positions)  # [N, T - 1, V]
+            with preserve_states(cache):
+                rest = self.step(completion[:, :-1], cache, mask, positions)  # [N, T - 1, V]
             logits = torch.cat([logits, rest], dim=1)  # [N, T, V]
         return self.token_log_probs(logits, completion, temperature)
 

@@ -1,22 +1,28 @@
-"""Prompt inputs of the Qwen2-VL / Qwen2.5-VL adapter (`qwen_vl`): chat messages, pixel budgets, and one prompt through
-qwen-vl-utils and the transformers processor.
+"""Prompt inputs of the Qwen-VL adapter (`qwen_vl`): chat messages, pixel budgets, and one prompt through qwen-vl-utils
+and the transformers processor.
 
 **One resize under one budget.** qwen-vl-utils' ``process_vision_info`` resizes each image (each video frame) to a
-multiple of patch x merge (28 pixels) within a pixel budget; the processor would then resize again with the budget
-saved in its preprocessor config, so the model could see another size than the one configured. Here each modality's
-budget is resolved once, at load: the configured ``min_pixels`` / ``max_pixels`` (``video_min_pixels`` /
-``video_max_pixels`` per frame), an unset value taken from the processor's saved ``size`` (``shortest_edge`` /
-``longest_edge``). qwen-vl-utils resizes with it; the processor is called with ``do_resize=False`` (it only
-normalises and patchifies what it is given); and the processor's ``size`` is set to it, so a checkpoint's saved
-processor resizes the same way elsewhere. The frame the model sees is ``image_grid_thw``'s h and w times the patch
-size, which is what `record_input_size` writes.
+multiple of patch x merge (28 pixels; 32 for the Qwen3 families' 16-pixel patches) within a pixel budget; the
+processor would then resize again with the budget saved in its preprocessor config, so the model could see another
+size than the one configured. Here each modality's budget is resolved once, at load: the configured ``min_pixels`` /
+``max_pixels`` (``video_min_pixels`` / ``video_max_pixels`` per frame), an unset value taken from the processor's
+saved ``size`` (``shortest_edge`` / ``longest_edge``). qwen-vl-utils resizes with it; the processor is called with
+``do_resize=False`` (it only normalises and patchifies what it is given); and the processor's ``size`` is set to it,
+so a checkpoint's saved processor resizes the same way elsewhere. The frame the model sees is ``image_grid_thw``'s h
+and w times the patch size, which is what `record_input_size` writes.
 
-The resized area lies in ``[min_pixels, max_pixels]`` except where rounding to the 28-pixel grid cannot: a budget
+The resized area lies in ``[min_pixels, max_pixels]`` except where rounding to the grid cannot: a budget
 narrower than one grid step for the image's shape. For videos, qwen-vl-utils lowers the per-frame maximum further, to
 768 tokens' worth (602112 pixels) and to an even share of its total-video budget (90% of 128k tokens), never below
-``1.05 * min_pixels``. It floors a downscaled side to a multiple of 28 (of 56 for the frames of a frame-list video)
+``1.05 * min_pixels``. It floors a downscaled side to a multiple of the cell (of twice the cell for the frames of a
+frame-list video)
 without a lower bound: `PromptEncoder` refuses a budget below one such cell, and `encode` turns a side floored to 0
 (a budget too small for an image's aspect ratio) into an error that names the key.
+
+**Videos.** A frame list is played at ``video_fps`` (qwen-vl-utils' ``sample_fps``). The processor gets each video's
+metadata from qwen-vl-utils (frame indices and fps) with ``do_sample_frames=False`` (the frames are already sampled):
+Qwen2.5-VL spaces its temporal M-RoPE positions by it (``second_per_grid_ts`` = 2 / fps), and the Qwen3 families
+write a ``<t seconds>`` timestamp before each merged frame (the mean time of its 2 frames).
 
 Not a plugin: the name starts with an underscore and it defines no ``PLUGIN``.
 """
@@ -92,9 +98,9 @@ class PromptEncoder:
         if merge != SPATIAL_MERGE_SIZE:
             raise ValueError(
                 f"pipeline.pretrained {config.pretrained!r}: the processor merges {merge} x {merge} patches; "
-                f"qwen-vl-utils resizes for {SPATIAL_MERGE_SIZE} x {SPATIAL_MERGE_SIZE} (Qwen2-VL / Qwen2.5-VL)."
+                f"qwen-vl-utils resizes for {SPATIAL_MERGE_SIZE} x {SPATIAL_MERGE_SIZE} (every Qwen-VL family)."
             )
-        cell = self.patch_size * merge
+        cell = self.cell = self.patch_size * merge
         self.image_budget = resolve_budget(processor.image_processor, config.min_pixels, config.max_pixels, "", cell**2)
         # frames of a frame-list video are first resized on a grid twice as coarse (qwen-vl-utils' fetch_video)
         self.video_budget = resolve_budget(
@@ -107,8 +113,8 @@ class PromptEncoder:
         c, image, video = self.config, self.image_budget, self.video_budget
         content = [{"type": "image", "image": x, "min_pixels": image.min_pixels, "max_pixels": image.max_pixels}
                    for x in images]
-        content += [{"type": "video", "video": x, "fps": c.video_fps, "min_pixels": video.min_pixels,
-                     "max_pixels": video.max_pixels} for x in videos]
+        content += [{"type": "video", "video": x, "fps": c.video_fps, "sample_fps": c.video_fps,
+                     "min_pixels": video.min_pixels, "max_pixels": video.max_pixels} for x in videos]
         content.append({"type": "text", "text": prompt})
         system = [{"role": "system", "content": c.system_prompt}] if c.system_prompt else []
         return system + [{"role": "user", "content": content}]
@@ -124,7 +130,8 @@ class PromptEncoder:
         text = self.processor.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         try:
             image_inputs, video_inputs, video_kwargs = process_vision_info(
-                messages, return_video_kwargs=True, image_patch_size=self.patch_size
+                messages, return_video_kwargs=True, image_patch_size=self.patch_size,
+                return_video_metadata=True,
             )
         except ValueError as err:
             if "must be > 0" not in str(err):
@@ -132,14 +139,15 @@ class PromptEncoder:
             raise ValueError(
                 f"qwen-vl-utils resized an image or video frame to zero pixels ({err}): its aspect ratio needs a "
                 f"larger budget than pipeline.max_pixels={self.image_budget.max_pixels} / pipeline.video_max_pixels="
-                f"{self.video_budget.max_pixels} (a side shorter than 28 pixels after scaling, 56 for the frames of a "
-                f"frame-list video, is floored to 0); raise that modality's max_pixels."
+                f"{self.video_budget.max_pixels} (a side shorter than {self.cell} pixels after scaling, "
+                f"{2 * self.cell} for the frames of a frame-list video, is floored to 0); raise that modality's "
+                "max_pixels."
             ) from err
         kwargs = dict(video_kwargs or {}) if video_inputs else {}
-        if kwargs.get("fps"):  # qwen-vl-utils gives one fps per video; the processor takes one number
-            kwargs["fps"] = kwargs["fps"][0]
         if video_inputs:  # no resize happens here; set only to silence the processor's warning about the cap
             kwargs["cap_pixels_per_frame"] = True
+        if video_inputs:  # (video, metadata) pairs: the metadata gives the frames' times (M-RoPE, timestamps)
+            video_inputs, kwargs["video_metadata"] = [list(part) for part in zip(*video_inputs)]
         inputs = self.processor(text=[text], images=image_inputs, videos=video_inputs, do_resize=False,
                                 return_tensors="pt", **kwargs)
         out = {"input_ids": inputs["input_ids"][0], "mm_token_type_ids": inputs["mm_token_type_ids"][0]}

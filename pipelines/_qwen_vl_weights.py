@@ -15,7 +15,7 @@ from typing import Callable, ContextManager
 import torch
 
 LANGUAGE_LORA = r".*language_model.*\.({names})$"
-VISION_LORA = r".*visual\.blocks.*\.(qkv|proj|fc1|fc2|gate_proj|up_proj|down_proj)$"
+VISION_LORA = r".*visual\.blocks.*\.(qkv|proj|fc1|fc2|linear_fc1|linear_fc2|gate_proj|up_proj|down_proj)$"
 # peft's `PeftModel` names the base model's parameters under this prefix: adapters saved with it load there
 PEFT_PREFIX = "base_model.model."
 LORA_FILE = "adapter_model.safetensors"

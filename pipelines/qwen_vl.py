@@ -1,9 +1,12 @@
-"""Qwen2-VL / Qwen2.5-VL as a token-level stochastic policy (reasoning, counting, grounding), with LoRA and a
-prefix-shared group forward.
+"""Qwen2-VL / Qwen2.5-VL / Qwen3-VL (dense and MoE) / Qwen3.5 as a token-level stochastic policy (reasoning,
+counting, grounding), with LoRA and a prefix-shared group forward.
 
-Wraps transformers' `Qwen2VLForConditionalGeneration` / `Qwen2_5_VLForConditionalGeneration` and their processor;
-vision inputs go through `qwen_vl_utils.process_vision_info`. Papers: Qwen2-VL https://arxiv.org/abs/2409.12191,
-Qwen2.5-VL https://arxiv.org/abs/2502.13923.
+Wraps transformers' `Qwen2VLForConditionalGeneration`, `Qwen2_5_VLForConditionalGeneration`,
+`Qwen3VLForConditionalGeneration`, `Qwen3VLMoeForConditionalGeneration`, `Qwen3_5ForConditionalGeneration` and
+`Qwen3_5MoeForConditionalGeneration` (the checkpoint's ``model_type`` picks the class, see
+`_qwen_vl_config.FAMILIES`) and their processor; vision inputs go through `qwen_vl_utils.process_vision_info` (16-pixel
+patches for the Qwen3 families, and timestamped videos). Papers: Qwen2-VL https://arxiv.org/abs/2409.12191,
+Qwen2.5-VL https://arxiv.org/abs/2502.13923, Qwen3-VL https://arxiv.org/abs/2511.21631.
 
 **Token-level contract.** A decision is a completion token: ``num_steps`` is ``max_new_tokens``, and a rollout's
 ``old_log_probs`` and ``mask`` are `[N, max_new_tokens]` (``mask`` false after the end-of-turn token, and on the
@@ -25,6 +28,11 @@ saved budget; the processor does not resize again, and its saved budget becomes 
 When a prompt has images and its metadata has ``image_size``, `sample` writes ``input_size`` = the first image's
 ``[width, height]`` as the model saw it (the frame Qwen2.5-VL answers boxes in; see `rewards/box_iou.py`).
 
+**Box frame.** Each family writes boxes and points in its own frame: pixels of the resized input (Qwen2.5-VL) or
+0-1000 relative to the image (Qwen2-VL, Qwen3-VL, Qwen3.5). The policy declares it as ``box_frame`` (from the
+checkpoint's ``model_type``) and `sample` writes it into every prompt's metadata as ``coords``, which the grounding
+and segmentation rewards read with ``coords: model``.
+
 **Modules.** This file holds the policy (sampling, replay, teacher-forced rollouts); its options and their checks
 are `_qwen_vl_config.py`, the prompt and vision inputs `_qwen_vl_inputs.py`, the prefix-shared group forward
 `_qwen_vl_forward.py`, the LoRA adapter and the saved weights `_qwen_vl_weights.py`.
@@ -38,7 +46,7 @@ from mmgrpo.hub import DTYPES, resolve_pretrained
 from mmgrpo.reference import ReferenceSwitch
 from mmgrpo.sharding import any_process
 from mmgrpo.pipelines._checkpointing import checkpoint_transformers
-from mmgrpo.pipelines._qwen_vl_config import QwenVLConfig  # the options (imported from here by configs and tests)
+from mmgrpo.pipelines._qwen_vl_config import FAMILIES, QwenVLConfig  # (QwenVLConfig: imported from here by tests)
 from mmgrpo.pipelines._qwen_vl_forward import GroupForward, collate_prompts, unique_rows
 from mmgrpo.pipelines._qwen_vl_inputs import PromptEncoder, vision_inputs
 from mmgrpo.pipelines._qwen_vl_weights import PEFT_PREFIX  # noqa: F401 (imported from here by tests)
@@ -46,7 +54,7 @@ from mmgrpo.pipelines._qwen_vl_weights import adapters_off, inject_lora, load_we
 from mmgrpo.types import PromptBatch, Rollout, Score
 from mmgrpo.plans import TokenPlan
 
-MODEL_CLASSES = {"qwen2_vl": "Qwen2VLForConditionalGeneration", "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration"}
+MODEL_CLASSES = {model_type: family.model_class for model_type, family in FAMILIES.items()}  # (read by bench/)
 VISION_TOKENS = ("<|image_pad|>", "<|video_pad|>", "<|vision_start|>", "<|vision_end|>", "<|vision_pad|>")
 
 
@@ -68,14 +76,17 @@ class QwenVLPolicy:
         self.config = config
         location = resolve_pretrained(config.pretrained, "pipeline.pretrained")
         model_type = AutoConfig.from_pretrained(location).model_type
-        if model_type not in MODEL_CLASSES:
+        if model_type not in FAMILIES:
             raise ValueError(
                 f"pipeline.pretrained {config.pretrained!r} is a {model_type!r} model; the qwen_vl pipeline takes "
-                f"{sorted(MODEL_CLASSES)} (Qwen2-VL or Qwen2.5-VL)."
+                f"{sorted(FAMILIES)} (Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3.5)."
             )
+        family = FAMILIES[model_type]
+        self.box_frame: str = family.box_frame  # the frame of its boxes and points (written as metadata["coords"])
         self.processor = AutoProcessor.from_pretrained(location)
-        self.inputs = PromptEncoder(self.processor, config)  # resolves the pixel budgets before the weights load
-        model_cls = getattr(transformers, MODEL_CLASSES[model_type])
+        # resolves the pixel budgets before the weights load
+        self.inputs = PromptEncoder(self.processor, config)
+        model_cls = getattr(transformers, family.model_class)
         self.model = model_cls.from_pretrained(
             location, dtype=DTYPES[config.weights_dtype], attn_implementation=config.attn_implementation,
             use_safetensors=True,  # never a pickle
@@ -146,6 +157,7 @@ class QwenVLPolicy:
                 self.inputs.record_input_size(batch.metadata[i], encoded[gid])
             elif batch.prompts[i] != batch.prompts[group_ids.index(gid)]:
                 raise ValueError(f"Samples of group {gid} have different prompts; a group must share its prompt.")
+            batch.metadata[i]["coords"] = self.box_frame  # the frame the rewards map boxes from (coords: model)
             out.append(encoded[gid])
         return out
 
