@@ -13,7 +13,8 @@ Two peer formats:
   Each point goes with the first box that contains it (Seg-R1 prompts each box with the points inside it and unites
   the masks); a point inside no box is dropped (counter ``points_unassigned``).
 
-Frames: numbers are read in the frame `coords` of `box_iou` (``resized`` / ``original`` / ``norm1000`` / ``norm1``) and
+Frames: numbers are read in the frame `coords` of `box_iou` (``resized`` / ``original`` / ``norm1000`` / ``norm1``, or
+``model``: the one the pipeline declares in ``metadata["coords"]``) and
 mapped to original-image pixels with `BoxIoU.to_original` (a point ``(x, y)`` maps as the box ``[x, y, x, y]``).
 
 Malformed output never raises; it sets counters (each 0/1 per sample) and leaves fewer or no prompts:

@@ -10,6 +10,9 @@ Conventions (one for all models):
   `coords`: ``"resized"`` (pixels of the model input, the processor's resized image: Qwen2.5-VL), ``"original"``
   (pixels of the original image), ``"norm1000"`` (0-1000 relative: Qwen2-VL, Visual-RFT) or ``"norm1"`` (0-1
   relative), and mapped to the original image before the IoU. A frame mismatch is the usual cause of an IoU stuck at 0.
+  ``"model"`` reads the frame the pipeline declares for its model in each sample's ``metadata["coords"]`` (the `qwen_vl`
+  pipeline writes ``"resized"`` for Qwen2.5-VL, ``"norm1000"`` for Qwen2-VL, Qwen3-VL and Qwen3.5): the convention
+  comes from the model, not from the config.
 - **Parsing** (inside the last ``<answer>...</answer>`` when there is one, else the whole text): every ``<box>...</box>``
   or ``<|box_start|>...<|box_end|>`` with 4 numbers (``(x1,y1),(x2,y2)``, ``[x1, y1, x2, y2]`` or ``x1 y1 x2 y2``);
   without such tags, every bracketed list of exactly 4 numbers, which covers JSON (``[{"bbox_2d": [...], "label":
@@ -27,7 +30,8 @@ without ground truth (no `gt_key` in their metadata) are not applicable: NaN.
 Metadata keys (per sample): `gt_key` (default ``"boxes"``): one box or a list of boxes, original-image pixels;
 ``"image_size"``: ``[width, height]`` of the original image (needed unless ``coords="original"``); ``"input_size"``:
 ``[width, height]`` of the model input (needed with ``coords="resized"``; e.g. ``image_grid_thw`` w and h times the
-patch size for Qwen2.5-VL).
+patch size for Qwen2.5-VL); ``"coords"``: the frame of the model's numbers (needed with ``coords="model"``, written by
+the pipeline).
 """
 
 from __future__ import annotations
@@ -51,6 +55,7 @@ from mmgrpo.validation import check_fields, check_range, check_text
 # failing (quadratic in the run's length)
 _NUMBER = r"[-+]?(?:\d+(?:\.\d*)?|\.\d+)(?:[eE][-+]?\d+)?"
 _TAGS = (("<box>", "</box>"), ("<|box_start|>", "<|box_end|>"))
+FRAMES = ("resized", "original", "norm1000", "norm1")  # the frames a model's numbers can be in
 _LIST4 = re.compile(rf"[\[(]\s*({_NUMBER})\s*,\s*({_NUMBER})\s*,\s*({_NUMBER})\s*,\s*({_NUMBER})\s*[\])]")
 
 
@@ -86,7 +91,7 @@ class BoxIoUConfig:
 
     Args:
         coords (`str`, defaults to `"resized"`): the frame of the model's numbers: ``"resized"``, ``"original"``,
-            ``"norm1000"`` or ``"norm1"``.
+            ``"norm1000"``, ``"norm1"``, or ``"model"``: the one the pipeline declares in ``metadata["coords"]``.
         threshold (`float`, *optional*): if set, a matched pair counts 1 when its IoU reaches it, else 0.
         answer_tag (`str`, *optional*, defaults to `"answer"`): read boxes inside the last ``<tag>...</tag>``
             when present (None: the whole text).
@@ -96,7 +101,7 @@ class BoxIoUConfig:
             before parsing (component ``truncated``); 0 or None: no cut (the parser is linear).
     """
 
-    coords: Literal["resized", "original", "norm1000", "norm1"] = "resized"
+    coords: Literal["resized", "original", "norm1000", "norm1", "model"] = "resized"
     threshold: float | None = None
     answer_tag: str | None = "answer"
     gt_key: str = "boxes"
@@ -104,7 +109,7 @@ class BoxIoUConfig:
     max_completion_chars: int | None = MAX_COMPLETION_CHARS
 
     def __post_init__(self):
-        check_fields(self)  # types (coords one of the four frames); floats finite
+        check_fields(self)  # types (coords one of the four frames, or "model"); floats finite
         if self.threshold is not None:
             check_range("threshold", self.threshold, 0, 1, low_open=True, fix="or null for the continuous IoU")
         check_range("max_boxes", self.max_boxes, 1, 1024, fix="e.g. 100")
@@ -132,14 +137,29 @@ class BoxIoU:
         if not (isinstance(size, (list, tuple)) and len(size) == 2 and all(float(s) > 0 for s in size)):
             hint = " (the processor's resized frame)" if key == "input_size" else ""
             raise ValueError(
-                f"box_iou: coords={self.config.coords!r} needs metadata[{key!r}] = [width, height]{hint} for sample "
-                f"{index}, got {size!r}. Add it to the prompt source, or set coords to the frame the model writes in."
+                f"box_iou: coords={self.frame(metadata, index)!r} needs metadata[{key!r}] = [width, height]{hint} "
+                f"for sample {index}, got {size!r}. Add it to the prompt source, or set coords to the frame the model "
+                "writes in."
             )
         return float(size[0]), float(size[1])
 
+    def frame(self, metadata: dict, index: int = 0) -> str:
+        """The frame of sample `index`'s numbers: the configured one, or with ``coords="model"`` the one the pipeline
+        wrote in ``metadata["coords"]``."""
+        if self.config.coords != "model":
+            return self.config.coords
+        coords = metadata.get("coords")
+        if coords not in FRAMES:
+            raise ValueError(
+                f"box_iou: coords='model' reads the frame the pipeline declares for its model in metadata['coords'] "
+                f"(one of {list(FRAMES)}), got {coords!r} for sample {index}: this pipeline declares none; set coords "
+                "to the frame the model writes in."
+            )
+        return coords
+
     def to_original(self, boxes: torch.Tensor, metadata: dict, index: int = 0) -> torch.Tensor:
-        """Maps predicted boxes `[P, 4]` from the configured frame to original-image pixels."""
-        coords = self.config.coords
+        """Maps predicted boxes `[P, 4]` from the sample's frame ([`~BoxIoU.frame`]) to original-image pixels."""
+        coords = self.frame(metadata, index)
         if coords == "original":
             return boxes
         width, height = self._size(metadata, "image_size", index)
@@ -172,7 +192,7 @@ class BoxIoU:
         pred = self.to_original(torch.tensor(boxes, dtype=torch.float64), metadata, index)  # [P, 4]
         inverted = (pred[:, 2] < pred[:, 0]) | (pred[:, 3] < pred[:, 1])
         result["malformed"] = float(inverted.any())
-        if self.config.coords != "original" or "image_size" in metadata:
+        if self.frame(metadata, index) != "original" or "image_size" in metadata:
             width, height = self._size(metadata, "image_size", index)
             limits = torch.tensor([width, height, width, height], dtype=pred.dtype)
             clipped = torch.minimum(pred.clamp_min(0), limits)
