@@ -12,7 +12,7 @@ the flag off), every other step with the ODE (Euler), and each sample trains eve
 group-normalised advantage (``(r - mean) / (std + 1e-8)``, PyTorch's unbiased std) clamped to ``[-5, 5]``, each
 (sample, window step) pair adds
 
-    L = max(-A r, -A clip(r, 1 - 1e-4, 1 + 1e-4)) + kl_coeff * (log r)^2 / 2,   r = pi_theta(x' | x) / pi_old(x' | x)
+    L = max(-A r, -A clip(r, 1 - 1e-4, 1 + 1e-4)) + old_kl_coeff * (log r)^2 / 2,   r = pi_theta / pi_old (x' | x)
 
 averaged over the pairs (the authors' k2 term to the sampling policy, off in their script). `kl_beta` adds the exact
 KL of the Gaussian transitions to the reference (0 by default: no reference forward). With `init_same_noise` (their
@@ -60,8 +60,9 @@ class MixGRPOConfig:
         prog_overlap_step (`int`): the move of an overlapping window (1).
         roll_back (`bool`): past the last start the window returns to step 0 (their script); false: it stays there.
         init_same_noise (`bool`): the members of a group start from one initial noise (their script).
-        kl_coeff (`float`): weight of the authors' ``0.5 * (log pi_theta - log pi_old)^2`` per trained pair (0 in
-            their script; their argument's default is 0.01).
+        old_kl_coeff (`float`): weight of the authors' ``kl_coeff`` term, ``0.5 * (log pi_theta - log pi_old)^2`` per
+            trained pair, a k2 estimate of the KL to the sampling policy (0 in their script; their argument's default is
+            0.01). Named apart from `kl_beta` (the KL to the reference, which ``kl_coeff`` names elsewhere).
         noise_level (`float`): eta of the window's SDE (0.7 with Flow-GRPO's SDE; DanceGRPO's default is 0.3).
         sde_type (`str`): ``"sde"`` (Flow-GRPO's SDE, the authors' ``--flow_grpo_sampling``), ``"dance"``
             (DanceGRPO's, the flag off) or ``"cps"``.
@@ -79,7 +80,7 @@ class MixGRPOConfig:
     prog_overlap_step: int = 1
     roll_back: bool = True
     init_same_noise: bool = True
-    kl_coeff: float = 0.0
+    old_kl_coeff: float = 0.0
     clip: ClipOptions = embedded(ClipOptions, clip_low=1e-4)
     advantage: AdvantageOptions = embedded(AdvantageOptions, **FASTVIDEO_ADVANTAGES)
     kl: KLOptions = embedded(KLOptions, kl_beta=0.0)
@@ -91,7 +92,8 @@ class MixGRPOConfig:
         check_range("iters_per_group", self.iters_per_group, 1, UPDATES_LIMIT,
                     fix="rollout iterations per window position; the authors use 25")
         check_range("prog_overlap_step", self.prog_overlap_step, 1, STEP_LIMIT, fix="the authors move by 1 step")
-        check_range("kl_coeff", self.kl_coeff, 0, KL_BETA_LIMIT, fix="0 turns the term off (the authors' script)")
+        check_range("old_kl_coeff", self.old_kl_coeff, 0, KL_BETA_LIMIT,
+                    fix="0 turns the term off (the authors' script)")
 
 
 def progressive_start(iterations: int, num_steps: int, config: MixGRPOConfig) -> int:
@@ -181,9 +183,9 @@ class MixGRPO:
         advantages = advantages if bound is None else advantages.clamp(-bound, bound)  # [n] in the loss, as theirs
         log_ratio = new.log_prob - old_log_prob  # [n, 1]
         loss, metrics = clipped_surrogate(log_ratio, advantages, c.clip.clip_low, c.clip.high, new.mask)
-        if c.kl_coeff > 0:
+        if c.old_kl_coeff > 0:
             k2 = masked_mean(0.5 * log_ratio**2, new.mask)
-            loss = loss + c.kl_coeff * k2
+            loss = loss + c.old_kl_coeff * k2
             metrics.update(k2=k2.item())
         beta = self.kl()
         if beta > 0 and ref is not None:

@@ -83,12 +83,12 @@ def test_state_round_trips_and_defaults_are_the_authors_script():
     c = mix().config
     assert (c.window_size, c.iters_per_group, c.prog_overlap_step, c.roll_back, c.init_same_noise) == (4, 25, 1, True,
                                                                                                        True)
-    assert (c.sde.sde_type, c.sde.noise_level, c.clip.clip_low, c.kl_coeff) == ("sde", 0.7, 1e-4, 0.0)
+    assert (c.sde.sde_type, c.sde.noise_level, c.clip.clip_low, c.old_kl_coeff) == ("sde", 0.7, 1e-4, 0.0)
     assert mix().traits.has_state and mix().traits.after_step and not mix().traits.needs_reference
 
 
 def test_config_checks():
-    for bad in ({"window_size": 0}, {"iters_per_group": 0}, {"prog_overlap_step": 0}, {"kl_coeff": -1.0}):
+    for bad in ({"window_size": 0}, {"iters_per_group": 0}, {"prog_overlap_step": 0}, {"old_kl_coeff": -1.0}):
         with pytest.raises(ConfigError, match=next(iter(bad))):
             mix(**bad)
     with pytest.raises(ValueError, match="sample_strategy"):
@@ -99,12 +99,12 @@ def test_config_checks():
         mix().schedule(2, None)
 
 
-def test_kl_coeff_adds_the_authors_k2_term():
+def test_old_kl_coeff_adds_the_authors_k2_term():
     old = torch.zeros(3, 1)
     new = torch.tensor([[1e-3], [-2e-3], [5e-4]])
     advantages = torch.tensor([1.0, -1.0, 0.5])
     plain = mix().loss(Score(log_prob=new), old, advantages)
-    with_k2 = mix(kl_coeff=0.5).loss(Score(log_prob=new), old, advantages)
+    with_k2 = mix(old_kl_coeff=0.5).loss(Score(log_prob=new), old, advantages)
     k2 = 0.5 * float((new**2).mean())  # 0.5 * mean((new - old)^2)
     assert float(with_k2.loss) == pytest.approx(float(plain.loss) + 0.5 * k2, rel=1e-6)
     clamp = mix().loss(Score(log_prob=torch.zeros(2, 1)), torch.zeros(2, 1), torch.tensor([9.0, -9.0]))
@@ -145,7 +145,8 @@ def test_a_resumed_run_keeps_the_window_and_evaluation_moves_nothing(tmp_path, t
     raw["checkpoint"] = {"every": 3, "keep_last": 1}
     trainer = Trainer(config_mod.from_dict(raw))
     trainer.train()
-    assert trainer.algorithm.iterations == 3 and trainer.algorithm.schedule(3, None).sde_steps == []  # start 1 = M: empty
+    assert trainer.algorithm.iterations == 3
+    assert trainer.algorithm.schedule(3, None).sde_steps == []  # start 1 = M: an empty window
     trainer.evaluate(3)
     assert trainer.algorithm.iterations == 3
     raw["train"]["max_steps"] = 4
