@@ -186,3 +186,29 @@ def test_plan_and_group_size_errors():
     check_plan(config_mod.load(CONFIG))  # group 8 = 2^3
     with pytest.raises(ConfigError, match=r"train.group_size 4 must equal .* = 2\^3 = 8: set train.group_size: 8"):
         check_plan(config_mod.load(CONFIG, ["train.group_size=4"]))
+
+
+def test_a_tree_spread_over_two_processes_trains_as_on_one(tmp_path, tiny_sd3_dir):
+    """Node-keyed noise: the leaves of one tree on two processes share their prefixes exactly, the per-step
+    advantages are computed on the gathered batch, and the step equals the one-process step."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    worker = Path(__file__).with_name("tree_worker.py")
+    (tmp_path / "prompts.txt").write_text("a red circle\n")
+    env = dict(os.environ, ACCELERATE_USE_CPU="true", OMP_NUM_THREADS="1")
+    for launch in ([sys.executable, str(worker)],
+                   [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(worker)]):
+        proc = subprocess.run([*launch, tiny_sd3_dir, str(tmp_path)], capture_output=True, text=True, timeout=600,
+                              env=env)
+        assert proc.returncode == 0, proc.stderr[-4000:]
+    one, two = (json.loads((tmp_path / f"result_{w}.json").read_text()) for w in (1, 2))
+    assert two["world"] == 2
+    latents = torch.tensor(two["latents"])  # [4, 4, ...] leaves 0, 1 from rank 0, leaves 2, 3 from rank 1
+    assert torch.equal(latents[0, :1], latents[2, :1]) and torch.equal(latents[2, :2], latents[3, :2])
+    torch.testing.assert_close(latents, torch.tensor(one["latents"]), rtol=1e-4, atol=1e-4)  # batch-size rounding
+    for key in ("reward/mean", "train/grad_norm"):  # the loss metrics are rank 0's own transitions
+        assert two["metrics"][key] == pytest.approx(one["metrics"][key], rel=1e-4, abs=1e-7), key
+    assert one["metrics"]["train/grad_norm"] > 0
