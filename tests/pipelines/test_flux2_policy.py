@@ -1,0 +1,122 @@
+"""The FLUX.2 adapter on real diffusers classes built from tiny configs (`builders/flux2.py`, FLUX.2 [klein]): ODE
+sampling equals the stock `Flux2KleinPipeline` (true CFG on the base model, none on the step-distilled one with a
+4-step schedule), the noise levels are the stock ones (FLUX.2's empirical mu of tokens and steps), replay and
+checkpoints reproduce samples, LoRA and full exports load back in the stock pipeline."""
+
+import pytest
+import torch
+
+from mmgrpo.algorithms.flow_grpo import FlowGRPO, FlowGRPOConfig
+from mmgrpo.pipelines.flux2 import Flux2Config, Flux2Policy
+from mmgrpo.plans import FlowPlan
+from mmgrpo.types import PromptBatch
+from algorithm_options import algo_config
+from builders._weights import perturb
+from builders.flux2 import OUT_LAYERS
+
+PROMPTS = ["a red circle", "two blue squares", "a green triangle left of a yellow circle"]
+
+
+def make_policy(path, **overrides):
+    options = dict(pretrained=path, resolution=32, num_steps=3, guidance_scale=2.0, lora_rank=4, lora_alpha=8,
+                   max_sequence_length=32, text_encoder_out_layers=OUT_LAYERS, weights_dtype="float32")
+    return Flux2Policy(Flux2Config(**{**options, **overrides}))
+
+
+def stock(path, lora=None):
+    from diffusers import Flux2KleinPipeline
+
+    pipe = Flux2KleinPipeline.from_pretrained(str(path))
+    pipe.set_progress_bar_config(disable=True)
+    if lora is not None:
+        pipe.load_lora_weights(str(lora))
+    return pipe
+
+
+def stock_images(pipe, policy, steps, prompts=PROMPTS[:2], seed=2):
+    return pipe(prompt=list(prompts), guidance_scale=policy.config.guidance_scale, num_inference_steps=steps, height=32,
+                width=32, output_type="pt", generator=torch.Generator().manual_seed(seed), max_sequence_length=32,
+                text_encoder_out_layers=tuple(OUT_LAYERS)).images.float()
+
+
+def ours(policy, steps, prompts=PROMPTS[:2], seed=2):
+    plan = FlowPlan.deterministic(steps)
+    return policy.sample(PromptBatch(prompts), plan, generator=torch.Generator().manual_seed(seed)).outputs["images"]
+
+
+CASES = {"cfg": ("tiny_flux2_dir", 2.0, 3), "no-cfg": ("tiny_flux2_dir", 1.0, 3),
+         "distilled-4-steps": ("tiny_flux2_distilled_dir", 4.0, 4)}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_ode_sampling_equals_stock_pipeline(request, tmp_path, case):
+    fixture, guidance, steps = CASES[case]
+    path = request.getfixturevalue(fixture)
+    policy = make_policy(path, guidance_scale=guidance)
+    assert policy.do_cfg == (case == "cfg")
+    perturb(policy, seed=1)
+    policy.save_pretrained(str(tmp_path / "lora"))
+    pipe = stock(path, tmp_path / "lora")
+    torch.testing.assert_close(ours(policy, steps), stock_images(pipe, policy, steps), rtol=0, atol=1e-4)
+    torch.testing.assert_close(pipe.scheduler.sigmas, policy.sigmas(steps), rtol=0, atol=0)
+
+
+def test_sigmas_follow_the_empirical_mu_of_tokens_and_steps(tiny_flux2_dir):
+    import math
+
+    from diffusers.pipelines.flux2.pipeline_flux2 import compute_empirical_mu
+
+    policy = make_policy(tiny_flux2_dir)
+    for steps in (4, 8):
+        base = torch.linspace(1.0, 1 / steps, steps, dtype=torch.float64)
+        mu = compute_empirical_mu(64, steps)  # 8 x 8 latent tokens
+        shifted = math.exp(mu) / (math.exp(mu) + (1 / base - 1))
+        sigmas = policy.sigmas(steps)
+        torch.testing.assert_close(sigmas[:-1].double(), shifted, rtol=0, atol=1e-6)
+        assert sigmas[-1] == 0 and sigmas.shape == (steps + 1,)
+
+
+def test_replay_matches_rollout_on_a_few_step_schedule(tiny_flux2_distilled_dir):
+    policy = make_policy(tiny_flux2_distilled_dir, num_steps=4, guidance_scale=4.0)
+    plan = FlowGRPO(algo_config(FlowGRPOConfig, noise_level=0.9)).schedule(4)
+    rollout = policy.sample(PromptBatch(PROMPTS).repeat(2), plan, generator=torch.Generator().manual_seed(1))
+    assert rollout.trajectory["latents"].shape == (6, 5, 64, 16)
+    with torch.no_grad():
+        full = policy.log_prob(rollout, [0, 3]).log_prob
+        sub = policy.log_prob(rollout.select(torch.tensor([4, 1])), [0, 3]).log_prob
+    torch.testing.assert_close(full, rollout.old_log_probs[:, [0, 3]], rtol=0, atol=1e-5)
+    torch.testing.assert_close(sub, rollout.old_log_probs[[4, 1]][:, [0, 3]], rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("lora_rank, merge", [(4, True), (4, False), (0, False)], ids=["lora-merged", "lora", "full"])
+def test_export_loads_in_stock_pipeline_with_identical_outputs(tiny_flux2_dir, tmp_path, lora_rank, merge):
+    from mmgrpo.export import LORA_FOLDER
+
+    policy = make_policy(tiny_flux2_dir, lora_rank=lora_rank)
+    perturb(policy, seed=4)
+    policy.export_pretrained(str(tmp_path / "out"), merge_lora=merge)
+    pipe = stock(tmp_path / "out", tmp_path / "out" / LORA_FOLDER if lora_rank and not merge else None)
+    expected = ours(policy, 3)
+    torch.testing.assert_close(stock_images(pipe, policy, 3), expected, rtol=0, atol=1e-4)
+    assert not torch.allclose(stock_images(stock(tiny_flux2_dir), policy, 3), expected, atol=1e-3)
+
+
+@pytest.mark.parametrize("lora_rank", [4, 0], ids=["lora", "full"])
+def test_save_and_reload_reproduce_samples(tiny_flux2_dir, tmp_path, lora_rank):
+    policy = make_policy(tiny_flux2_dir, lora_rank=lora_rank)
+    perturb(policy, seed=3)
+    policy.save_pretrained(str(tmp_path / "ckpt"))
+    reloaded = make_policy(tiny_flux2_dir, lora_rank=lora_rank)
+    reloaded.load_trainable(str(tmp_path / "ckpt"))
+    assert torch.equal(ours(policy, 3), ours(reloaded, 3))
+
+
+def test_config_errors_name_the_fix(tiny_flux2_dir, tmp_path):
+    with pytest.raises(ValueError, match="multiple of 16"):
+        Flux2Config(pretrained=tiny_flux2_dir, resolution=40)
+    with pytest.raises(ValueError, match="max_sequence_length"):
+        Flux2Config(pretrained=tiny_flux2_dir, max_sequence_length=1024)
+    (tmp_path / "model_index.json").write_text('{"_class_name": "FluxPipeline"}')
+    with pytest.raises(ValueError, match="set pipeline_class"):
+        Flux2Config(pretrained=str(tmp_path))
+    assert Flux2Config(pretrained=str(tmp_path), pipeline_class="Flux2Pipeline").pipeline_name() == "Flux2Pipeline"
