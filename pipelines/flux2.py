@@ -205,7 +205,7 @@ class Flux2Policy:
         """Latent tokens `[N, L, 4C]` -> images `[N, 3, H, W]` in [0, 1] (batch norm undone, 2x2 unpatchified)."""
         vae, n = self.pipe.vae, latents.shape[0]
         ids = self.pipe._prepare_latent_ids(latents.new_empty(n, 1, self._side, self._side)).to(latents.device)
-        z = self.pipe._unpack_latents_with_ids(latents, ids, self._side, self._side)  # [N, 4C, h, w]
+        z = self.pipe._unpack_latents_with_ids(latents, ids)  # [N, 4C, h, w] (the sizes read from the ids)
         mean = vae.bn.running_mean.view(1, -1, 1, 1).to(z.device, z.dtype)
         std = torch.sqrt(vae.bn.running_var.view(1, -1, 1, 1) + vae.config.batch_norm_eps).to(z.device, z.dtype)
         z = self.pipe._unpatchify_latents(z * std + mean)  # [N, C, 2h, 2w]

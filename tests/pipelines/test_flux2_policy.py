@@ -23,10 +23,10 @@ def make_policy(path, **overrides):
     return Flux2Policy(Flux2Config(**{**options, **overrides}))
 
 
-def stock(path, lora=None):
-    from diffusers import Flux2KleinPipeline
+def stock(path, lora=None, dev=False):
+    from diffusers import Flux2KleinPipeline, Flux2Pipeline
 
-    pipe = Flux2KleinPipeline.from_pretrained(str(path))
+    pipe = (Flux2Pipeline if dev else Flux2KleinPipeline).from_pretrained(str(path))
     pipe.set_progress_bar_config(disable=True)
     if lora is not None:
         pipe.load_lora_weights(str(lora))
@@ -35,7 +35,8 @@ def stock(path, lora=None):
 
 def stock_images(pipe, policy, steps, prompts=PROMPTS[:2], seed=2):
     return pipe(prompt=list(prompts), guidance_scale=policy.config.guidance_scale, num_inference_steps=steps, height=32,
-                width=32, output_type="pt", generator=torch.Generator().manual_seed(seed), max_sequence_length=32,
+                width=32, output_type="pt", generator=torch.Generator().manual_seed(seed),
+                max_sequence_length=policy.config.max_sequence_length,
                 text_encoder_out_layers=tuple(OUT_LAYERS)).images.float()
 
 
@@ -59,6 +60,21 @@ def test_ode_sampling_equals_stock_pipeline(request, tmp_path, case):
     pipe = stock(path, tmp_path / "lora")
     torch.testing.assert_close(ours(policy, steps), stock_images(pipe, policy, steps), rtol=0, atol=1e-4)
     torch.testing.assert_close(pipe.scheduler.sigmas, policy.sigmas(steps), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("lora_rank", [4, 0], ids=["lora", "full"])
+def test_dev_ode_sampling_and_export_equal_stock_pipeline(tiny_flux2_dev_dir, tmp_path, lora_rank):
+    """FLUX.2 [dev]: the Mistral-3 text encoder and the distilled guidance embedding (no CFG batch)."""
+    policy = make_policy(tiny_flux2_dev_dir, guidance_scale=4.0, max_sequence_length=64, lora_rank=lora_rank)
+    assert not policy.klein and not policy.do_cfg
+    perturb(policy, seed=1)
+    policy.export_pretrained(str(tmp_path / "out"), merge_lora=True)
+    pipe = stock(tmp_path / "out", dev=True)
+    expected = ours(policy, 3)
+    torch.testing.assert_close(expected, stock_images(pipe, policy, 3), rtol=0, atol=1e-4)
+    low = make_policy(tiny_flux2_dev_dir, guidance_scale=1.0, max_sequence_length=64, lora_rank=lora_rank)
+    perturb(low, seed=1)
+    assert not torch.allclose(ours(low, 3), expected, atol=1e-3), "the guidance embedding must be fed"
 
 
 def test_sigmas_follow_the_empirical_mu_of_tokens_and_steps(tiny_flux2_dir):
