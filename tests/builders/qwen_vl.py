@@ -38,6 +38,12 @@ def tiny_qwen3_5_dir(tmp_path_factory):
     return save_tiny_qwen_vl(tmp_path_factory.mktemp("tiny_qwen3_5"), "qwen3_5")
 
 
+@pytest.fixture(scope="session")
+def tiny_qwen3_5_moe_dir(tmp_path_factory):
+    """A tiny random Qwen3.5-MoE and its processor, `save_pretrained`."""
+    return save_tiny_qwen_vl(tmp_path_factory.mktemp("tiny_qwen3_5_moe"), "qwen3_5_moe")
+
+
 def build_policy(request):
     """A LoRA policy on `tiny_qwen2_vl_dir` writing 6 new tokens."""
     from mmgrpo.pipelines.qwen_vl import QwenVLConfig, QwenVLPolicy
@@ -52,9 +58,9 @@ def tiny_qwen_vl(kind: str = "qwen2_vl", seed: int = 0, hidden_size: int = 64, n
 
     Args:
         kind (`str`, defaults to `"qwen2_vl"`): `"qwen2_vl"` (``Qwen2VLForConditionalGeneration``), `"qwen2_5_vl"`,
-            `"qwen3_vl"`, `"qwen3_vl_moe"` (4 experts, 2 per token) or `"qwen3_5"` (3 layers: linear, full and linear
-            attention). The Qwen3 families have 16-pixel patches (32-pixel resize cells), deepstack features
-            (Qwen3-VL) and timestamped videos.
+            `"qwen3_vl"`, `"qwen3_vl_moe"` (4 experts, 2 per token), `"qwen3_5"` (3 layers: linear, full and linear
+            attention) or `"qwen3_5_moe"` (the same with 4 experts and a shared one). The Qwen3 families have 16-pixel
+            patches (32-pixel resize cells), deepstack features (Qwen3-VL) and timestamped videos.
         seed (`int`, defaults to 0): seed of the weight initialisation.
         hidden_size (`int`, defaults to 64): width of the language model (and of the merged vision tokens).
         num_layers (`int`, defaults to 2): language-model layers.
@@ -124,15 +130,21 @@ def _family(kind: str, text: dict, special: dict, hidden_size: int):
         config = tf.Qwen3VLMoeConfig(text_config=text, vision_config={**vision, "deepstack_visual_indexes": [0]},
                                      **special)
         return config, tf.Qwen3VLMoeForConditionalGeneration, tf.Qwen3VLProcessor
-    if kind == "qwen3_5":
+    if kind in ("qwen3_5", "qwen3_5_moe"):
         rope = {**text["rope_parameters"], "partial_rotary_factor": 1.0}
         text = {**text, "rope_parameters": rope, "num_hidden_layers": 3,
                 "layer_types": ["linear_attention", "full_attention", "linear_attention"],
                 "linear_conv_kernel_dim": 4, "linear_key_head_dim": 16, "linear_value_head_dim": 16,
                 "linear_num_key_heads": 2, "linear_num_value_heads": 4}
-        return (tf.Qwen3_5Config(text_config=text, vision_config=vision, **special),
-                tf.Qwen3_5ForConditionalGeneration, tf.Qwen3VLProcessor)
-    raise ValueError(f"kind must be one of qwen2_vl, qwen2_5_vl, qwen3_vl, qwen3_vl_moe, qwen3_5; got {kind!r}.")
+        if kind == "qwen3_5":
+            return (tf.Qwen3_5Config(text_config=text, vision_config=vision, **special),
+                    tf.Qwen3_5ForConditionalGeneration, tf.Qwen3VLProcessor)
+        text = {**text, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": hidden_size,
+                "shared_expert_intermediate_size": hidden_size}
+        return (tf.Qwen3_5MoeConfig(text_config=text, vision_config=vision, **special),
+                tf.Qwen3_5MoeForConditionalGeneration, tf.Qwen3VLProcessor)
+    raise ValueError(f"kind must be one of qwen2_vl, qwen2_5_vl, qwen3_vl, qwen3_vl_moe, qwen3_5, qwen3_5_moe; got "
+                     f"{kind!r}.")
 
 
 def _mrope(head_dim: int) -> list[int]:

@@ -1,8 +1,8 @@
-"""The Qwen-VL adapter on the Qwen3 families (tiny real-class Qwen3-VL, Qwen3-VL-MoE and Qwen3.5 models saved and
-reloaded with `from_pretrained`): the prefix-shared group forward equals the naive one (log-probs and gradients, LoRA
-and full fine-tuning; images, several images, timestamped video; Qwen3.5's linear-attention states), 16-pixel patches
-on a 32-pixel grid, the frames' timestamps, the box frame each family declares, the token-algorithm contract, and the
-export loaded by stock transformers / peft with identical outputs."""
+"""The Qwen-VL adapter on the Qwen3 families (tiny real-class Qwen3-VL, Qwen3-VL-MoE, Qwen3.5 and Qwen3.5-MoE models
+saved and reloaded with `from_pretrained`): the prefix-shared group forward equals the naive one (log-probs and
+gradients, LoRA and full fine-tuning; images, several images, timestamped video; Qwen3.5's linear-attention states),
+16-pixel patches on a 32-pixel grid, the frames' timestamps, the box frame each family declares, the token-algorithm
+contract, and the export loaded by stock transformers / peft with identical outputs."""
 
 import pytest
 import torch
@@ -15,9 +15,10 @@ from mmgrpo.pipelines.qwen_vl import QwenVLConfig, QwenVLPolicy
 from mmgrpo.plans import TokenPlan
 from mmgrpo.types import PromptBatch
 
-# Qwen3.5's Gated DeltaNet decays (exp of cumulative sums of -exp(A_log) * softplus(a + dt_bias)) are summed in
-# another chunking when the completion continues the cached prompt: their small gradients agree to float32 cancellation
-DECAY_PARAMETERS = ("A_log", "dt_bias")
+# Qwen3.5's Gated DeltaNet decays (exp of cumulative sums of -exp(A_log) * softplus(a + dt_bias), a = in_proj_a(x)) are
+# summed in another chunking when the completion continues the cached prompt: the small gradients of what makes them
+# agree to float32 cancellation
+DECAY_PARAMETERS = ("A_log", "dt_bias", "in_proj_a.weight")
 
 
 def policy(request, fixture, **options):
@@ -30,14 +31,14 @@ def image(w, h, colour):
 
 
 def vision_batch(group_size=2):
-    """Three prompts: one image, two images, one 4-frame video (each group shares its prompt)."""
+    """Four prompts: one image, two images, one 4-frame video, an image and a video (each group shares its prompt)."""
     frames = [image(64, 64, (0, 40 * i, 200)) for i in range(4)]
     return PromptBatch(
-        ["how many circles?", "which is red?", "what moves?"],
-        metadata=[{"image_size": [100, 80]}, {}, {}],
+        ["how many circles?", "which is red?", "what moves?", "is it in the video?"],
+        metadata=[{"image_size": [100, 80]}, {}, {}, {}],
         conditions={"images": [image(100, 80, (255, 0, 0)), [image(60, 70, (0, 255, 0)), image(64, 64, (9, 9, 9))],
-                               None],
-                    "video": [None, None, frames]},
+                               None, image(70, 70, (1, 2, 3))],
+                    "video": [None, None, frames, frames]},
     ).repeat(group_size)
 
 
@@ -51,7 +52,8 @@ def scored_grads(pol, rollout, shared):
 
 
 @pytest.mark.parametrize("fixture, lora", [("tiny_qwen3_vl_dir", True), ("tiny_qwen3_vl_moe_dir", True),
-                                          ("tiny_qwen3_vl_dir", False), ("tiny_qwen3_5_dir", False)])
+                                          ("tiny_qwen3_5_moe_dir", True), ("tiny_qwen3_vl_dir", False),
+                                          ("tiny_qwen3_5_dir", False)])
 def test_prefix_shared_forward_equals_naive(request, fixture, lora):
     options = {} if lora else {"lora_rank": 0, "freeze_vision": False}
     pol = policy(request, fixture, **options)
@@ -142,7 +144,8 @@ EXPORTS = [("tiny_qwen3_vl_dir", 4, True), ("tiny_qwen3_vl_dir", 4, False), ("ti
 
 
 @pytest.mark.parametrize("fixture, lora_rank, merge", EXPORTS)
-def test_export_loads_in_stock_transformers_and_peft_with_identical_outputs(request, tmp_path, fixture, lora_rank, merge):
+def test_export_loads_in_stock_transformers_and_peft_with_identical_outputs(request, tmp_path, fixture, lora_rank,
+                                                                           merge):
     from peft import PeftModel
     from transformers import AutoModelForImageTextToText
 
@@ -162,3 +165,54 @@ def test_export_loads_in_stock_transformers_and_peft_with_identical_outputs(requ
     batch = {k: v[None] if k in ("input_ids", "mm_token_type_ids") else v for k, v in inputs.items()}
     with torch.no_grad():
         torch.testing.assert_close(model(**batch).logits, pol.model.eval()(**batch).logits, rtol=0, atol=1e-5)
+
+
+def test_grounding_run_with_the_model_frame_then_mmgrpo_export(tmp_path, tiny_qwen3_vl_dir):
+    """The trainer, unchanged, on the tiny Qwen3-VL: grounding with ``box_iou`` in the frame the pipeline declares
+    (``coords: model``) and a checkpoint; its adapter moved off zero (a random tiny model earns no reward, so the step
+    does not update), then ``mmgrpo export``: stock transformers + peft load the adapter beside the base model and give
+    the logits of the policy the checkpoint holds."""
+    from pathlib import Path
+
+    from peft import PeftModel
+    from transformers import AutoModelForImageTextToText
+
+    from mmgrpo import cli
+    from mmgrpo import config as config_mod
+    from mmgrpo.checkpoint import WEIGHTS
+    from mmgrpo.export import LORA_FOLDER
+    from mmgrpo.trainer import Trainer
+
+    examples = Path(__file__).resolve().parents[2] / "data" / "examples" / "vlm" / "grounding.jsonl"
+    raw = {
+        "output_dir": str(tmp_path / "run"), "seed": 0,
+        "pipeline": {"name": "qwen_vl", "pretrained": tiny_qwen3_vl_dir, "max_new_tokens": 4, "lora_rank": 4,
+                     "lora_alpha": 8},
+        "algorithm": {"name": "grpo", "kl_beta": 0.0},
+        "reward": {"name": "box_iou", "coords": "model"},
+        "data": {"name": "vlm_jsonl", "train_file": str(examples), "eval_file": str(examples)},
+        "train": {"max_steps": 1, "prompts_per_step": 2, "group_size": 2, "minibatch_size": 2, "learning_rate": 1e-2},
+        "eval": {"every": 0, "num_prompts": 2, "metric": "score"},
+        "checkpoint": {"every": 1, "keep_last": 1},
+    }
+    trainer = Trainer(config_mod.from_dict(raw))
+    trainer.train()
+    assert {item["metadata"]["coords"] for item in trainer.stream.items if "coords" in item["metadata"]} == {"norm1000"}
+    checkpoint = next((tmp_path / "run" / "checkpoints").glob("step_*"))
+    pol = QwenVLPolicy(QwenVLConfig(pretrained=tiny_qwen3_vl_dir, max_new_tokens=4, lora_rank=4, lora_alpha=8))
+    pol.load_trainable(str(checkpoint / WEIGHTS))
+    inputs = pol.encode_prompt("where is the red box?", [image(90, 70, (200, 10, 10))], [])
+    batch = {k: v[None] if k in ("input_ids", "mm_token_type_ids") else v for k, v in inputs.items()}
+    with torch.no_grad():
+        base = pol.model.eval()(**batch).logits
+        generator = torch.Generator().manual_seed(5)
+        for param in pol.trainable_parameters():
+            param.add_(0.05 * torch.randn(param.shape, generator=generator))
+        ours = pol.model(**batch).logits
+    assert not torch.allclose(base, ours, atol=1e-4)
+    pol.save_pretrained(str(checkpoint / WEIGHTS))
+    assert cli.main(["export", str(tmp_path / "run"), str(tmp_path / "out")]) == 0
+    model = AutoModelForImageTextToText.from_pretrained(str(tmp_path / "out")).eval()
+    model = PeftModel.from_pretrained(model, str(tmp_path / "out" / LORA_FOLDER)).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(model(**batch).logits, ours, rtol=0, atol=1e-5)
