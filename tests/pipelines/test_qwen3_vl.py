@@ -216,3 +216,12 @@ def test_grounding_run_with_the_model_frame_then_mmgrpo_export(tmp_path, tiny_qw
     model = PeftModel.from_pretrained(model, str(tmp_path / "out" / LORA_FOLDER)).eval()
     with torch.no_grad():
         torch.testing.assert_close(model(**batch).logits, ours, rtol=0, atol=1e-5)
+
+
+def test_pixel_budgets_are_checked_against_the_32_pixel_cell(tiny_qwen3_vl_dir):
+    """The config reads the checkpoint's patch x merge: one 32 x 32 cell (64 x 64 for frame lists) at least."""
+    with pytest.raises(ValueError, match=r"^max_pixels must be >= 1024"):
+        QwenVLConfig(pretrained=tiny_qwen3_vl_dir, min_pixels=784, max_pixels=900)
+    with pytest.raises(ValueError, match=r"^video_max_pixels must be >= 4096"):
+        QwenVLConfig(pretrained=tiny_qwen3_vl_dir, video_max_pixels=4000)
+    assert QwenVLConfig(pretrained=tiny_qwen3_vl_dir, min_pixels=1024, max_pixels=1024).max_pixels == 1024
