@@ -1,5 +1,6 @@
 """An exponential moving average of a policy's trainable parameters that can stand in for them (DGPO's fast-EMA
-"old" model), with a state dict for exact resume.
+"old" model; DiffusionNFT's old model and AWM's EMA, stepped once per training step), with a state dict for exact
+resume.
 
 Under FSDP2 (``train.sharding: fsdp``) the parameters are sharded DTensors and so is the shadow: each process
 averages its own shard. The state dict holds the full tensors (every process calls it: each shadow tensor is
@@ -24,6 +25,21 @@ class ParameterEMA:
 
     def __init__(self):
         self.shadow: list[torch.Tensor] | None = None
+        self.owed: list[float] = []  # the decays of the steps owed (see `owe`), oldest first
+
+    def owe(self, decay: float) -> None:
+        """Records one EMA step of `decay` towards the parameters as they are now, taken by [`settle`] before the
+        shadow is next read: an algorithm that steps its EMA at the end of a training step (which hands it no
+        parameters) owes the step, and the parameters do not change before the next read (the next step's first
+        scoring), so the step is the same."""
+        self.owed.append(float(decay))
+
+    def settle(self, parameters) -> None:
+        """Takes the owed steps, oldest first, towards the current `parameters`."""
+        parameters = list(parameters)
+        for decay in self.owed:
+            self.update(parameters, decay)
+        self.owed = []
 
     def _ensure(self, parameters: list[torch.nn.Parameter]) -> list[torch.Tensor]:
         if self.shadow is None:
@@ -57,10 +73,12 @@ class ParameterEMA:
                     param.copy_(value)
 
     def state_dict(self) -> dict:
-        """``{"shadow": [full tensors on the CPU] or None}``; with sharded parameters every process must call it."""
+        """``{"shadow": [full tensors on the CPU] or None, "owed": [decays]}``; with sharded parameters every process must
+        call it."""
         if self.shadow is None:
-            return {"shadow": None}
-        return {"shadow": [sharding.full_tensors(s.detach()).cpu() for s in self.shadow]}
+            return {"shadow": None, "owed": list(self.owed)}
+        return {"shadow": [sharding.full_tensors(s.detach()).cpu() for s in self.shadow], "owed": list(self.owed)}
 
     def load_state_dict(self, state: dict) -> None:
         self.shadow = None if state["shadow"] is None else [s.clone() for s in state["shadow"]]
+        self.owed = list(state.get("owed", []))  # checkpoints written before owed steps existed owe none

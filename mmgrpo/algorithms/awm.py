@@ -15,8 +15,10 @@ flow-matching "log-probability":
 
 so the gradient is ``A`` times the gradient of the weighted matching loss: positive-advantage samples are fitted,
 negative ones pushed away. ``v_ema`` is an EMA of the trained weights (``traits.old_score``: the old model's velocity
-at the same points), decay ``ema_decay * min(u / ema_warmup_steps, 1)`` at its step after ``u`` earlier ones
-(Flow-Factory's ``linear`` EMA schedule from 0); it soft-limits how fast the policy moves. The EMA belongs to the
+at the same points), stepped once per training step (the authors' epoch), decay ``ema_decay * min(e / ema_warmup_steps,
+1)`` at the end of step ``e`` (counted from 0: Flow-Factory's ``linear`` EMA schedule from 0, called with the epoch);
+it soft-limits how fast the policy moves. The step is owed at the end of the training step ([`~AWM.after_step`]) and
+taken before the EMA is next read (the weights do not change in between). The EMA belongs to the
 algorithm (it only needs `trainable_parameters`), so AWM works unchanged for every flow pipeline.
 
 Differences from the authors' code:
@@ -24,8 +26,6 @@ Differences from the authors' code:
 - The authors' PPO clip of ``exp(lp - lp_old)`` acts on nothing: their ``lp_old`` is computed under the current weights
   just before each batch trains (``off_policy: false``, the published setting), so the ratio is 1 and the loss is the
   one above; ``off_policy: true`` (rollouts and ``lp_old`` from the EMA) is not offered.
-- The EMA takes one step per optimizer update, its decay read from the updates taken before it; the authors step it
-  once per rollout epoch, clocked by the epoch. The same with one update per step (their published config).
 - The time sampling ``discrete*`` is the authors' stratified draw over sampling-step indices, but the range is cut by
   index, ``i <= step_range * T`` (a variant of their ``timestep_range``, which cuts at the noise level
   ``t >= 1 - timestep_range``): the algorithm does not know the pipeline's noise levels when it plans.
@@ -143,13 +143,13 @@ class AWM:
             group_local_advantages=config.advantage.group_local,
             needs_reference=self.kl.ever_positive,
             zero_advantage_is_inert=not (self.kl.ever_positive or use_ema),
-            has_state=True,  # the update count and the EMA, checkpointed
-            after_update=True,  # the EMA follows the weights
+            has_state=True,  # the step count and the EMA, checkpointed
+            after_step=True,  # the EMA follows the weights once per training step
             old_source="old_model" if use_ema else "current",
             old_score=True,  # the EMA KL reads the EMA's velocity at the same points
         )
         self.ema = ParameterEMA()
-        self.updates = 0
+        self.steps = 0  # training steps ended (the authors' epochs)
 
     def schedule(self, num_steps: int, generator: torch.Generator | None = None) -> FlowPlan:
         """Deterministic rollouts; `num_train_timesteps` stratified noise levels, one unit each, per-sample noise."""
@@ -167,26 +167,29 @@ class AWM:
         )
 
     # ----------------------------------------------------------------------------------------------- the EMA
-    def ema_decay(self, updates: int) -> float:
-        """The EMA's decay at its step after `updates` earlier ones: ``ema_decay * min(updates / ema_warmup_steps, 1)``
-        (Flow-Factory's ``linear_warmup_decay`` from 0, called with the epoch before it is counted)."""
-        return self.config.ema_decay * min(updates / self.config.ema_warmup_steps, 1.0)
+    def ema_decay(self, step: int) -> float:
+        """The EMA's decay at the end of training step `step` (from 0): ``ema_decay * min(step / ema_warmup_steps, 1)``
+        (Flow-Factory's ``linear_warmup_decay`` from 0, called with the epoch)."""
+        return self.config.ema_decay * min(step / self.config.ema_warmup_steps, 1.0)
 
     def old_policy(self, policy):
-        """Context in which `policy` holds the EMA weights; the trainer scores the unit in it for the EMA KL."""
+        """Context in which `policy` holds the EMA weights (after the step it owes); the trainer scores the unit in it
+        for the EMA KL. The first read, before any update, makes the EMA the initial weights."""
+        self.ema.settle(policy.trainable_parameters())
         return self.ema.swapped(policy.trainable_parameters())
 
-    def after_update(self, policy) -> None:
-        """One EMA step after an optimizer update (when the EMA KL is on)."""
+    def after_step(self) -> None:
+        """The training step (the authors' epoch) ended: the EMA owes one step of ``ema_decay(step)`` (when the EMA KL
+        is on)."""
         if self.traits.old_source == "old_model":
-            self.ema.update(policy.trainable_parameters(), self.ema_decay(self.updates))
-        self.updates += 1
+            self.ema.owe(self.ema_decay(self.steps))
+        self.steps += 1
 
     def state_dict(self) -> dict:
-        return {"updates": self.updates, "ema": self.ema.state_dict()}
+        return {"steps": self.steps, "ema": self.ema.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
-        self.updates = state["updates"]
+        self.steps = state["steps"]
         self.ema.load_state_dict(state["ema"])
 
     # ------------------------------------------------------------------------------------------------- the loss

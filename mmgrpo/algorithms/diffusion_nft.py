@@ -17,17 +17,17 @@ high reward pulls the positive policy towards the sample, a low one the negative
 ``v`` and the gradient of the policy term is ``beta`` times ``(2r - 1)`` the (weighted) flow-matching gradient.
 
 The old model is a slowly updated EMA of the trained weights, ``old <- d old + (1 - d) theta``, held by the algorithm
-(like DGPO's fast EMA; it only needs `trainable_parameters`, so it works unchanged for every flow pipeline) with the
-authors' decay after ``u`` optimizer updates (``decay_type``): 0: ``0``; 1: ``min(0.001 u, 0.5)``; 2: ``0`` for
-``u < 75``, then ``min(0.0075 (u - 75), 0.999)``. Their clock is the same: ``return_decay(global_step)``, with
-``global_step`` the optimizer updates taken, counted before the decay is read.
+(like DGPO's fast EMA; it only needs `trainable_parameters`, so it works unchanged for every flow pipeline), stepped
+once per training step (the authors' rollout epoch, after its updates) with the authors' decay after ``u`` optimizer
+updates in all (``decay_type``): 0: ``0``; 1: ``min(0.001 u, 0.5)``; 2: ``0`` for ``u < 75``, then
+``min(0.0075 (u - 75), 0.999)``, the authors' ``return_decay(global_step)``, ``global_step`` their optimizer updates
+(here the KL weight's update count, ``kl.updates``). The step is owed at the end of the training step
+([`~DiffusionNFT.after_step`]) and taken before the old model is next read (the weights do not change in between).
 
 Differences from the authors' code:
 
 - Rollouts sample the current weights; the authors sample the old (EMA) adapter. With ``decay_type`` 1 the old model
   lags by at most half an update early on, so the samples differ little; the loss is the authors'.
-- The old model follows the weights after every optimizer update; the authors blend once per rollout epoch, after its
-  one or two updates. With one update per step (their GenEval / PickScore configs, the tiny config) this is the same.
 - The trained noise levels: the authors draw per sample a permutation of the ``T`` sampling timesteps and train the
   first ``int(0.99 T)`` (all but one, per sample). Here every sample of a step trains the same
   ``int(level_fraction * T)`` levels, a random subset drawn per step (all but one at the default 0.99): the same levels
@@ -128,13 +128,12 @@ class DiffusionNFT:
             reads=frozenset({"log_prob", "velocity", "target", "sigma"}),
             group_local_advantages=config.advantage.group_local,
             needs_reference=self.kl.ever_positive,
-            has_state=True,  # the update count and the EMA old model, checkpointed
-            after_update=True,  # the old model follows the weights
+            has_state=True,  # the EMA old model and the step it owes, checkpointed
+            after_step=True,  # the old model follows the weights once per training step
             old_source="old_model",
             old_score=True,  # the implicit policies read the old model's velocity
         )
         self.ema = ParameterEMA()
-        self.updates = 0
 
     def schedule(self, num_steps: int, generator: torch.Generator | None = None) -> FlowPlan:
         """Deterministic rollouts; ``int(level_fraction * num_steps)`` of the sampling noise levels (at least one), a
@@ -155,20 +154,21 @@ class DiffusionNFT:
 
     # ------------------------------------------------------------------------------------- the EMA old model
     def old_policy(self, policy):
-        """Context in which `policy` holds the old model's weights (the EMA); the trainer scores the unit in it."""
+        """Context in which `policy` holds the old model's weights (the EMA, after the step it owes); the trainer scores
+        the unit in it. The first read, before any update, makes the old model the initial weights (the authors'
+        copy)."""
+        self.ema.settle(policy.trainable_parameters())
         return self.ema.swapped(policy.trainable_parameters())
 
-    def after_update(self, policy) -> None:
-        """One EMA step after an optimizer update, decay ``nft_decay(updates, decay_type)`` with the update counted
-        first (the authors' ``global_step += 1`` comes before ``return_decay(global_step)``)."""
-        self.updates += 1
-        self.ema.update(policy.trainable_parameters(), nft_decay(self.updates, self.config.decay_type))
+    def after_step(self) -> None:
+        """The training step (the authors' rollout epoch) ended: the old model owes one EMA step, decay
+        ``nft_decay(u, decay_type)`` with ``u`` the optimizer updates taken so far (the authors' ``global_step``)."""
+        self.ema.owe(nft_decay(self.kl.updates, self.config.decay_type))
 
     def state_dict(self) -> dict:
-        return {"updates": self.updates, "ema": self.ema.state_dict()}
+        return {"ema": self.ema.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
-        self.updates = state["updates"]
         self.ema.load_state_dict(state["ema"])
 
     # ------------------------------------------------------------------------------------------------- the loss

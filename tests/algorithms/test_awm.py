@@ -115,28 +115,37 @@ class Weights:
         return self.params
 
 
-def test_ema_decay_rises_linearly_and_resumes_exactly():
-    """Flow-Factory's ``linear_warmup_decay(0.3, 0, 1000)`` called with the epoch before it is counted: the first step
-    copies the weights (decay 0)."""
+def read(algorithm, policy):
+    with algorithm.old_policy(policy):
+        return policy.params[0].detach().clone()
+
+
+def test_ema_decay_rises_linearly_once_per_step_and_resumes_exactly():
+    """Flow-Factory's ``ema_step(step=epoch)`` after each epoch's optimisation, ``linear_warmup_decay(0.3, 0, 1000)``:
+    the first epoch's step copies the weights (decay 0); the EMA starts at the initial weights."""
     algorithm = AWM(AWMConfig())
-    assert [algorithm.ema_decay(u) for u in (0, 1, 500, 1000, 5000)] == pytest.approx([0.0, 3e-4, 0.15, 0.3, 0.3])
+    assert [algorithm.ema_decay(e) for e in (0, 1, 500, 1000, 5000)] == pytest.approx([0.0, 3e-4, 0.15, 0.3, 0.3])
+    algorithm = AWM(algo_config(AWMConfig, ema_decay=0.5, ema_warmup_steps=2))
     policy = Weights()
-    with algorithm.old_policy(policy):  # the EMA starts at the initial weights
-        pass
+    assert torch.equal(read(algorithm, policy), torch.zeros(3))
     ema = torch.zeros(3)
-    for u in range(3):
-        with torch.no_grad():
-            policy.params[0].add_(1.0)
-        decay = algorithm.ema_decay(u)
-        algorithm.after_update(policy)
+    for epoch, updates in enumerate((1, 2, 1)):
+        for _ in range(updates):
+            with torch.no_grad():
+                policy.params[0].add_(1.0)
+            torch.testing.assert_close(read(algorithm, policy), ema)  # unchanged within the epoch
+        algorithm.after_step()
+        decay = 0.5 * min(epoch / 2, 1.0)
         ema = decay * ema + (1 - decay) * policy.params[0].detach()
-        torch.testing.assert_close(algorithm.ema.shadow[0], ema)
-    resumed = AWM(AWMConfig())
+        torch.testing.assert_close(read(algorithm, policy), ema)
+    algorithm.after_step()  # owed at a checkpoint, taken after the resume
+    resumed = AWM(algo_config(AWMConfig, ema_decay=0.5, ema_warmup_steps=2))
     resumed.load_state_dict(algorithm.state_dict())
-    assert resumed.updates == 3 and torch.equal(resumed.ema.shadow[0], algorithm.ema.shadow[0])
+    assert resumed.steps == 4 and resumed.ema.owed == [0.5]
+    assert torch.equal(read(resumed, policy), read(algorithm, policy))
     off = AWM(algo_config(AWMConfig, ema_kl_beta=0.0))
-    off.after_update(policy)  # without the EMA KL no EMA is kept
-    assert off.ema.shadow is None and off.updates == 1
+    off.after_step()  # without the EMA KL no EMA is kept
+    assert off.ema.shadow is None and off.ema.owed == [] and off.steps == 1
 
 
 def authors_discrete(num_train_timesteps, start_idx, max_idx, rand_u):
@@ -177,9 +186,9 @@ def test_resume_restores_the_ema_exactly(tmp_path, tiny_sd3_dir):
     first["train"]["max_steps"] = 4
     first["checkpoint"]["resume_from"] = "latest"
     resumed = Trainer(config_mod.from_dict(first))
-    assert resumed.algorithm.updates == 2 and resumed.algorithm.ema.shadow is not None
+    assert resumed.algorithm.steps == 2 and resumed.algorithm.ema.shadow is not None
     resumed.train()
-    assert full.algorithm.updates == resumed.algorithm.updates == 4
+    assert full.algorithm.steps == resumed.algorithm.steps == 4
     for a, b in zip(full.policy.trainable_parameters(), resumed.policy.trainable_parameters()):
         assert torch.equal(a, b)
     for a, b in zip(full.algorithm.ema.shadow, resumed.algorithm.ema.shadow):

@@ -144,28 +144,39 @@ class Weights:
         return self.params
 
 
-def test_the_old_model_follows_the_weights_after_each_update_counted_first():
-    """The authors' ``global_step += 1`` comes before ``return_decay(global_step)``: the first update's decay is
-    0.001 (type 1), the old model starts at the initial weights (its first read) and resumes exactly."""
+def read(algorithm, policy):
+    """The old model's weights as the trainer's next scoring sees them."""
+    with algorithm.old_policy(policy):
+        return policy.params[0].detach().clone()
+
+
+def test_the_old_model_follows_the_weights_once_per_step_on_the_update_clock():
+    """As the authors' epoch loop: the old model starts at the initial weights (copied before training), and after
+    each rollout epoch, whatever its number of updates, ``old <- d old + (1 - d) theta`` with ``d =
+    return_decay(global_step)``, ``global_step`` the optimizer updates taken so far (counted before it is read)."""
     policy = Weights()
-    algorithm = DiffusionNFT(DiffusionNFTConfig())
-    with algorithm.old_policy(policy):  # the first read: the old model is the initial weights
-        pass
-    old = torch.zeros(3)
-    for u in range(1, 4):
-        with torch.no_grad():
-            policy.params[0].add_(1.0)
-        algorithm.after_update(policy)
-        old = nft_decay(u, 1) * old + (1 - nft_decay(u, 1)) * policy.params[0].detach()
-        torch.testing.assert_close(algorithm.ema.shadow[0], old)
-    resumed = DiffusionNFT(DiffusionNFTConfig())
+    algorithm = DiffusionNFT(algo_config(DiffusionNFTConfig, decay_type=1))
+    assert torch.equal(read(algorithm, policy), torch.zeros(3))  # the first read: the initial weights
+    old, global_step = torch.zeros(3), 0
+    for updates_this_step in (2, 1, 3):  # the authors' epochs of one or more gradient steps
+        for _ in range(updates_this_step):
+            with torch.no_grad():
+                policy.params[0].add_(1.0)
+            algorithm.kl.step()  # the trainer counts every optimizer update taken
+            global_step += 1
+            torch.testing.assert_close(read(algorithm, policy), old)  # unchanged within the epoch
+        algorithm.after_step()
+        decay = nft_decay(global_step, 1)
+        old = decay * old + (1 - decay) * policy.params[0].detach()
+        torch.testing.assert_close(read(algorithm, policy), old)
+    assert [nft_decay(u, 1) for u in (2, 3, 6)] == [0.002, 0.003, 0.006]
+    # a checkpoint between the end of a step and the next read resumes the owed step exactly
+    algorithm.kl.step()
+    algorithm.after_step()
+    resumed = DiffusionNFT(algo_config(DiffusionNFTConfig, decay_type=1))
     resumed.load_state_dict(algorithm.state_dict())
-    assert resumed.updates == 3 and torch.equal(resumed.ema.shadow[0], algorithm.ema.shadow[0])
-    with torch.no_grad():
-        policy.params[0].add_(1.0)
-    algorithm.after_update(policy)
-    resumed.after_update(policy)
-    assert torch.equal(resumed.ema.shadow[0], algorithm.ema.shadow[0])
+    assert resumed.ema.owed == [nft_decay(7, 1)]
+    assert torch.equal(read(resumed, policy), read(algorithm, policy))
 
 
 def test_schedule_trains_most_sampling_levels_with_per_sample_noise():
@@ -216,9 +227,9 @@ def test_resume_restores_the_old_model_exactly(tmp_path, tiny_sd3_dir):
     first["train"]["max_steps"] = 4
     first["checkpoint"]["resume_from"] = "latest"
     resumed = Trainer(config_mod.from_dict(first))
-    assert resumed.algorithm.updates == 2 and resumed.algorithm.ema.shadow is not None
+    assert resumed.algorithm.kl.updates == 2 and resumed.algorithm.ema.shadow is not None
     resumed.train()
-    assert full.algorithm.updates == resumed.algorithm.updates == 4
+    assert full.algorithm.kl.updates == resumed.algorithm.kl.updates == 4
     for a, b in zip(full.policy.trainable_parameters(), resumed.policy.trainable_parameters()):
         assert torch.equal(a, b)
     for a, b in zip(full.algorithm.ema.shadow, resumed.algorithm.ema.shadow):
