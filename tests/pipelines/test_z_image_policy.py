@@ -124,3 +124,42 @@ def test_config_errors_name_the_fix(tiny_z_image_dir):
         ZImageConfig(pretrained=tiny_z_image_dir, cfg_truncation=1.5)
     with pytest.raises(ValueError, match="guidance_scale"):
         ZImageConfig(pretrained=tiny_z_image_dir, guidance_scale=-1.0)
+
+
+def test_real_config_carries_flow_factorys_recipe(monkeypatch):
+    from pathlib import Path
+
+    from mmgrpo import config as config_mod
+
+    root = Path(__file__).resolve().parents[2]
+    monkeypatch.chdir(root)
+    cfg = config_mod.load(root / "configs" / "z_image_turbo_flow_grpo.yaml")
+    pipe, algo = cfg.pipeline.options, cfg.algorithm.options
+    assert cfg.pipeline.name == "z_image" and pipe.pretrained == "Tongyi-MAI/Z-Image-Turbo"
+    assert (pipe.resolution, pipe.num_steps, pipe.eval_num_steps, pipe.guidance_scale) == (512, 6, 10, 0.0)
+    assert (pipe.lora_rank, pipe.lora_alpha, pipe.weights_dtype) == (64, 128, "float32")
+    assert (algo.sde.noise_level, algo.clip.clip_low, algo.kl.kl_beta) == (0.7, 1e-4, 0.0)
+    assert (algo.sde_window_size, algo.sde_window_range) == (1, [1, 4])  # one SDE step drawn from steps 1-3
+    assert (cfg.train.prompts_per_step, cfg.train.group_size, cfg.train.learning_rate) == (48, 16, 3e-4)
+
+
+def test_gradient_checkpointing_gives_the_same_replay_and_gradient(tiny_z_image_dir):
+    """``gradient_checkpointing`` recomputes the transformer's blocks in the backward pass: same log-probs, same
+    gradients (same LoRA initialisation and perturbation for both policies)."""
+    plan = FlowGRPO(FlowGRPOConfig()).schedule(3)
+    results = []
+    for checkpointing in (False, True):
+        torch.manual_seed(0)  # the LoRA initialisation
+        policy = make_policy(tiny_z_image_dir, gradient_checkpointing=checkpointing)
+        perturb(policy, seed=5)
+        rollout = policy.sample(PromptBatch(PROMPTS[:2]), plan, generator=torch.Generator().manual_seed(0))
+        score = policy.log_prob(rollout, [0, 2]).log_prob
+        score.sum().backward()
+        # (the last block's text-stream layers do not reach the image: no gradient)
+        results.append((score.detach(), [p.grad for p in policy.trainable_parameters()]))
+    torch.testing.assert_close(results[0][0], results[1][0], rtol=0, atol=1e-6)
+    assert any(g is not None for g in results[0][1])
+    for plain, checkpointed in zip(results[0][1], results[1][1]):
+        assert (plain is None) == (checkpointed is None)
+        if plain is not None:
+            torch.testing.assert_close(plain, checkpointed, rtol=1e-4, atol=1e-6)
