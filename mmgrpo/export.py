@@ -135,14 +135,14 @@ def model_card(config: dict, step: int, evaluation: dict, lora: bool, merged: bo
     """A Hugging Face model card: front matter (library, base model, tags), then what was trained, how and how well,
     how to load it (`loading`: the class and extra arguments, see [`_loading_call`]), and the full config."""
     pipeline, algorithm = config["pipeline"], config["algorithm"]
-    library = "diffusers" if pipeline["name"] in ("sd3", "flux", "wan") else "transformers"
+    cls, extra = loading
+    library = "diffusers" if cls.endswith("Pipeline") else "transformers"  # a diffusers folder loads with a *Pipeline
     base = pipeline.get("pretrained", "")
     front = {"library_name": library, "tags": ["mmgrpo", "reinforcement-learning", algorithm["name"]]}
     if base and not base.startswith(("/", ".", "~", "mmgrpo:")):
         front["base_model"] = base
     how = "LoRA merged into the weights" if lora and merged else "LoRA adapter in `lora/`" if lora else "full fine-tuning"
     figures = "\n".join(f"| `{k}` | {v} |" for k, v in evaluation.items() if k != "step") or "| (no evaluation) | |"
-    cls, extra = loading
     cls = cls or ("DiffusionPipeline" if library == "diffusers" else "AutoModel")
     load = (f"```python\nfrom diffusers import {cls}\npipe = {cls}.from_pretrained(\"<this folder>\"{extra})\n"
             + ("pipe.load_lora_weights(\"<this folder>/lora\")\n" if lora and not merged else "") + "```") \

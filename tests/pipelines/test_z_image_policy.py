@@ -163,3 +163,33 @@ def test_gradient_checkpointing_gives_the_same_replay_and_gradient(tiny_z_image_
         assert (plain is None) == (checkpointed is None)
         if plain is not None:
             torch.testing.assert_close(plain, checkpointed, rtol=1e-4, atol=1e-6)
+
+
+def test_trainer_runs_z_image_and_mmgrpo_export_loads_in_the_stock_pipeline(tmp_path, tiny_z_image_dir):
+    """The unchanged trainer drives the Z-Image policy (Flow-GRPO with KL, CFG) to a checkpoint; ``mmgrpo export``
+    writes a diffusers folder and card that the stock `ZImagePipeline` loads, sampling as the checkpoint does."""
+    from mmgrpo import cli, config as config_mod
+    from mmgrpo.trainer import Trainer
+
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("a red circle\na blue square\na green triangle\n")
+    raw = {
+        "output_dir": str(tmp_path / "run"), "seed": 3,
+        "pipeline": {"name": "z_image", "pretrained": tiny_z_image_dir, "resolution": 32, "num_steps": 3,
+                     "guidance_scale": 2.0, "lora_rank": 4, "lora_alpha": 8, "max_sequence_length": 32,
+                     "weights_dtype": "float32"},
+        "algorithm": {"name": "flow_grpo", "kl_beta": 0.1, "noise_level": 0.9},
+        "reward": {"name": "jpeg"},
+        "data": {"name": "prompt_file", "train_file": str(prompts), "eval_file": str(prompts)},
+        "train": {"max_steps": 1, "prompts_per_step": 2, "group_size": 2, "minibatch_size": 2, "learning_rate": 1e-2},
+        "eval": {"every": 0},
+        "checkpoint": {"every": 1, "keep_last": 1},
+    }
+    trainer = Trainer(config_mod.from_dict(raw))
+    trainer.train()
+    assert cli.main(["export", str(trainer.output_dir), str(tmp_path / "model"), "--merge-lora"]) == 0
+    card = (tmp_path / "model" / "README.md").read_text()
+    assert card.startswith("---\nlibrary_name: diffusers\n") and "ZImagePipeline.from_pretrained" in card
+    policy = make_policy(tiny_z_image_dir)
+    policy.load_trainable(str(sorted((trainer.output_dir / "checkpoints").glob("step_*"))[-1] / "weights"))
+    torch.testing.assert_close(stock_images(stock(tmp_path / "model"), policy, 3), ours(policy, 3), rtol=0, atol=1e-4)
