@@ -44,7 +44,10 @@ from _flow_report import (  # noqa: E402
 )
 
 ROOT = Path(__file__).resolve().parents[1]
-ALGORITHMS = ("flow_grpo", "e_grpo", "chunk_grpo", "dgpo")  # the reference first
+ALGORITHMS = (  # the reference first
+    "flow_grpo", "grpo_guard", "flow_dppo", "mix_grpo", "dance_grpo", "branch_grpo", "e_grpo", "chunk_grpo", "dgpo",
+    "diffusion_nft", "awm",
+)
 CONFIGS = {name: f"configs/tiny/t2i_shapes_{name}.yaml" for name in ALGORITHMS}
 OFFLINE = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
 
