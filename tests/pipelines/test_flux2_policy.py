@@ -1,7 +1,9 @@
 """The FLUX.2 adapter on real diffusers classes built from tiny configs (`builders/flux2.py`, FLUX.2 [klein]): ODE
 sampling equals the stock `Flux2KleinPipeline` (true CFG on the base model, none on the step-distilled one with a
-4-step schedule), the noise levels are the stock ones (FLUX.2's empirical mu of tokens and steps), replay and
-checkpoints reproduce samples, LoRA and full exports load back in the stock pipeline."""
+4-step schedule; FLUX.2 [dev] with its guidance embedding), the noise levels are the stock ones (FLUX.2's empirical
+mu of tokens and steps), replay reproduces the rollout's log-probabilities, LoRA and full exports load back in the
+stock pipeline, gradient checkpointing changes nothing. (Saving and reloading the trained weights is shared code,
+tested on `z_image`, `sd3` and `flux`.)"""
 
 import pytest
 import torch
@@ -62,17 +64,16 @@ def test_ode_sampling_equals_stock_pipeline(request, tmp_path, case):
     torch.testing.assert_close(pipe.scheduler.sigmas, policy.sigmas(steps), rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("lora_rank", [4, 0], ids=["lora", "full"])
-def test_dev_ode_sampling_and_export_equal_stock_pipeline(tiny_flux2_dev_dir, tmp_path, lora_rank):
+def test_dev_ode_sampling_and_export_equal_stock_pipeline(tiny_flux2_dev_dir, tmp_path):
     """FLUX.2 [dev]: the Mistral-3 text encoder and the distilled guidance embedding (no CFG batch)."""
-    policy = make_policy(tiny_flux2_dev_dir, guidance_scale=4.0, max_sequence_length=64, lora_rank=lora_rank)
+    policy = make_policy(tiny_flux2_dev_dir, guidance_scale=4.0, max_sequence_length=64)
     assert not policy.klein and not policy.do_cfg
     perturb(policy, seed=1)
     policy.export_pretrained(str(tmp_path / "out"), merge_lora=True)
     pipe = stock(tmp_path / "out", dev=True)
     expected = ours(policy, 3)
     torch.testing.assert_close(expected, stock_images(pipe, policy, 3), rtol=0, atol=1e-4)
-    low = make_policy(tiny_flux2_dev_dir, guidance_scale=1.0, max_sequence_length=64, lora_rank=lora_rank)
+    low = make_policy(tiny_flux2_dev_dir, guidance_scale=1.0, max_sequence_length=64)
     perturb(low, seed=1)
     assert not torch.allclose(ours(low, 3), expected, atol=1e-3), "the guidance embedding must be fed"
 
@@ -104,7 +105,7 @@ def test_replay_matches_rollout_on_a_few_step_schedule(tiny_flux2_distilled_dir)
     torch.testing.assert_close(sub, rollout.old_log_probs[[4, 1]][:, [0, 3]], rtol=0, atol=1e-5)
 
 
-@pytest.mark.parametrize("lora_rank, merge", [(4, True), (4, False), (0, False)], ids=["lora-merged", "lora", "full"])
+@pytest.mark.parametrize("lora_rank, merge", [(4, True), (0, False)], ids=["lora-merged", "full"])
 def test_export_loads_in_stock_pipeline_with_identical_outputs(tiny_flux2_dir, tmp_path, lora_rank, merge):
     from mmgrpo.export import LORA_FOLDER
 
@@ -115,16 +116,6 @@ def test_export_loads_in_stock_pipeline_with_identical_outputs(tiny_flux2_dir, t
     expected = ours(policy, 3)
     torch.testing.assert_close(stock_images(pipe, policy, 3), expected, rtol=0, atol=1e-4)
     assert not torch.allclose(stock_images(stock(tiny_flux2_dir), policy, 3), expected, atol=1e-3)
-
-
-@pytest.mark.parametrize("lora_rank", [4, 0], ids=["lora", "full"])
-def test_save_and_reload_reproduce_samples(tiny_flux2_dir, tmp_path, lora_rank):
-    policy = make_policy(tiny_flux2_dir, lora_rank=lora_rank)
-    perturb(policy, seed=3)
-    policy.save_pretrained(str(tmp_path / "ckpt"))
-    reloaded = make_policy(tiny_flux2_dir, lora_rank=lora_rank)
-    reloaded.load_trainable(str(tmp_path / "ckpt"))
-    assert torch.equal(ours(policy, 3), ours(reloaded, 3))
 
 
 def test_config_errors_name_the_fix(tiny_flux2_dir, tmp_path):

@@ -1,7 +1,8 @@
 """The Qwen-Image adapter on real diffusers classes built from tiny configs (`builders/qwen_image.py`): ODE sampling
 equals the stock `QwenImagePipeline` (true CFG with a negative prompt and its norm rescale, or none), the noise levels
-are the stock ones (dynamic and terminal shift), replay and checkpoints reproduce samples, LoRA and full exports load
-back in the stock pipeline."""
+are the stock ones (dynamic and terminal shift), replay reproduces the rollout's log-probabilities, LoRA and full
+exports load back in the stock pipeline, gradient checkpointing changes nothing. (Saving and reloading the trained
+weights is shared code, tested on `z_image`, `sd3` and `flux`.)"""
 
 import pytest
 import torch
@@ -84,7 +85,7 @@ def test_replay_matches_rollout_and_minibatches(tiny_qwen_image_dir):
     torch.testing.assert_close(sub, rollout.old_log_probs[[4, 1]][:, [0, 3]], rtol=0, atol=1e-5)
 
 
-@pytest.mark.parametrize("lora_rank, merge", [(4, True), (4, False), (0, False)], ids=["lora-merged", "lora", "full"])
+@pytest.mark.parametrize("lora_rank, merge", [(4, True), (0, False)], ids=["lora-merged", "full"])
 def test_export_loads_in_stock_pipeline_with_identical_outputs(tiny_qwen_image_dir, tmp_path, lora_rank, merge):
     from mmgrpo.export import LORA_FOLDER
 
@@ -95,16 +96,6 @@ def test_export_loads_in_stock_pipeline_with_identical_outputs(tiny_qwen_image_d
     expected = ours(policy, 3)
     torch.testing.assert_close(stock_images(pipe, policy, 3), expected, rtol=0, atol=1e-4)
     assert not torch.allclose(stock_images(stock(tiny_qwen_image_dir), policy, 3), expected, atol=1e-3)
-
-
-@pytest.mark.parametrize("lora_rank", [4, 0], ids=["lora", "full"])
-def test_save_and_reload_reproduce_samples(tiny_qwen_image_dir, tmp_path, lora_rank):
-    policy = make_policy(tiny_qwen_image_dir, lora_rank=lora_rank)
-    perturb(policy, seed=3)
-    policy.save_pretrained(str(tmp_path / "ckpt"))
-    reloaded = make_policy(tiny_qwen_image_dir, lora_rank=lora_rank)
-    reloaded.load_trainable(str(tmp_path / "ckpt"))
-    assert torch.equal(ours(policy, 3), ours(reloaded, 3))
 
 
 def test_config_errors_name_the_fix(tiny_qwen_image_dir):
