@@ -118,6 +118,15 @@ REWARD_BATCHES = {"mini_geneval": _shapes_batch, "sam_mask": _seg_batch, "step_r
 BUILDERS = Path(__file__).resolve().parents[1] / "builders"
 
 
+def _declared_conditions(policy, n: int) -> dict:
+    """The prompt conditions a pipeline declares it reads: an input image per prompt for the ``input_images``
+    capability (image editing), none otherwise."""
+    if "input_images" not in policy.capabilities:
+        return {}
+    generator = torch.Generator().manual_seed(3)
+    return {"images": [[torch.rand(3, 32, 32, generator=generator)] for _ in range(n)]}
+
+
 def _build_policy(name: str, request):
     """The tiny policy of pipeline `name`, from its builder module `builders/<name>.py`."""
     return importlib.import_module(f"builders.{name}").build_policy(request)
@@ -154,7 +163,7 @@ def test_pipeline_contract(name, algorithm_name, request):
             check_plan(policy, algorithm, names)
         return
     check_plan(policy, algorithm, names)  # the trainer accepts the pair
-    batch = PromptBatch(["a red circle", "a blue square"]).repeat(2)
+    batch = PromptBatch(["a red circle", "a blue square"], conditions=_declared_conditions(policy, 2)).repeat(2)
     rollout = policy.sample(batch, plan, generator=torch.Generator().manual_seed(1))
     assert rollout.old_log_probs.shape[0] == 4 and rollout.mask.shape == rollout.old_log_probs.shape
     assert torch.equal(rollout.group_ids, torch.tensor([0, 0, 1, 1]))
