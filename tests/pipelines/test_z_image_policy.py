@@ -6,14 +6,12 @@ pipeline."""
 import pytest
 import torch
 
-from mmgrpo.algorithms.flow_grpo import FlowGRPO, FlowGRPOConfig
 from mmgrpo.pipelines.z_image import ZImageConfig, ZImagePolicy
-from mmgrpo.plans import FlowPlan
-from mmgrpo.types import PromptBatch
-from algorithm_options import algo_config
+from builders._stock_equality import (
+    PROMPTS, StockAdapter, check_export, check_gradient_checkpointing, check_ode_sampling, check_replay,
+    load_flow_factory_config, load_stock, ours,
+)
 from builders._weights import perturb
-
-PROMPTS = ["a red circle", "two blue squares", "a green triangle left of a yellow circle"]
 
 
 def make_policy(path, **overrides):
@@ -25,11 +23,7 @@ def make_policy(path, **overrides):
 def stock(path, lora=None):
     from diffusers import ZImagePipeline
 
-    pipe = ZImagePipeline.from_pretrained(str(path))
-    pipe.set_progress_bar_config(disable=True)
-    if lora is not None:
-        pipe.load_lora_weights(str(lora))
-    return pipe
+    return load_stock(ZImagePipeline, path, lora)
 
 
 def stock_images(pipe, policy, steps, prompts=PROMPTS[:2], seed=2):
@@ -40,9 +34,7 @@ def stock_images(pipe, policy, steps, prompts=PROMPTS[:2], seed=2):
                 output_type="pt", generator=torch.Generator().manual_seed(seed), max_sequence_length=32).images.float()
 
 
-def ours(policy, steps, prompts=PROMPTS[:2], seed=2):
-    plan = FlowPlan.deterministic(steps)
-    return policy.sample(PromptBatch(prompts), plan, generator=torch.Generator().manual_seed(seed)).outputs["images"]
+ADAPTER = StockAdapter(make_policy, stock, stock_images)
 
 
 CASES = {
@@ -53,15 +45,10 @@ CASES = {
 
 
 @pytest.mark.parametrize("case", CASES)
-def test_ode_sampling_equals_stock_pipeline(request, case):
+def test_ode_sampling_equals_stock_pipeline(request, tmp_path, case):
     fixture, overrides, steps = CASES[case]
     path = request.getfixturevalue(fixture)
-    policy = make_policy(path, **overrides)
-    perturb(policy, seed=1)
-    policy.save_pretrained(request.getfixturevalue("tmp_path") / "lora")
-    pipe = stock(path, request.getfixturevalue("tmp_path") / "lora")
-    torch.testing.assert_close(ours(policy, steps), stock_images(pipe, policy, steps), rtol=0, atol=1e-4)
-    torch.testing.assert_close(pipe.scheduler.sigmas, policy.sigmas(steps), rtol=0, atol=0)
+    check_ode_sampling(ADAPTER, make_policy(path, **overrides), path, steps, tmp_path)
 
 
 def test_sigmas_follow_the_dynamic_and_the_turbo_shift(tiny_z_image_dir, tiny_z_image_turbo_dir):
@@ -83,28 +70,12 @@ def test_sigmas_follow_the_dynamic_and_the_turbo_shift(tiny_z_image_dir, tiny_z_
 @pytest.mark.parametrize("guidance", [0.0, 2.0], ids=["no-cfg", "cfg"])
 def test_replay_matches_rollout_on_a_few_step_schedule(tiny_z_image_turbo_dir, guidance):
     """Flow-GRPO on a 4-step distilled-style schedule: replayed log-probs equal the rollout's, minibatch or not."""
-    policy = make_policy(tiny_z_image_turbo_dir, guidance_scale=guidance, num_steps=4)
-    plan = FlowGRPO(algo_config(FlowGRPOConfig, noise_level=0.9)).schedule(4)
-    rollout = policy.sample(PromptBatch(PROMPTS).repeat(2), plan, generator=torch.Generator().manual_seed(1))
-    assert rollout.trajectory["latents"].shape == (6, 5, 4, 16, 16)
-    with torch.no_grad():
-        full = policy.log_prob(rollout, [0, 3]).log_prob
-        sub = policy.log_prob(rollout.select(torch.tensor([4, 1])), [0, 3]).log_prob
-    torch.testing.assert_close(full, rollout.old_log_probs[:, [0, 3]], rtol=0, atol=1e-5)
-    torch.testing.assert_close(sub, rollout.old_log_probs[[4, 1]][:, [0, 3]], rtol=0, atol=1e-5)
+    check_replay(make_policy(tiny_z_image_turbo_dir, guidance_scale=guidance, num_steps=4), (6, 5, 4, 16, 16))
 
 
 @pytest.mark.parametrize("lora_rank, merge", [(4, True), (4, False), (0, False)], ids=["lora-merged", "lora", "full"])
 def test_export_loads_in_stock_pipeline_with_identical_outputs(tiny_z_image_dir, tmp_path, lora_rank, merge):
-    from mmgrpo.export import LORA_FOLDER
-
-    policy = make_policy(tiny_z_image_dir, lora_rank=lora_rank)
-    perturb(policy, seed=4)
-    policy.export_pretrained(str(tmp_path / "out"), merge_lora=merge)
-    pipe = stock(tmp_path / "out", tmp_path / "out" / LORA_FOLDER if lora_rank and not merge else None)
-    expected = ours(policy, 3)
-    torch.testing.assert_close(stock_images(pipe, policy, 3), expected, rtol=0, atol=1e-4)
-    assert not torch.allclose(stock_images(stock(tiny_z_image_dir), policy, 3), expected, atol=1e-3)
+    check_export(ADAPTER, tiny_z_image_dir, tmp_path, lora_rank, merge)
 
 
 @pytest.mark.parametrize("lora_rank", [4, 0], ids=["lora", "full"])
@@ -127,42 +98,15 @@ def test_config_errors_name_the_fix(tiny_z_image_dir):
 
 
 def test_real_config_carries_flow_factorys_recipe(monkeypatch):
-    from pathlib import Path
-
-    from mmgrpo import config as config_mod
-
-    root = Path(__file__).resolve().parents[2]
-    monkeypatch.chdir(root)
-    cfg = config_mod.load(root / "configs" / "z_image_turbo_flow_grpo.yaml")
-    pipe, algo = cfg.pipeline.options, cfg.algorithm.options
+    cfg = load_flow_factory_config(monkeypatch, "z_image_turbo_flow_grpo", noise_level=0.7)
+    pipe = cfg.pipeline.options
     assert cfg.pipeline.name == "z_image" and pipe.pretrained == "Tongyi-MAI/Z-Image-Turbo"
     assert (pipe.resolution, pipe.num_steps, pipe.eval_num_steps, pipe.guidance_scale) == (512, 6, 10, 0.0)
     assert (pipe.lora_rank, pipe.lora_alpha, pipe.weights_dtype) == (64, 128, "float32")
-    assert (algo.sde.noise_level, algo.clip.clip_low, algo.kl.kl_beta) == (0.7, 1e-4, 0.0)
-    assert (algo.sde_window_size, algo.sde_window_range) == (1, [1, 4])  # one SDE step drawn from steps 1-3
-    assert (cfg.train.prompts_per_step, cfg.train.group_size, cfg.train.learning_rate) == (48, 16, 3e-4)
 
 
 def test_gradient_checkpointing_gives_the_same_replay_and_gradient(tiny_z_image_dir):
-    """``gradient_checkpointing`` recomputes the transformer's blocks in the backward pass: same log-probs, same
-    gradients (same LoRA initialisation and perturbation for both policies)."""
-    plan = FlowGRPO(FlowGRPOConfig()).schedule(3)
-    results = []
-    for checkpointing in (False, True):
-        torch.manual_seed(0)  # the LoRA initialisation
-        policy = make_policy(tiny_z_image_dir, gradient_checkpointing=checkpointing)
-        perturb(policy, seed=5)
-        rollout = policy.sample(PromptBatch(PROMPTS[:2]), plan, generator=torch.Generator().manual_seed(0))
-        score = policy.log_prob(rollout, [0, 2]).log_prob
-        score.sum().backward()
-        # (the last block's text-stream layers do not reach the image: no gradient)
-        results.append((score.detach(), [p.grad for p in policy.trainable_parameters()]))
-    torch.testing.assert_close(results[0][0], results[1][0], rtol=0, atol=1e-6)
-    assert any(g is not None for g in results[0][1])
-    for plain, checkpointed in zip(results[0][1], results[1][1]):
-        assert (plain is None) == (checkpointed is None)
-        if plain is not None:
-            torch.testing.assert_close(plain, checkpointed, rtol=1e-4, atol=1e-6)
+    check_gradient_checkpointing(make_policy, tiny_z_image_dir)
 
 
 def test_trainer_runs_z_image_and_mmgrpo_export_loads_in_the_stock_pipeline(tmp_path, tiny_z_image_dir):
