@@ -111,8 +111,18 @@ def _moving_shapes_batch(n):
     return items_to_batch(MovingShapesPrompts().train_items()[:n])
 
 
+def _edit_batch(n):
+    """Edit prompts: source and target images in the metadata (`edit_fidelity` reads them there)."""
+    generator = torch.Generator().manual_seed(0)
+    source = torch.rand(3, 16, 16, generator=generator)
+    target = source.clone()
+    target[:, 4:8, 4:8] = 1.0
+    return PromptBatch(["make the square white"] * n, metadata=[{"source_image": source, "target_image": target}
+                                                                for _ in range(n)])
+
+
 REWARD_BATCHES = {"mini_geneval": _shapes_batch, "sam_mask": _seg_batch, "step_rar": _key_steps_batch,
-                  "moving_shapes": _moving_shapes_batch}
+                  "moving_shapes": _moving_shapes_batch, "edit_fidelity": _edit_batch}
 
 
 BUILDERS = Path(__file__).resolve().parents[1] / "builders"
