@@ -21,7 +21,7 @@ from typing import Literal
 import torch
 
 from ..advantages import StdEstimator, group_normalize, tempsamp_soft
-from ..losses import ratio_norm
+from ..losses import gaussian_mean_kl, ratio_norm
 from ..types import Score
 from ..validation import ConfigError, check_fields, check_range
 from ._limits import (
@@ -252,7 +252,8 @@ class KLWeight:
     """An algorithm's KL weight: its [`KLOptions`] and the number of optimizer updates taken, its whole state. Every
     algorithm holds one as its ``kl`` member (see [`~mmgrpo.protocols.Algorithm`]): the trainer calls [`step`] after
     every optimizer update it takes (a skipped update does not count, as for the learning-rate schedule) and
-    checkpoints [`state_dict`], so a resumed run continues a schedule exactly; the loss reads the weight by calling it.
+    checkpoints [`state_dict`], so a resumed run continues a schedule exactly; the loss reads the weight by calling
+    it, or adds the flow algorithms' KL terms with it ([`add_transition_kl`], [`add_velocity_kl`]).
     """
 
     options: KLOptions
@@ -268,8 +269,38 @@ class KLWeight:
         """Whether the weight is ever above 0 (the KL term, and what it reads, are then needed)."""
         return self.options.kl_beta > 0 or (self.dynamic and self.options.kl_beta_end > 0)
 
+    @property
+    def transition_reads(self) -> frozenset[str]:
+        """The [`~mmgrpo.types.Score`] fields [`add_transition_kl`] reads: ``mean`` and ``std`` when the weight is ever
+        above 0, none otherwise."""
+        return frozenset({"mean", "std"}) if self.ever_positive else frozenset()
+
     def __call__(self) -> float:
         return kl_weight(self.options, self.updates)
+
+    def add_transition_kl(self, loss: torch.Tensor, metrics: dict, new: Score, ref: Score | None) -> torch.Tensor:
+        """`loss` plus the current weight times the exact KL of the Gaussian SDE transitions to the reference,
+        [`~mmgrpo.losses.gaussian_mean_kl`] of `new`'s ``mean`` `[n, k, ...]` and ``std`` `[n, k, 1, ...]` and `ref`'s
+        ``mean``, over `new`'s ``mask`` (`flow_grpo`'s ``kl_convention: transition``), recorded in `metrics` as ``kl``
+        and ``kl_beta``; `loss` itself while the weight is 0 or without a reference."""
+        beta = self()
+        if beta <= 0 or ref is None:
+            return loss
+        kl = gaussian_mean_kl(new.mean, ref.mean, new.std, new.mask)
+        metrics.update(kl=kl.item(), kl_beta=float(beta))
+        return loss + beta * kl
+
+    def add_velocity_kl(self, loss: torch.Tensor, metrics: dict, new: Score, ref: Score | None) -> torch.Tensor:
+        """`loss` plus the current weight times the velocity-space KL to the reference of the likelihood algorithms,
+        ``mean ||v - v_ref||^2`` (`new`'s and `ref`'s ``velocity`` `[n, k, ...]`, averaged per point, then over the
+        points), recorded in `metrics` as ``kl`` and ``kl_beta``; `loss` itself while the weight is 0."""
+        beta = self()
+        if beta <= 0:
+            return loss
+        dims = tuple(range(2, new.velocity.dim()))
+        kl = ((new.velocity - ref.velocity.detach()) ** 2).mean(dim=dims)  # [n, k]
+        metrics.update(kl=kl.mean().item(), kl_beta=float(beta))
+        return loss + beta * kl.mean()
 
     def step(self) -> None:
         """One optimizer update taken."""

@@ -47,6 +47,7 @@ from ..types import AlgorithmTraits, LossOutput, Score
 from ..validation import check_fields, check_range, embedded
 from ._limits import KL_BETA_LIMIT, SHIFT_LIMIT, STEP_LIMIT, UPDATES_LIMIT
 from . import _options
+from ._flow_common import likelihood_plan
 from ._options import AdvantageOptions, KLOptions, KLWeight
 
 Weighting = Literal["Uniform", "t", "t**2", "huber", "ghuber"]
@@ -154,17 +155,7 @@ class AWM:
     def schedule(self, num_steps: int, generator: torch.Generator | None = None) -> FlowPlan:
         """Deterministic rollouts; `num_train_timesteps` stratified noise levels, one unit each, per-sample noise."""
         levels = stratified_levels(num_steps, self.config, generator)
-        return FlowPlan(
-            num_steps=num_steps,
-            sde_steps=[],
-            train_units=[[j] for j in levels],
-            noise_level=0.0,
-            solver=self.config.solver,
-            flow_shift=self.config.flow_shift,
-            scoring="likelihood",
-            likelihood_noise="sample",
-            seed=int(torch.randint(0, 2**62, (1,), generator=generator)),
-        )
+        return likelihood_plan(num_steps, levels, self.config.solver, self.config.flow_shift, generator)
 
     # ----------------------------------------------------------------------------------------------- the EMA
     def ema_decay(self, step: int) -> float:
@@ -232,11 +223,7 @@ class AWM:
         dims = tuple(range(2, new.velocity.dim()))
         metrics = {"policy_loss": policy_loss.item(), "fm_loss": (-new.log_prob).detach().mean().item(),
                    "weighted_loss": (-lp).detach().mean().item(), "ratio_mean": ratio.detach().mean().item()}
-        weight = self.kl()
-        if weight > 0:
-            kl = ((new.velocity - ref.velocity.detach()) ** 2).mean(dim=dims)  # [n, k]
-            loss = loss + weight * kl.mean()
-            metrics.update(kl=kl.mean().item(), kl_beta=float(weight))
+        loss = self.kl.add_velocity_kl(loss, metrics, new, ref)
         if c.ema_kl_beta > 0:
             ema_kl = ((new.velocity - old.velocity.detach()) ** 2).mean(dim=dims)  # [n, k]
             loss = loss + c.ema_kl_beta * ema_kl.mean()

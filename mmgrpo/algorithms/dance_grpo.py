@@ -37,11 +37,11 @@ from dataclasses import dataclass
 
 import torch
 
-from ..losses import clipped_surrogate, gaussian_mean_kl
 from ..plans import FlowPlan
 from ..types import AlgorithmTraits, LossOutput, Score
 from ..validation import check_fields, check_range, embedded
 from . import _options
+from ._flow_common import fastvideo_surrogate, per_step_plan
 from ._options import FASTVIDEO_ADVANTAGES, AdvantageOptions, ClipOptions, KLOptions, KLWeight, SDEOptions
 
 
@@ -90,9 +90,8 @@ class DanceGRPO:
     def __init__(self, config: DanceGRPOConfig):
         self.config = config
         self.kl = KLWeight(config.kl)  # the KL weight (to the reference), moving under a schedule
-        kl_reads = {"mean", "std"} if self.kl.ever_positive else set()
         self.traits = AlgorithmTraits(
-            reads=frozenset({"log_prob", "mask"} | kl_reads),  # mask: the steps each sample trains
+            reads=frozenset({"log_prob", "mask"}) | self.kl.transition_reads,  # mask: the steps each sample trains
             needs_reference=self.kl.ever_positive,
             group_local_advantages=config.advantage.group_local,
             update_mean="entries",  # every trained (sample, step) pair weighs the same in an update
@@ -113,16 +112,8 @@ class DanceGRPO:
         c = self.config
         per_sample = self.trained_per_sample(num_steps)
         steps = list(range(num_steps - 1))
-        return FlowPlan(
-            num_steps=num_steps,
-            sde_steps=steps,
-            train_units=[[s] for s in steps],
-            noise_level=c.sde.noise_level,
-            sde_type=c.sde.sde_type,
-            units_per_sample=per_sample if per_sample < len(steps) else 0,
-            init_same_noise=c.init_same_noise,
-            seed=int(torch.randint(0, 2**62, (1,), generator=generator)),
-        )
+        return per_step_plan(num_steps, steps, c.sde, c.init_same_noise, generator,
+                             units_per_sample=per_sample if per_sample < len(steps) else 0)
 
     def loss(self, new: Score, old_log_prob, advantages, ref: Score | None = None) -> LossOutput:
         """Clipped surrogate on one step, averaged over the samples that train it (their number as ``entries``), plus
@@ -136,15 +127,8 @@ class DanceGRPO:
             ref ([`Score`], *optional*): the reference policy's ``mean`` for the KL term.
         """
         c = self.config
-        bound = c.advantage.adv_clip_max
-        advantages = advantages if bound is None else advantages.clamp(-bound, bound)  # [n] in the loss, as theirs
-        loss, metrics = clipped_surrogate(new.log_prob - old_log_prob, advantages, c.clip.clip_low, c.clip.high,
-                                          new.mask)
-        beta = self.kl()
-        if beta > 0 and ref is not None:
-            kl = gaussian_mean_kl(new.mean, ref.mean, new.std, new.mask)
-            loss = loss + beta * kl
-            metrics.update(kl=kl.item(), kl_beta=float(beta))
+        loss, metrics = fastvideo_surrogate(new.log_prob - old_log_prob, advantages, c.advantage, c.clip, new.mask)
+        loss = self.kl.add_transition_kl(loss, metrics, new, ref)
         entries = float(new.log_prob.numel() if new.mask is None else new.mask.sum())
         return LossOutput(loss=loss, metrics=metrics, entries=entries)
 

@@ -53,6 +53,7 @@ from ..types import AlgorithmTraits, LossOutput, Score
 from ..validation import ConfigError, check_fields, check_range, embedded
 from ._limits import SCALE_LIMIT, SHIFT_LIMIT
 from . import _options
+from ._flow_common import likelihood_plan
 from ._options import AdvantageOptions, KLOptions, KLWeight
 
 # decay_type -> (flat updates, rate per update, ceiling) of the old model's EMA decay (the authors' `return_decay`)
@@ -139,18 +140,8 @@ class DiffusionNFT:
         """Deterministic rollouts; ``int(level_fraction * num_steps)`` of the sampling noise levels (at least one), a
         random subset in random order, one unit each, with per-sample noise."""
         count = max(1, int(self.config.level_fraction * num_steps))
-        order = torch.randperm(num_steps, generator=generator)[:count]
-        return FlowPlan(
-            num_steps=num_steps,
-            sde_steps=[],
-            train_units=[[int(j)] for j in order],
-            noise_level=0.0,
-            solver=self.config.solver,
-            flow_shift=self.config.flow_shift,
-            scoring="likelihood",
-            likelihood_noise="sample",
-            seed=int(torch.randint(0, 2**62, (1,), generator=generator)),
-        )
+        order = torch.randperm(num_steps, generator=generator)[:count].tolist()
+        return likelihood_plan(num_steps, order, self.config.solver, self.config.flow_shift, generator)
 
     # ------------------------------------------------------------------------------------- the EMA old model
     def old_policy(self, policy):
@@ -216,11 +207,7 @@ class DiffusionNFT:
             "old_deviate": ((v.detach() - v_old) ** 2).mean().item(),
             "ratio_mean": torch.exp(new.log_prob.detach() - old.log_prob.detach()).mean().item(),  # exp(L_old - L)
         }
-        weight = self.kl()
-        if weight > 0:
-            kl = ((v - ref.velocity.detach()) ** 2).mean(dim=dims)  # [n, k]
-            loss = loss + weight * kl.mean()
-            metrics.update(kl=kl.mean().item(), kl_beta=float(weight))
+        loss = self.kl.add_velocity_kl(loss, metrics, new, ref)
         return LossOutput(loss=loss, metrics=metrics)
 
 

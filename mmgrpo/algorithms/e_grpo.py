@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..losses import clipped_surrogate, gaussian_mean_kl
+from ..losses import clipped_surrogate
 from ..plans import FlowPlan
 from ..types import AlgorithmTraits, LossOutput, Score
 from ..validation import check_fields, check_range, embedded
@@ -104,8 +104,7 @@ class EGRPO:
     def __init__(self, config: EGRPOConfig):
         self.config = config
         self.kl = KLWeight(config.kl)  # the KL weight, moving under a schedule
-        kl_reads = {"mean", "std"} if self.kl.ever_positive else set()
-        reads = {"log_prob", "mask"} | kl_reads | config.ratio.reads  # mask: each sample's step
+        reads = {"log_prob", "mask"} | self.kl.transition_reads | config.ratio.reads  # mask: each sample's step
         self.traits = AlgorithmTraits(reads=frozenset(reads),
                                       needs_reference=self.kl.ever_positive,
                                       group_local_advantages=config.advantage.group_local)
@@ -150,11 +149,7 @@ class EGRPO:
         log_ratio, dt = self.config.ratio.log_ratio(new, old_log_prob)  # [n, K], GRPO-Guard's |dt| [n, K] or None
         loss, metrics = clipped_surrogate(log_ratio, advantages, clip.clip_low, clip.high, new.mask,
                                           weight=None if dt is None else 1 / dt)
-        beta = self.kl()
-        if beta > 0 and ref is not None:
-            kl = gaussian_mean_kl(new.mean, ref.mean, new.std, new.mask)
-            loss = loss + beta * kl
-            metrics.update(kl=kl.item(), kl_beta=float(beta))
+        loss = self.kl.add_transition_kl(loss, metrics, new, ref)
         return LossOutput(loss=loss, metrics=metrics)
 
 PLUGIN = EGRPO

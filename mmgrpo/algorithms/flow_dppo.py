@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..losses import divergence_masked_objective, gaussian_mean_kl, masked_mean, transition_kl
+from ..losses import divergence_masked_objective, masked_mean, transition_kl
 from ..plans import FlowPlan
 from ..types import AlgorithmTraits, LossOutput, Score
 from ..validation import ConfigError, check_fields, check_range, embedded
@@ -125,11 +125,7 @@ class FlowDPPO:
                 "kl_mask_frac": masked_mean((divergence >= bound).float(), new.mask).item(),
                 "masked_frac": masked_mean(masked.float(), new.mask).item(),
             }
-        beta = self.kl()
-        if beta > 0 and ref is not None:
-            kl = gaussian_mean_kl(new.mean, ref.mean, new.std, new.mask)
-            loss = loss + beta * kl
-            metrics.update(kl=kl.item(), kl_beta=float(beta))
+        loss = self.kl.add_transition_kl(loss, metrics, new, ref)
         return LossOutput(loss=loss, metrics=metrics)
 
 

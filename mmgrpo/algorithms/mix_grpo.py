@@ -37,12 +37,13 @@ from typing import Literal
 
 import torch
 
-from ..losses import clipped_surrogate, gaussian_mean_kl, masked_mean
+from ..losses import masked_mean
 from ..plans import FlowPlan
 from ..types import AlgorithmTraits, LossOutput, Score
 from ..validation import check_fields, check_range, embedded
 from ._limits import KL_BETA_LIMIT, STEP_LIMIT, UPDATES_LIMIT
 from . import _options
+from ._flow_common import fastvideo_surrogate, per_step_plan
 from ._options import FASTVIDEO_ADVANTAGES, AdvantageOptions, ClipOptions, KLOptions, KLWeight, SDEOptions
 
 
@@ -123,9 +124,8 @@ class MixGRPO:
         self.config = config
         self.kl = KLWeight(config.kl)  # the KL weight (to the reference), moving under a schedule
         self.iterations = 0  # rollout iterations done: the window's clock (state, checkpointed)
-        kl_reads = {"mean", "std"} if self.kl.ever_positive else set()
         self.traits = AlgorithmTraits(
-            reads=frozenset({"log_prob"} | kl_reads),
+            reads=frozenset({"log_prob"}) | self.kl.transition_reads,
             needs_reference=self.kl.ever_positive,
             group_local_advantages=config.advantage.group_local,
             has_state=True,  # the rollout iterations counted
@@ -147,17 +147,8 @@ class MixGRPO:
 
     def schedule(self, num_steps: int, generator: torch.Generator | None = None) -> FlowPlan:
         """SDE on the window (each step a trained unit), ODE elsewhere; the window does not move here."""
-        c = self.config
         steps = self.window(num_steps, generator)
-        return FlowPlan(
-            num_steps=num_steps,
-            sde_steps=steps,
-            train_units=[[s] for s in steps],
-            noise_level=c.sde.noise_level,
-            sde_type=c.sde.sde_type,
-            init_same_noise=c.init_same_noise,
-            seed=int(torch.randint(0, 2**62, (1,), generator=generator)),
-        )
+        return per_step_plan(num_steps, steps, self.config.sde, self.config.init_same_noise, generator)
 
     def after_step(self) -> None:
         """One rollout iteration done: the window's clock advances (the authors' ``update_iteration``)."""
@@ -179,19 +170,13 @@ class MixGRPO:
             ref ([`Score`], *optional*): the reference policy's ``mean`` for the KL term.
         """
         c = self.config
-        bound = c.advantage.adv_clip_max
-        advantages = advantages if bound is None else advantages.clamp(-bound, bound)  # [n] in the loss, as theirs
         log_ratio = new.log_prob - old_log_prob  # [n, 1]
-        loss, metrics = clipped_surrogate(log_ratio, advantages, c.clip.clip_low, c.clip.high, new.mask)
+        loss, metrics = fastvideo_surrogate(log_ratio, advantages, c.advantage, c.clip, new.mask)
         if c.old_kl_coeff > 0:
             k2 = masked_mean(0.5 * log_ratio**2, new.mask)
             loss = loss + c.old_kl_coeff * k2
             metrics.update(k2=k2.item())
-        beta = self.kl()
-        if beta > 0 and ref is not None:
-            kl = gaussian_mean_kl(new.mean, ref.mean, new.std, new.mask)
-            loss = loss + beta * kl
-            metrics.update(kl=kl.item(), kl_beta=float(beta))
+        loss = self.kl.add_transition_kl(loss, metrics, new, ref)
         return LossOutput(loss=loss, metrics=metrics)
 
 
