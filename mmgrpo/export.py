@@ -35,6 +35,8 @@ def export_diffusers(policy, pipeline_cls, location: str, path: str | Path, merg
         merge_lora (`bool`): fold a LoRA into the weights (``fuse_lora``) instead of writing it to ``lora/``.
         lora (`bool`): whether the policy trains a LoRA.
     """
+    from diffusers.loaders.lora_base import LoraBaseMixin
+
     from .hub import load_diffusers_pipeline
 
     path = Path(path)
@@ -48,7 +50,11 @@ def export_diffusers(policy, pipeline_cls, location: str, path: str | Path, merg
             pipe.save_pretrained(path)
             return
         pipe = load_diffusers_pipeline(pipeline_cls, location)
-        if merge_lora:
+        if merge_lora and not issubclass(pipeline_cls, LoraBaseMixin):  # no LoRA loader: the transformer's own
+            pipe.transformer.load_lora_adapter(trained, prefix=None, use_safetensors=True)
+            pipe.transformer.fuse_lora()
+            pipe.transformer.unload_lora()
+        elif merge_lora:
             pipe.load_lora_weights(trained)
             fused = ["transformer"]
             second = Path(trained) / "transformer_2"  # a two-expert model's second LoRA (Wan 2.2)

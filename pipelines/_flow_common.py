@@ -130,8 +130,10 @@ class TrainableTransformer:
         return self.switch.reference()
 
     def save(self, path: str | Path, pipeline_cls: type, name: str = "transformer") -> None:
-        """Writes a diffusers LoRA file with its adapter metadata (``pipeline_cls.load_lora_weights(path)`` reads it)
-        or, when fully fine-tuned, a ``transformer/`` folder that replaces the base pipeline's.
+        """Writes a diffusers LoRA file with its adapter metadata (``pipeline_cls.load_lora_weights(path)`` reads it;
+        for a pipeline class without a LoRA loader, the transformer's own adapter file, read by
+        ``pipe.transformer.load_lora_adapter(path, prefix=None, use_safetensors=True)``) or, when fully fine-tuned, a
+        ``transformer/`` folder that replaces the base pipeline's.
 
         A pipeline with a second trained transformer (Wan 2.2's ``transformer_2``) saves it with its component `name`:
         its LoRA file goes to ``path/<name>/``, its full weights to ``path/<name>/`` too."""
@@ -140,8 +142,12 @@ class TrainableTransformer:
             path = path / name
         path.mkdir(parents=True, exist_ok=True)
         if self.lora:
+            from diffusers.loaders.lora_base import LoraBaseMixin
             from peft.utils import get_peft_model_state_dict
 
+            if not issubclass(pipeline_cls, LoraBaseMixin):  # no LoRA loader (HunyuanVideo 1.5): the model's own file
+                self.module.save_lora_adapter(path, adapter_name="default", safe_serialization=True)
+                return
             pipeline_cls.save_lora_weights(
                 path,
                 transformer_lora_layers=get_peft_model_state_dict(self.module),

@@ -1,0 +1,108 @@
+"""The HunyuanVideo 1.5 adapter on real diffusers classes built from tiny configs (`builders/hunyuan_video15.py`):
+ODE sampling equals the stock `HunyuanVideo15Pipeline` (CFG with a negative prompt, and none), the noise levels are the
+stock ones, replay reproduces the rollout, LoRA and full exports load back in the stock pipeline."""
+
+import pytest
+import torch
+
+from builders._weights import perturb
+from builders.hunyuan_video15 import tiny_policy as make_policy
+from mmgrpo.algorithms.flow_grpo import FlowGRPO, FlowGRPOConfig
+from mmgrpo.pipelines.hunyuan_video15 import HunyuanVideo15Config
+from mmgrpo.plans import FlowPlan
+from mmgrpo.types import PromptBatch
+from algorithm_options import algo_config
+
+PROMPTS = ['a red circle with the text "hi"', "two blue squares"]
+
+
+def stock(path, policy, lora=None):
+    from diffusers import HunyuanVideo15Pipeline
+    from diffusers.guiders import ClassifierFreeGuidance
+
+    pipe = HunyuanVideo15Pipeline.from_pretrained(str(path))
+    pipe.set_progress_bar_config(disable=True)
+    pipe.guider = ClassifierFreeGuidance(guidance_scale=policy.config.guidance_scale)
+    pipe.tokenizer_max_length = policy.config.max_sequence_length
+    pipe.tokenizer_2_max_length = policy.config.glyph_max_length
+    if lora is not None:
+        pipe.transformer.load_lora_adapter(str(lora), prefix=None, use_safetensors=True)  # the pipeline has no LoRA loader
+    return pipe
+
+
+def stock_run(pipe, policy, prompts, output_type="pt", seed=2):
+    c = policy.config
+    return pipe(prompt=list(prompts), negative_prompt=[c.negative_prompt] * len(prompts), height=c.height,
+                width=c.width, num_frames=c.num_frames, num_inference_steps=3, output_type=output_type,
+                generator=torch.Generator().manual_seed(seed)).frames.float()
+
+
+def ours(policy, prompts, seed=2):
+    plan = FlowPlan.deterministic(3)
+    return policy.sample(PromptBatch(list(prompts)), plan, generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("guidance", [3.0, 1.0], ids=["cfg", "no-cfg"])
+def test_ode_sampling_equals_stock_pipeline(tiny_hunyuan_video15_dir, tmp_path, guidance):
+    """Same final latents for a batch of two prompts (one quoting glyph text), same decoded clip for one (the VAE of
+    diffusers 0.42 decodes one clip per call); the saved LoRA loads with the transformer's
+    `load_lora_adapter`."""
+    policy = make_policy(tiny_hunyuan_video15_dir, guidance_scale=guidance, negative_prompt="blurry")
+    perturb(policy, seed=1)
+    policy.save_pretrained(tmp_path / "lora")
+    pipe = stock(tiny_hunyuan_video15_dir, policy, tmp_path / "lora")
+    rollout = ours(policy, PROMPTS)
+    assert rollout.outputs["videos"].shape == (2, 3, 3, 16, 16)
+    latents = stock_run(pipe, policy, PROMPTS, output_type="latent")  # [2, 4, 2, 4, 4]
+    torch.testing.assert_close(rollout.trajectory["latents"][:, -1], latents, rtol=0, atol=1e-4)
+    torch.testing.assert_close(ours(policy, PROMPTS[:1]).outputs["videos"], stock_run(pipe, policy, PROMPTS[:1]),
+                               rtol=0, atol=1e-4)
+    torch.testing.assert_close(policy.sigmas(3), pipe.scheduler.sigmas, rtol=0, atol=0)
+
+
+def test_sigmas_are_the_shifted_stock_table(tiny_hunyuan_video15_dir):
+    base = torch.linspace(1, 0, 4, dtype=torch.float64)[:-1]
+    for shift in (7.0, 5.0):
+        policy = make_policy(tiny_hunyuan_video15_dir, flow_shift=shift if shift != 7.0 else None)
+        expected = torch.cat([shift * base / (1 + (shift - 1) * base), torch.zeros(1, dtype=torch.float64)])
+        torch.testing.assert_close(policy.sigmas(3).double(), expected, rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("guidance", [1.0, 3.0], ids=["no-cfg", "cfg"])
+def test_replay_matches_rollout(tiny_hunyuan_video15_dir, guidance):
+    policy = make_policy(tiny_hunyuan_video15_dir, guidance_scale=guidance)
+    plan = FlowGRPO(algo_config(FlowGRPOConfig, noise_level=0.9)).schedule(3)
+    rollout = policy.sample(PromptBatch(PROMPTS).repeat(2), plan, generator=torch.Generator().manual_seed(1))
+    assert rollout.trajectory["latents"].shape == (4, 4, 4, 2, 4, 4)
+    assert rollout.trajectory["shared_embeds"].shape[0] == 2  # once per distinct prompt
+    with torch.no_grad():
+        full = policy.log_prob(rollout, [0, 2]).log_prob
+        sub = policy.log_prob(rollout.select(torch.tensor([3, 0])), [0, 2]).log_prob
+    torch.testing.assert_close(full, rollout.old_log_probs[:, [0, 2]], rtol=0, atol=1e-5)
+    torch.testing.assert_close(sub, rollout.old_log_probs[[3, 0]][:, [0, 2]], rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("lora_rank, merge", [(4, True), (0, False)], ids=["lora-merged", "full"])
+def test_export_loads_in_stock_pipeline_with_identical_outputs(tiny_hunyuan_video15_dir, tmp_path, lora_rank, merge):
+    policy = make_policy(tiny_hunyuan_video15_dir, lora_rank=lora_rank)
+    perturb(policy, seed=4)
+    policy.export_pretrained(str(tmp_path / "out"), merge_lora=merge)
+    expected = ours(policy, PROMPTS[:1]).outputs["videos"]
+    torch.testing.assert_close(stock_run(stock(tmp_path / "out", policy), policy, PROMPTS[:1]), expected,
+                               rtol=0, atol=1e-4)
+    base = stock_run(stock(tiny_hunyuan_video15_dir, policy), policy, PROMPTS[:1])
+    assert not torch.allclose(base, expected, atol=1e-3)
+
+
+@pytest.mark.parametrize(("key", "value", "fragment"), [
+    ("num_frames", 4, r"num_frames must be 1 mod 2 .*use 3 or 5"), ("height", 18, "height must be a multiple of 4"),
+    ("guidance_scale", 0.5, "guidance_scale"), ("flow_shift", 0.0, "flow_shift"),
+])
+def test_bad_options_are_refused(tiny_hunyuan_video15_dir, key, value, fragment):
+    with pytest.raises(ValueError, match=fragment):
+        make_policy(tiny_hunyuan_video15_dir, **{key: value})
+
+
+def test_config_defaults_check_without_weights():
+    config = HunyuanVideo15Config(pretrained="hunyuanvideo-community/HunyuanVideo-1.5-Diffusers-480p_t2v")
+    assert config.output_size()[0] == 33 * 3 * 480 * 848 * 4
