@@ -106,3 +106,21 @@ def test_bad_options_are_refused(tiny_hunyuan_video15_dir, key, value, fragment)
 def test_config_defaults_check_without_weights():
     config = HunyuanVideo15Config(pretrained="hunyuanvideo-community/HunyuanVideo-1.5-Diffusers-480p_t2v")
     assert config.output_size()[0] == 33 * 3 * 480 * 848 * 4
+
+
+def test_real_config_carries_unirls_recipe(monkeypatch):
+    from pathlib import Path
+
+    from mmgrpo import config as config_mod
+
+    root = Path(__file__).resolve().parents[2]
+    monkeypatch.chdir(root)
+    cfg = config_mod.load(root / "configs" / "hunyuan_video15_flow_grpo.yaml")
+    pipe, algo = cfg.pipeline.options, cfg.algorithm.options
+    assert cfg.pipeline.name == "hunyuan_video15"
+    assert (pipe.height, pipe.width, pipe.num_frames, pipe.num_steps, pipe.flow_shift) == (480, 480, 5, 16, 5.0)
+    assert (pipe.guidance_scale, pipe.lora_rank, pipe.lora_alpha, len(pipe.lora_targets)) == (1.0, 64, 64, 12)
+    assert (algo.sde.noise_level, algo.clip.clip_low, algo.kl.kl_beta) == (0.25, 1e-4, 0.0)
+    assert (algo.sde_window_size, algo.sde_window_range, algo.advantage.scale_rewards) == (8, [0, 2], "batch")
+    assert (cfg.train.prompts_per_step, cfg.train.group_size, cfg.train.updates_per_step) == (16, 16, 2)
+    assert (cfg.train.learning_rate, cfg.train.weight_decay) == (1e-5, 1e-4)
