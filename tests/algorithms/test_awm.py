@@ -12,6 +12,7 @@ from mmgrpo.types import Score
 from mmgrpo.validation import ConfigError
 
 from builders._runs import dgpo_config
+from builders._weights import Weights, read_old
 from algorithm_options import algo_config
 
 WEIGHTINGS = ["Uniform", "t", "t**2", "huber", "ghuber"]
@@ -107,19 +108,6 @@ def test_the_gradient_is_the_advantage_times_the_weighted_matching_gradient_and_
     assert torch.count_nonzero(grad) == 0
 
 
-class Weights:
-    def __init__(self):
-        self.params = [torch.nn.Parameter(torch.zeros(3))]
-
-    def trainable_parameters(self):
-        return self.params
-
-
-def read(algorithm, policy):
-    with algorithm.old_policy(policy):
-        return policy.params[0].detach().clone()
-
-
 def test_ema_decay_rises_linearly_once_per_step_and_resumes_exactly():
     """Flow-Factory's ``ema_step(step=epoch)`` after each epoch's optimisation, ``linear_warmup_decay(0.3, 0, 1000)``:
     the first epoch's step copies the weights (decay 0); the EMA starts at the initial weights."""
@@ -127,22 +115,22 @@ def test_ema_decay_rises_linearly_once_per_step_and_resumes_exactly():
     assert [algorithm.ema_decay(e) for e in (0, 1, 500, 1000, 5000)] == pytest.approx([0.0, 3e-4, 0.15, 0.3, 0.3])
     algorithm = AWM(algo_config(AWMConfig, ema_decay=0.5, ema_warmup_steps=2))
     policy = Weights()
-    assert torch.equal(read(algorithm, policy), torch.zeros(3))
+    assert torch.equal(read_old(algorithm, policy), torch.zeros(3))
     ema = torch.zeros(3)
     for epoch, updates in enumerate((1, 2, 1)):
         for _ in range(updates):
             with torch.no_grad():
                 policy.params[0].add_(1.0)
-            torch.testing.assert_close(read(algorithm, policy), ema)  # unchanged within the epoch
+            torch.testing.assert_close(read_old(algorithm, policy), ema)  # unchanged within the epoch
         algorithm.after_step()
         decay = 0.5 * min(epoch / 2, 1.0)
         ema = decay * ema + (1 - decay) * policy.params[0].detach()
-        torch.testing.assert_close(read(algorithm, policy), ema)
+        torch.testing.assert_close(read_old(algorithm, policy), ema)
     algorithm.after_step()  # owed at a checkpoint, taken after the resume
     resumed = AWM(algo_config(AWMConfig, ema_decay=0.5, ema_warmup_steps=2))
     resumed.load_state_dict(algorithm.state_dict())
     assert resumed.steps == 4 and resumed.ema.owed == [0.5]
-    assert torch.equal(read(resumed, policy), read(algorithm, policy))
+    assert torch.equal(read_old(resumed, policy), read_old(algorithm, policy))
     off = AWM(algo_config(AWMConfig, ema_kl_beta=0.0))
     off.after_step()  # without the EMA KL no EMA is kept
     assert off.ema.shadow is None and off.ema.owed == [] and off.steps == 1

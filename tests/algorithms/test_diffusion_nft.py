@@ -16,6 +16,7 @@ from mmgrpo.types import PromptBatch, Score
 from mmgrpo.validation import ConfigError
 
 from builders._runs import dgpo_config
+from builders._weights import Weights, read_old
 from algorithm_options import algo_config
 
 
@@ -134,29 +135,13 @@ def test_decay_schedules_are_the_authors():
     assert nft_decay(10**5, 2) == 0.999
 
 
-class Weights:
-    """A policy seen by the old model: its trainable parameters only."""
-
-    def __init__(self):
-        self.params = [torch.nn.Parameter(torch.zeros(3))]
-
-    def trainable_parameters(self):
-        return self.params
-
-
-def read(algorithm, policy):
-    """The old model's weights as the trainer's next scoring sees them."""
-    with algorithm.old_policy(policy):
-        return policy.params[0].detach().clone()
-
-
 def test_the_old_model_follows_the_weights_once_per_step_on_the_update_clock():
     """As the authors' epoch loop: the old model starts at the initial weights (copied before training), and after
     each rollout epoch, whatever its number of updates, ``old <- d old + (1 - d) theta`` with ``d =
     return_decay(global_step)``, ``global_step`` the optimizer updates taken so far (counted before it is read)."""
     policy = Weights()
     algorithm = DiffusionNFT(algo_config(DiffusionNFTConfig, decay_type=1))
-    assert torch.equal(read(algorithm, policy), torch.zeros(3))  # the first read: the initial weights
+    assert torch.equal(read_old(algorithm, policy), torch.zeros(3))  # the first read: the initial weights
     old, global_step = torch.zeros(3), 0
     for updates_this_step in (2, 1, 3):  # the authors' epochs of one or more gradient steps
         for _ in range(updates_this_step):
@@ -164,11 +149,11 @@ def test_the_old_model_follows_the_weights_once_per_step_on_the_update_clock():
                 policy.params[0].add_(1.0)
             algorithm.kl.step()  # the trainer counts every optimizer update taken
             global_step += 1
-            torch.testing.assert_close(read(algorithm, policy), old)  # unchanged within the epoch
+            torch.testing.assert_close(read_old(algorithm, policy), old)  # unchanged within the epoch
         algorithm.after_step()
         decay = nft_decay(global_step, 1)
         old = decay * old + (1 - decay) * policy.params[0].detach()
-        torch.testing.assert_close(read(algorithm, policy), old)
+        torch.testing.assert_close(read_old(algorithm, policy), old)
     assert [nft_decay(u, 1) for u in (2, 3, 6)] == [0.002, 0.003, 0.006]
     # a checkpoint between the end of a step and the next read resumes the owed step exactly
     algorithm.kl.step()
@@ -176,7 +161,7 @@ def test_the_old_model_follows_the_weights_once_per_step_on_the_update_clock():
     resumed = DiffusionNFT(algo_config(DiffusionNFTConfig, decay_type=1))
     resumed.load_state_dict(algorithm.state_dict())
     assert resumed.ema.owed == [nft_decay(7, 1)]
-    assert torch.equal(read(resumed, policy), read(algorithm, policy))
+    assert torch.equal(read_old(resumed, policy), read_old(algorithm, policy))
 
 
 def test_schedule_trains_most_sampling_levels_with_per_sample_noise():

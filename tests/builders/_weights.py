@@ -1,4 +1,4 @@
-"""Changing a tiny policy's trained weights in tests."""
+"""Changing a tiny policy's trained weights in tests, and a stand-in policy that holds trained weights only."""
 
 import torch
 
@@ -10,3 +10,19 @@ def perturb(policy, seed: int, scale: float = 0.05) -> None:
     with torch.no_grad():
         for param in policy.trainable_parameters():
             param.add_(scale * torch.randn(param.shape, generator=generator).to(param.dtype))
+
+
+class Weights:
+    """A policy as an algorithm's old model sees it: its trainable parameters only (one vector of 3 zeros)."""
+
+    def __init__(self):
+        self.params = [torch.nn.Parameter(torch.zeros(3))]
+
+    def trainable_parameters(self):
+        return self.params
+
+
+def read_old(algorithm, policy: Weights) -> torch.Tensor:
+    """The old model's weights `[3]` (`algorithm.old_policy`'s) as the trainer's next scoring sees them."""
+    with algorithm.old_policy(policy):
+        return policy.params[0].detach().clone()
