@@ -2,12 +2,13 @@
 
 Each prompt's metadata holds its ``source_image`` (the editor's input) and ``target_image`` (the expected result),
 optionally an ``edit_mask`` (true where the edit applies); without a mask, the edited region is where target and
-source differ (any channel by more than `threshold`). The region is grown by `dilation` pixels (edges of a
-recoloured or removed object are not exact), at the output's resolution, to which source, target and mask are resized
-(bilinear; the mask nearest). With ``d(a, b)`` the mean absolute difference of pixels in [0, 1] over the channels:
+source differ (any channel by more than `threshold`). Pixels within `dilation` pixels of the region count for
+neither term (edges of a recoloured or removed object are not exact). Everything is measured at the output's
+resolution, to which source, target and mask are resized (bilinear; the mask nearest). With ``d(a, b)`` the mean
+absolute difference of pixels in [0, 1] over the channels:
 
     change   = 1 - mean over the region of d(output, target)
-    preserve = 1 - mean outside the region of d(output, source)
+    preserve = 1 - mean outside the region grown by `dilation` pixels of d(output, source)
     score    = change_weight * change + (1 - change_weight) * preserve
 
 in [0, 1]; a region that is empty (nothing to change) or the whole image scores its one defined term. A prompt
@@ -41,7 +42,8 @@ class EditFidelityConfig:
             region's.
         threshold (`float`, defaults to 0.1): without an ``edit_mask``, a pixel is edited when target and source differ
             by more than this in some channel (pixels in [0, 1]).
-        dilation (`int`, defaults to 1): pixels the edited region grows by, at the output's resolution.
+        dilation (`int`, defaults to 1): pixels around the edited region (at the output's resolution) left out of the
+            preserved region.
     """
 
     change_weight: float = 0.5
@@ -83,24 +85,25 @@ def _resized(image: torch.Tensor, size: tuple[int, int]) -> torch.Tensor:
 
 
 def edit_region(source: torch.Tensor, target: torch.Tensor, mask: torch.Tensor | None, size: tuple[int, int],
-                threshold: float, dilation: int) -> torch.Tensor:
-    """The edited region `[h, w]` (bool) at the output's size `size`: `mask`, or where target and source differ."""
+                threshold: float, dilation: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The edited region and the preserved one, `[h, w]` bool each at the output's size `size`: `mask` (or where
+    target and source differ), and what lies farther than `dilation` pixels from it."""
     if mask is None:
         mask = (target - source).abs().amax(0) > threshold  # [H, W]
     region = F.interpolate(mask[None, None].float(), size=size, mode="nearest")  # [1, 1, h, w]
-    if dilation:
-        region = F.max_pool2d(region, 2 * dilation + 1, stride=1, padding=dilation)
-    return region[0, 0] > 0.5
+    grown = F.max_pool2d(region, 2 * dilation + 1, stride=1, padding=dilation) if dilation else region
+    return region[0, 0] > 0.5, grown[0, 0] <= 0.5
 
 
-def fidelity(output: torch.Tensor, source: torch.Tensor, target: torch.Tensor, region: torch.Tensor
-             ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(change, preserve)`` of one output `[3, h, w]` (NaN where its region is empty)."""
+def fidelity(output: torch.Tensor, source: torch.Tensor, target: torch.Tensor, region: torch.Tensor,
+             kept: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(change, preserve)`` of one output `[3, h, w]` over the edited `region` and the `kept` one (NaN where
+    empty)."""
     nan = torch.tensor(float("nan"))
     to_target = (output - target).abs().mean(0)  # [h, w]
     to_source = (output - source).abs().mean(0)  # [h, w]
     change = 1 - to_target[region].mean() if region.any() else nan
-    preserve = 1 - to_source[~region].mean() if (~region).any() else nan
+    preserve = 1 - to_source[kept].mean() if kept.any() else nan
     return change, preserve
 
 
@@ -132,8 +135,8 @@ class EditFidelityReward:
             source, target = as_image(metadata["source_image"]), as_image(metadata["target_image"])
             mask = as_mask(metadata["edit_mask"]) if metadata.get("edit_mask") is not None else None
             aligned = _resized(source, tuple(target.shape[-2:]))  # the source at the target's size
-            region = edit_region(aligned, target, mask, size, cfg.threshold, cfg.dilation)
-            change[i], preserve[i] = fidelity(images[i], _resized(source, size), _resized(target, size), region)
+            region, kept = edit_region(aligned, target, mask, size, cfg.threshold, cfg.dilation)
+            change[i], preserve[i] = fidelity(images[i], _resized(source, size), _resized(target, size), region, kept)
         weighted = cfg.change_weight * change + (1 - cfg.change_weight) * preserve
         scores = torch.where(change.isnan(), preserve, torch.where(preserve.isnan(), change, weighted))
         return RewardResult(scores=scores.float(), components={"edit_change": change, "edit_preserve": preserve})

@@ -1,0 +1,89 @@
+"""The editing prompt sources: `edit_jsonl` (rows with input images, instruction, optional target and mask; paths
+relative to the file, headers size-checked, one-line errors naming file and row) and `shapes_edit` (recolour / remove
+edits on shapes scenes whose target is exactly the edited scene)."""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from PIL import Image
+
+from mmgrpo.data.edit_jsonl import EditJsonl, EditJsonlConfig
+from mmgrpo.data.shapes_edit import ShapesEdit, ShapesEditConfig
+from mmgrpo.prompt_stream import items_to_batch
+from mmgrpo.rewards.edit_fidelity import EditFidelityReward
+
+EXAMPLE = Path(__file__).resolve().parents[2] / "data" / "examples" / "edit" / "edits.jsonl"
+
+
+def write(tmp_path, rows, size=(8, 8)):
+    Image.new("RGB", size).save(tmp_path / "in.png")
+    file = tmp_path / "edits.jsonl"
+    file.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return str(file)
+
+
+def test_example_rows_become_items_with_images_and_truth():
+    items = EditJsonl(EditJsonlConfig(train_file=str(EXAMPLE))).train_items()
+    assert len(items) == 4 and items[0]["prompt"] == "make the yellow square blue"
+    first = items[0]
+    assert first["images"] == [str(EXAMPLE.parent / "scene_0.png")]
+    assert first["metadata"]["source_image"] == first["images"][0] and first["metadata"]["kind"] == "recolor"
+    assert first["metadata"]["target_image"] == str(EXAMPLE.parent / "scene_0_target.png")
+    batch = items_to_batch(items)  # the reward opens the paths: the target scores 1
+    target = torch.stack([torch.from_numpy(__import__("numpy").array(Image.open(m["target_image"]).convert("RGB")))
+                          .permute(2, 0, 1).float() / 255 for m in batch.metadata])
+    scores = EditFidelityReward()({"images": target}, batch).scores
+    torch.testing.assert_close(scores, torch.ones(4))
+
+
+@pytest.mark.parametrize("row, message", [
+    ({"image": "in.png"}, r"edits.jsonl:2: .*no instruction: add 'instruction' or 'prompt'"),
+    ({"instruction": "x"}, r"edits.jsonl:2: .*no input image: add 'image' or 'images'"),
+    ({"image": "gone.png", "instruction": "x"}, r"edits.jsonl:2: .*'gone.png' not found"),
+    ({"image": "in.png", "instruction": "x", "target_image": "gone.png"}, r"edits.jsonl:2: .*'gone.png' not found"),
+    ({"image": "in.png", "instruction": "  "}, r"edits.jsonl:2: the instruction must be a non-empty string"),
+])
+def test_bad_rows_are_refused_naming_the_row_and_the_fix(tmp_path, row, message):
+    file = write(tmp_path, [{"image": "in.png", "instruction": "ok"}, row])
+    with pytest.raises(ValueError, match=message):
+        EditJsonl(EditJsonlConfig(train_file=file)).train_items()
+
+
+def test_images_over_the_pixel_limit_are_refused_before_decoding(tmp_path):
+    file = write(tmp_path, [{"images": ["in.png", "in.png"], "prompt": "x", "edit_mask": "in.png"}], size=(20, 10))
+    with pytest.raises(ValueError, match=r"edits.jsonl:1: image .*in.png is 20x10 \(200 pixels\).*max_image_pixels"):
+        EditJsonl(EditJsonlConfig(train_file=file, max_image_pixels=100)).train_items()
+    item = EditJsonl(EditJsonlConfig(train_file=file)).train_items()[0]
+    assert len(item["images"]) == 2 and item["metadata"]["edit_mask"].endswith("in.png")
+
+
+def test_shapes_edits_change_exactly_the_named_shape():
+    source = ShapesEdit(ShapesEditConfig(n_train=8, n_eval=4, size=32))
+    items = source.train_items()
+    assert [i["metadata"]["kind"] for i in items[:2]] == ["recolor", "remove"]
+    reward = EditFidelityReward()
+    for item in items:
+        m = item["metadata"]
+        assert torch.equal(m["source_image"], torch.from_numpy(__import__("numpy").array(item["images"][0]))
+                           .permute(2, 0, 1))
+        changed = (m["source_image"] != m["target_image"]).any(0)  # [H, W]
+        assert changed.any()  # the edit is visible
+        if m["kind"] == "remove":
+            assert len(m["target_scene"]) == len(m["scene"]) - 1 and item["prompt"].startswith("remove the ")
+        else:
+            assert item["prompt"].split()[-1] in {s["colour"] for s in m["target_scene"]}
+        batch = items_to_batch([item, item])
+        outputs = torch.stack([m["target_image"], m["source_image"]]).float() / 255
+        scores = reward({"images": outputs}, batch).scores
+        assert float(scores[0]) == pytest.approx(1.0) and float(scores[1]) < 0.9  # one channel of a recolour: >= 0.8 / 3 off
+    held_out = {repr(i["metadata"]["scene"]) for i in source.eval_items()}
+    assert not held_out & {repr(i["metadata"]["scene"]) for i in items}
+
+
+def test_shapes_edit_config_errors():
+    with pytest.raises(ValueError, match="kinds"):
+        ShapesEditConfig(kinds=("blur",))
+    with pytest.raises(ValueError, match="max_objects"):
+        ShapesEditConfig(max_objects=5)
