@@ -73,8 +73,11 @@ def _default(field: dataclasses.Field) -> str:
 def _options(config: type) -> list[tuple[str, str, str, str]]:
     """``(name, type, default, doc)`` of every key a mapping of dataclass `config` holds: its own fields and, in their
     place, the fields of its embedded records with this config's defaults (see [`mmgrpo.validation.embedded`]). A
-    record field's doc is the config's own where it documents the key, else the record's."""
-    docs, hints, rows = argument_docs(config.__doc__), typing.get_type_hints(config), []
+    record field's doc is the config's own where it documents the key, else the record's; a field's doc is the
+    config's, else its nearest base class's."""
+    # a config that extends another (``FluxKontextConfig(FluxConfig)``) documents only what it adds or changes
+    docs = {k: v for cls in reversed(config.__mro__) for k, v in argument_docs(cls.__doc__).items()}
+    hints, rows = typing.get_type_hints(config), []
     for field in dataclasses.fields(config):
         if not field.init:
             continue

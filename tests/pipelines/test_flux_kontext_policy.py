@@ -92,3 +92,21 @@ def test_a_batch_without_input_images_is_refused(tiny_flux_kontext_dir):
     two = PromptBatch(PROMPTS[:1], conditions={"images": [input_images(2)]})
     with pytest.raises(ValueError, match="has 2 input images; it takes 1 to 1"):
         policy.sample(two, FlowPlan.deterministic(2))
+
+
+def test_real_config_carries_flow_factorys_kontext_recipe(monkeypatch):
+    from pathlib import Path
+
+    from mmgrpo import config as config_mod
+
+    root = Path(__file__).resolve().parents[2]
+    monkeypatch.chdir(root)
+    cfg = config_mod.load(root / "configs" / "flux1_kontext_dev_flow_grpo.yaml")
+    pipe, algo = cfg.pipeline.options, cfg.algorithm.options
+    assert cfg.pipeline.name == "flux_kontext" and pipe.pretrained == "black-forest-labs/FLUX.1-Kontext-dev"
+    assert (pipe.resolution, pipe.num_steps, pipe.eval_num_steps, pipe.guidance_scale) == (384, 10, 20, 2.5)
+    assert (pipe.lora_rank, pipe.lora_alpha, pipe.weights_dtype) == (64, 128, "bfloat16")
+    assert (algo.sde.noise_level, algo.clip.clip_low, algo.kl.kl_beta, algo.advantage.adv_clip_max) == (0.9, 1e-4, 0.0, 5.0)
+    assert (algo.sde_window_size, algo.sde_window_range, algo.advantage.scale_rewards) == (1, [1, 4], "group")
+    assert (cfg.train.prompts_per_step, cfg.train.group_size, cfg.train.learning_rate) == (48, 16, 3e-4)
+    assert cfg.reward.name == "pickscore" and cfg.data.name == "edit_jsonl"
