@@ -136,6 +136,19 @@ def _loading_call(folder: Path) -> tuple[str, str]:
     return "AutoModel", ""
 
 
+def _diffusers_lora_call(cls: str) -> str:
+    """The line that loads an unmerged ``lora/`` into a pipeline of class `cls`: ``pipe.load_lora_weights``, or the
+    transformer's own ``load_lora_adapter`` for a pipeline diffusers has no LoRA loader for (HunyuanVideo 1.5)."""
+    import diffusers
+    from diffusers.loaders.lora_base import LoraBaseMixin
+
+    pipeline_cls = getattr(diffusers, cls, None)  # a library lookup by name, as `_loading_call`
+    if isinstance(pipeline_cls, type) and issubclass(pipeline_cls, diffusers.DiffusionPipeline) \
+            and not issubclass(pipeline_cls, LoraBaseMixin):
+        return "pipe.transformer.load_lora_adapter(\"<this folder>/lora\", prefix=None, use_safetensors=True)\n"
+    return "pipe.load_lora_weights(\"<this folder>/lora\")\n"
+
+
 def model_card(config: dict, step: int, evaluation: dict, lora: bool, merged: bool,
                loading: tuple[str, str] = ("", "")) -> str:
     """A Hugging Face model card: front matter (library, base model, tags), then what was trained, how and how well,
@@ -151,7 +164,7 @@ def model_card(config: dict, step: int, evaluation: dict, lora: bool, merged: bo
     figures = "\n".join(f"| `{k}` | {v} |" for k, v in evaluation.items() if k != "step") or "| (no evaluation) | |"
     cls = cls or ("DiffusionPipeline" if library == "diffusers" else "AutoModel")
     load = (f"```python\nfrom diffusers import {cls}\npipe = {cls}.from_pretrained(\"<this folder>\"{extra})\n"
-            + ("pipe.load_lora_weights(\"<this folder>/lora\")\n" if lora and not merged else "") + "```") \
+            + (_diffusers_lora_call(cls) if lora and not merged else "") + "```") \
         if library == "diffusers" else (
             f"```python\nfrom transformers import {cls}\nmodel = {cls}.from_pretrained(\"<this folder>\")\n"
             + ("from peft import PeftModel\nmodel = PeftModel.from_pretrained(model, \"<this folder>/lora\")\n"

@@ -82,14 +82,23 @@ def test_replay_matches_rollout(tiny_hunyuan_video15_dir, guidance):
     torch.testing.assert_close(sub, rollout.old_log_probs[[3, 0]][:, [0, 2]], rtol=0, atol=1e-5)
 
 
-@pytest.mark.parametrize("lora_rank, merge", [(4, True), (0, False)], ids=["lora-merged", "full"])
+@pytest.mark.parametrize("lora_rank, merge", [(4, True), (4, False), (0, False)], ids=["lora-merged", "lora", "full"])
 def test_export_loads_in_stock_pipeline_with_identical_outputs(tiny_hunyuan_video15_dir, tmp_path, lora_rank, merge):
+    """Merged LoRA and full exports load as they are; an unmerged one with the transformer's `load_lora_adapter` on
+    ``lora/``, the line the model card gives for this pipeline."""
+    from mmgrpo.export import LORA_FOLDER, model_card
+
     policy = make_policy(tiny_hunyuan_video15_dir, lora_rank=lora_rank)
     perturb(policy, seed=4)
     policy.export_pretrained(str(tmp_path / "out"), merge_lora=merge)
     expected = ours(policy, PROMPTS[:1]).outputs["videos"]
-    torch.testing.assert_close(stock_run(stock(tmp_path / "out", policy), policy, PROMPTS[:1]), expected,
+    lora = tmp_path / "out" / LORA_FOLDER if lora_rank and not merge else None
+    torch.testing.assert_close(stock_run(stock(tmp_path / "out", policy, lora), policy, PROMPTS[:1]), expected,
                                rtol=0, atol=1e-4)
+    config = {"pipeline": {"name": "hunyuan_video15"}, "algorithm": {"name": "flow_grpo"},
+              "reward": {"name": "jpeg"}, "data": {"name": "prompt_file"}}
+    card = model_card(config, 1, {}, lora=bool(lora_rank), merged=merge, loading=("HunyuanVideo15Pipeline", ""))
+    assert ("load_lora_adapter(" in card) == (lora is not None) and "load_lora_weights" not in card
     base = stock_run(stock(tiny_hunyuan_video15_dir, policy), policy, PROMPTS[:1])
     assert not torch.allclose(base, expected, atol=1e-3)
 
