@@ -4,9 +4,10 @@ gradients, LoRA and full fine-tuning; images, several images, timestamped video;
 16-pixel patches on a 32-pixel grid, the frames' timestamps, the box frame each family declares, the token-algorithm
 contract, and the export loaded by stock transformers / peft with identical outputs."""
 
+from functools import partial
+
 import pytest
 import torch
-from PIL import Image
 from qwen_vl_utils import smart_resize
 
 from mmgrpo import registry
@@ -14,6 +15,7 @@ from mmgrpo.algorithms.grpo import GRPO, GRPOConfig
 from mmgrpo.pipelines.qwen_vl import QwenVLConfig, QwenVLPolicy
 from mmgrpo.plans import TokenPlan
 from mmgrpo.types import PromptBatch
+from builders._qwen_vl_batches import image, scored_grads, vision_batch, vl_policy
 
 # Qwen3.5's Gated DeltaNet decays (exp of cumulative sums of -exp(A_log) * softplus(a + dt_bias), a = in_proj_a(x)) are
 # summed in another chunking when the completion continues the cached prompt: the small gradients of what makes them
@@ -21,34 +23,7 @@ from mmgrpo.types import PromptBatch
 DECAY_PARAMETERS = ("A_log", "dt_bias", "in_proj_a.weight")
 
 
-def policy(request, fixture, **options):
-    options = {"max_new_tokens": 6, "lora_rank": 4, "lora_alpha": 8, **options}
-    return QwenVLPolicy(QwenVLConfig(pretrained=request.getfixturevalue(fixture), **options))
-
-
-def image(w, h, colour):
-    return Image.new("RGB", (w, h), colour)
-
-
-def vision_batch(group_size=2):
-    """Four prompts: one image, two images, one 4-frame video, an image and a video (each group shares its prompt)."""
-    frames = [image(64, 64, (0, 40 * i, 200)) for i in range(4)]
-    return PromptBatch(
-        ["how many circles?", "which is red?", "what moves?", "is it in the video?"],
-        metadata=[{"image_size": [100, 80]}, {}, {}, {}],
-        conditions={"images": [image(100, 80, (255, 0, 0)), [image(60, 70, (0, 255, 0)), image(64, 64, (9, 9, 9))],
-                               None, image(70, 70, (1, 2, 3))],
-                    "video": [None, None, frames, frames]},
-    ).repeat(group_size)
-
-
-def scored_grads(pol, rollout, shared):
-    pol.config.prefix_sharing = shared
-    pol.model.zero_grad(set_to_none=True)
-    out = pol.log_prob(rollout, list(range(pol.num_steps)))
-    weights = torch.linspace(-1, 1, out.log_prob.numel()).view_as(out.log_prob)
-    (out.log_prob * weights).sum().backward()
-    return out.log_prob.detach(), {n: p.grad.clone() for n, p in pol.model.named_parameters() if p.grad is not None}
+policy = partial(vl_policy, max_new_tokens=6)
 
 
 @pytest.mark.parametrize("fixture, lora", [("tiny_qwen3_vl_dir", True), ("tiny_qwen3_vl_moe_dir", True),
@@ -57,10 +32,11 @@ def scored_grads(pol, rollout, shared):
 def test_prefix_shared_forward_equals_naive(request, fixture, lora):
     options = {} if lora else {"lora_rank": 0, "freeze_vision": False}
     pol = policy(request, fixture, **options)
-    rollout = pol.sample(vision_batch(2), GRPO(GRPOConfig()).schedule(pol.num_steps),
+    rollout = pol.sample(vision_batch(2, image_and_video=True), GRPO(GRPOConfig()).schedule(pol.num_steps),
                          generator=torch.Generator().manual_seed(0))
-    shared, shared_grads = scored_grads(pol, rollout, shared=True)
-    naive, naive_grads = scored_grads(pol, rollout, shared=False)
+    steps = list(range(pol.num_steps))
+    shared, shared_grads = scored_grads(pol, rollout, steps, shared=True)
+    naive, naive_grads = scored_grads(pol, rollout, steps, shared=False)
     torch.testing.assert_close(shared, naive, rtol=0, atol=1e-5)
     torch.testing.assert_close(shared[rollout.mask], rollout.old_log_probs[rollout.mask], rtol=0, atol=1e-5)
     assert shared_grads.keys() == naive_grads.keys() and shared_grads

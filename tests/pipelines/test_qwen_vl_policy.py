@@ -2,52 +2,26 @@
 prefix-shared group forward equals the naive one (log-probs and gradients; several images, video), replay, vision
 tokens never sampled, LoRA reference unchanged by training, checkpoints, greedy evaluation."""
 
+from functools import partial
+
 import pytest
 import torch
-from PIL import Image
 
 from mmgrpo.algorithms.grpo import GRPO, GRPOConfig
 from mmgrpo.pipelines.qwen_vl import QwenVLConfig, QwenVLPolicy
 from mmgrpo.components import score_unit
-from mmgrpo.types import PromptBatch
 from mmgrpo.plans import TokenPlan
 from algorithm_options import algo_config
+from builders._qwen_vl_batches import scored_grads, vision_batch, vl_policy
 
 KINDS = ["tiny_qwen2_vl_dir", "tiny_qwen2_5_vl_dir"]
 
 
-def policy(request, fixture, **options):
-    options = {"max_new_tokens": 8, "lora_rank": 4, "lora_alpha": 8, **options}
-    return QwenVLPolicy(QwenVLConfig(pretrained=request.getfixturevalue(fixture), **options))
-
-
-def image(w, h, colour):
-    return Image.new("RGB", (w, h), colour)
-
-
-def vision_batch(group_size=2):
-    """Three prompts: one image, two images, one 4-frame video (each group shares its prompt)."""
-    frames = [image(64, 64, (0, 40 * i, 200)) for i in range(4)]
-    return PromptBatch(
-        ["how many circles?", "which is red?", "what moves?"],
-        metadata=[{"image_size": [100, 80]}, {}, {}],
-        conditions={"images": [image(100, 80, (255, 0, 0)), [image(60, 70, (0, 255, 0)), image(64, 64, (9, 9, 9))], None],
-                    "video": [None, None, frames]},
-    ).repeat(group_size)
+policy = partial(vl_policy, max_new_tokens=8)
 
 
 def token_plan(policy):
     return GRPO(GRPOConfig()).schedule(policy.num_steps)
-
-
-def scored_grads(policy, rollout, steps, shared):
-    policy.config.prefix_sharing = shared
-    policy.model.zero_grad(set_to_none=True)
-    out = policy.log_prob(rollout, steps)
-    weights = torch.linspace(-1, 1, out.log_prob.numel()).view_as(out.log_prob)
-    (out.log_prob * weights).sum().backward()
-    grads = {n: p.grad.clone() for n, p in policy.model.named_parameters() if p.grad is not None}
-    return out.log_prob.detach(), grads
 
 
 @pytest.mark.parametrize("fixture", KINDS)
