@@ -5,13 +5,11 @@ the config's checks."""
 import pytest
 import torch
 
-from mmgrpo import config as config_mod
 from mmgrpo.algorithms.awm import AWM, AWMConfig, stratified_levels
-from mmgrpo.trainer import Trainer
 from mmgrpo.types import Score
 from mmgrpo.validation import ConfigError
 
-from builders._runs import dgpo_config
+from builders._runs import check_resume_is_exact
 from builders._weights import Weights, read_old
 from algorithm_options import algo_config
 
@@ -162,25 +160,8 @@ def test_time_sampling_is_the_authors_stratified_draw_over_step_indices():
 
 
 def test_resume_restores_the_ema_exactly(tmp_path, tiny_sd3_dir):
-    def raw(name, steps):
-        run = dgpo_config(tmp_path / name, tiny_sd3_dir, steps)
-        run["algorithm"] = {"name": "awm", "num_train_timesteps": 2, "ema_decay": 0.5, "ema_warmup_steps": 2}
-        return run
-
-    full = Trainer(config_mod.from_dict(raw("a", 4)))
-    full.train()
-    first = raw("b", 2)
-    Trainer(config_mod.from_dict(first)).train()
-    first["train"]["max_steps"] = 4
-    first["checkpoint"]["resume_from"] = "latest"
-    resumed = Trainer(config_mod.from_dict(first))
-    assert resumed.algorithm.steps == 2 and resumed.algorithm.ema.shadow is not None
-    resumed.train()
-    assert full.algorithm.steps == resumed.algorithm.steps == 4
-    for a, b in zip(full.policy.trainable_parameters(), resumed.policy.trainable_parameters()):
-        assert torch.equal(a, b)
-    for a, b in zip(full.algorithm.ema.shadow, resumed.algorithm.ema.shadow):
-        assert torch.equal(a, b)
+    options = {"name": "awm", "num_train_timesteps": 2, "ema_decay": 0.5, "ema_warmup_steps": 2}
+    check_resume_is_exact(tmp_path, tiny_sd3_dir, options, lambda algorithm: algorithm.steps)
 
 
 @pytest.mark.parametrize(("options", "message"), [

@@ -5,17 +5,15 @@ and the config's checks."""
 import pytest
 import torch
 
-from mmgrpo import config as config_mod
 from mmgrpo.algorithms.diffusion_nft import DiffusionNFT, DiffusionNFTConfig, nft_decay
 from mmgrpo.pipelines.sd3 import SD3Config, SD3Policy
 from mmgrpo.plans import FlowPlan
 from mmgrpo.samplers.flow_likelihood import sample_noise
 from mmgrpo.samplers.flow_plan import group_noise
-from mmgrpo.trainer import Trainer
 from mmgrpo.types import PromptBatch, Score
 from mmgrpo.validation import ConfigError
 
-from builders._runs import dgpo_config
+from builders._runs import check_resume_is_exact
 from builders._weights import Weights, read_old
 from algorithm_options import algo_config
 
@@ -200,25 +198,8 @@ def test_likelihood_noise_is_per_sample_and_the_same_in_every_pass(tiny_sd3_dir)
 
 
 def test_resume_restores_the_old_model_exactly(tmp_path, tiny_sd3_dir):
-    def raw(name, steps):
-        run = dgpo_config(tmp_path / name, tiny_sd3_dir, steps)
-        run["algorithm"] = {"name": "diffusion_nft", "decay_type": 1, "level_fraction": 0.67}
-        return run
-
-    full = Trainer(config_mod.from_dict(raw("a", 4)))
-    full.train()
-    first = raw("b", 2)
-    Trainer(config_mod.from_dict(first)).train()
-    first["train"]["max_steps"] = 4
-    first["checkpoint"]["resume_from"] = "latest"
-    resumed = Trainer(config_mod.from_dict(first))
-    assert resumed.algorithm.kl.updates == 2 and resumed.algorithm.ema.shadow is not None
-    resumed.train()
-    assert full.algorithm.kl.updates == resumed.algorithm.kl.updates == 4
-    for a, b in zip(full.policy.trainable_parameters(), resumed.policy.trainable_parameters()):
-        assert torch.equal(a, b)
-    for a, b in zip(full.algorithm.ema.shadow, resumed.algorithm.ema.shadow):
-        assert torch.equal(a, b)
+    options = {"name": "diffusion_nft", "decay_type": 1, "level_fraction": 0.67}
+    check_resume_is_exact(tmp_path, tiny_sd3_dir, options, lambda algorithm: algorithm.kl.updates)
 
 
 @pytest.mark.parametrize(("options", "message"), [

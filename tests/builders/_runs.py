@@ -38,3 +38,34 @@ def held_out_flow_rollout(config_path, count):
     rollout = policy.sample(batch, FlowPlan.deterministic(policy.eval_num_steps),
                             generator=torch.Generator().manual_seed(0))
     return config, batch, rollout, reward
+
+
+def check_resume_is_exact(tmp_path, tiny_sd3_dir, algorithm: dict, counter) -> None:
+    """A 4-step run on the tiny SD3 ([`dgpo_config`]'s with `algorithm` as its ``algorithm`` section) in one go, and
+    the same run stopped after 2 steps and resumed from its checkpoint: the resumed algorithm's clock,
+    ``counter(algorithm)``, reads 2 at the resume (its EMA restored) and 4 at the end as the full run's, and both runs
+    end with equal weights and EMA."""
+    import torch
+
+    from mmgrpo import config as config_mod
+    from mmgrpo.trainer import Trainer
+
+    def raw(name, steps):
+        run = dgpo_config(tmp_path / name, tiny_sd3_dir, steps)
+        run["algorithm"] = algorithm
+        return run
+
+    full = Trainer(config_mod.from_dict(raw("a", 4)))
+    full.train()
+    first = raw("b", 2)
+    Trainer(config_mod.from_dict(first)).train()
+    first["train"]["max_steps"] = 4
+    first["checkpoint"]["resume_from"] = "latest"
+    resumed = Trainer(config_mod.from_dict(first))
+    assert counter(resumed.algorithm) == 2 and resumed.algorithm.ema.shadow is not None
+    resumed.train()
+    assert counter(full.algorithm) == counter(resumed.algorithm) == 4
+    for a, b in zip(full.policy.trainable_parameters(), resumed.policy.trainable_parameters()):
+        assert torch.equal(a, b)
+    for a, b in zip(full.algorithm.ema.shadow, resumed.algorithm.ema.shadow):
+        assert torch.equal(a, b)
