@@ -52,6 +52,15 @@ def to_pixels(image: Any) -> Any:
     return image.convert("RGB")
 
 
+def to_pil(image: Any):
+    """A PIL RGB image of what [`to_pixels`] returns (a tensor `[1, 3, H, W]` in [0, 1] quantised to 8 bits)."""
+    if not isinstance(image, torch.Tensor):
+        return image
+    from PIL import Image
+
+    return Image.fromarray((image[0].clamp(0, 1) * 255).round().byte().permute(1, 2, 0).cpu().numpy())
+
+
 def image_key(image: Any) -> Any:
     """What identifies an image for the once-per-image encoding: its path, or the object itself."""
     return str(image) if isinstance(image, (str, Path)) else id(image)

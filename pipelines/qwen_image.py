@@ -28,6 +28,12 @@ from mmgrpo.samplers.flow_plan import PLAN_FEATURES, SCORE_FIELDS
 from mmgrpo.validation import check_range
 
 
+def rescaled_cfg(v: torch.Tensor, v_neg: torch.Tensor, scale: float) -> torch.Tensor:
+    """Qwen-Image's true CFG ``neg + s (cond - neg)`` `[n, L, D]`, each token rescaled to the conditional one's norm."""
+    combined = v_neg + scale * (v - v_neg)  # [n, L, D]
+    return combined * (torch.norm(v, dim=-1, keepdim=True) / torch.norm(combined, dim=-1, keepdim=True))
+
+
 @dataclass
 class QwenImageConfig:
     """Options of [`QwenImagePolicy`]; names and meanings are `QwenImagePipeline.__call__`'s.
@@ -167,8 +173,12 @@ class QwenImagePolicy:
         return self.trainable.forward(
             hidden_states=x.to(dtype), timestep=timestep, guidance=guidance,
             encoder_hidden_states_mask=None if bool(mask.all()) else mask,  # the pipeline passes None for all-ones
-            encoder_hidden_states=embeds.to(dtype), img_shapes=[[(1, self._side, self._side)]] * n, return_dict=False,
+            encoder_hidden_states=embeds.to(dtype), img_shapes=self._img_shapes(n), return_dict=False,
         )[0].float()
+
+    def _img_shapes(self, n: int) -> list[list[tuple[int, int, int]]]:
+        """The transformer's ``img_shapes``: per sample, ``(frames, rows, columns)`` of the packed latents' tokens."""
+        return [[(1, self._side, self._side)]] * n
 
     def velocity(self, latents, sigma, embeds, guidance: bool = True) -> torch.Tensor:
         """Velocity `[n, L, 4C]` for packed latents `[n, L, 4C]` at noise level `sigma`, with true CFG (a second
@@ -180,8 +190,7 @@ class QwenImagePolicy:
         if not (self.do_cfg and guidance):
             return v
         v_neg = self._forward(latents, timestep, embeds["negative_prompt_embeds"], embeds["negative_prompt_mask"])
-        combined = v_neg + self.config.true_cfg_scale * (v - v_neg)  # [n, L, 4C]
-        return combined * (torch.norm(v, dim=-1, keepdim=True) / torch.norm(combined, dim=-1, keepdim=True))
+        return rescaled_cfg(v, v_neg, self.config.true_cfg_scale)
 
     @torch.no_grad()
     def decode(self, latents: torch.Tensor) -> torch.Tensor:
