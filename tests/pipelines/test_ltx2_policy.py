@@ -1,0 +1,97 @@
+"""The LTX-2 adapter on real diffusers classes built from tiny configs (`builders/ltx2.py`): ODE sampling equals the
+stock `LTX2Pipeline` (called without its STG, modality guidance and rescaling, which the adapter does not implement),
+with CFG on both modalities and without; the noise levels are the stock ones; replay reproduces the rollout; LoRA and
+full exports load back in the stock pipeline."""
+
+import pytest
+import torch
+
+from builders._weights import perturb
+from builders.ltx2 import tiny_policy as make_policy
+from mmgrpo.algorithms.flow_grpo import FlowGRPO, FlowGRPOConfig
+from mmgrpo.pipelines.ltx2 import LTX2Config
+from mmgrpo.plans import FlowPlan
+from mmgrpo.types import PromptBatch
+from algorithm_options import algo_config
+
+PROMPTS = ["a red circle", "two blue squares"]
+
+
+def stock(path, lora=None):
+    from diffusers import LTX2Pipeline
+
+    pipe = LTX2Pipeline.from_pretrained(str(path))
+    pipe.set_progress_bar_config(disable=True)
+    if lora is not None:
+        pipe.load_lora_weights(str(lora))
+    return pipe
+
+
+def stock_videos(pipe, policy, prompts=PROMPTS, seed=2):
+    c = policy.config
+    off = dict(stg_scale=0.0, modality_scale=1.0, guidance_rescale=0.0, audio_stg_scale=0.0, audio_modality_scale=1.0,
+               audio_guidance_rescale=0.0, spatio_temporal_guidance_blocks=None)
+    return pipe(prompt=list(prompts), negative_prompt=[c.negative_prompt] * len(prompts), height=c.height,
+                width=c.width, num_frames=c.num_frames, frame_rate=c.frame_rate, num_inference_steps=3,
+                guidance_scale=c.guidance_scale, audio_guidance_scale=c.audio_guidance_scale,
+                use_cross_timestep=c.use_cross_timestep, max_sequence_length=c.max_sequence_length, output_type="pt",
+                generator=torch.Generator().manual_seed(seed), **off).frames.float()
+
+
+def ours(policy, prompts=PROMPTS, seed=2):
+    plan = FlowPlan.deterministic(3)
+    return policy.sample(PromptBatch(list(prompts)), plan, generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("overrides", [dict(guidance_scale=3.0, audio_guidance_scale=5.0, negative_prompt="blurry"),
+                                       dict(guidance_scale=1.0, audio_guidance_scale=1.0, use_cross_timestep=False)],
+                         ids=["cfg", "no-cfg"])
+def test_ode_sampling_equals_stock_pipeline(tiny_ltx2_dir, tmp_path, overrides):
+    """Same clips from the same seed (the policy draws the video then the audio noise, as the pipeline); the saved
+    LoRA loads with `load_lora_weights`."""
+    policy = make_policy(tiny_ltx2_dir, **overrides)
+    perturb(policy, seed=1)
+    policy.save_pretrained(tmp_path / "lora")
+    pipe = stock(tiny_ltx2_dir, tmp_path / "lora")
+    rollout = ours(policy)
+    assert rollout.outputs["videos"].shape == (2, 5, 3, 32, 32)
+    assert rollout.trajectory["latents"].shape == (2, 4, 3 * 16 * 16 * 4 + 5 * 4)  # video tokens, then audio tokens
+    torch.testing.assert_close(rollout.outputs["videos"], stock_videos(pipe, policy), rtol=0, atol=1e-4)
+    torch.testing.assert_close(policy.sigmas(3), pipe.scheduler.sigmas, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("guidance", [1.0, 3.0], ids=["no-cfg", "cfg"])
+def test_replay_matches_rollout(tiny_ltx2_dir, guidance):
+    policy = make_policy(tiny_ltx2_dir, guidance_scale=guidance, audio_guidance_scale=guidance)
+    plan = FlowGRPO(algo_config(FlowGRPOConfig, noise_level=0.9)).schedule(3)
+    rollout = policy.sample(PromptBatch(PROMPTS).repeat(2), plan, generator=torch.Generator().manual_seed(1))
+    assert rollout.trajectory["shared_video_embeds"].shape[0] == 2  # once per distinct prompt
+    with torch.no_grad():
+        full = policy.log_prob(rollout, [0, 2]).log_prob
+        sub = policy.log_prob(rollout.select(torch.tensor([3, 0])), [0, 2]).log_prob
+    torch.testing.assert_close(full, rollout.old_log_probs[:, [0, 2]], rtol=0, atol=1e-5)
+    torch.testing.assert_close(sub, rollout.old_log_probs[[3, 0]][:, [0, 2]], rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("lora_rank, merge", [(4, True), (0, False)], ids=["lora-merged", "full"])
+def test_export_loads_in_stock_pipeline_with_identical_outputs(tiny_ltx2_dir, tmp_path, lora_rank, merge):
+    policy = make_policy(tiny_ltx2_dir, lora_rank=lora_rank)
+    perturb(policy, seed=4)
+    policy.export_pretrained(str(tmp_path / "out"), merge_lora=merge)
+    expected = ours(policy).outputs["videos"]
+    torch.testing.assert_close(stock_videos(stock(tmp_path / "out"), policy), expected, rtol=0, atol=1e-4)
+    assert not torch.allclose(stock_videos(stock(tiny_ltx2_dir), policy), expected, atol=1e-3)
+
+
+@pytest.mark.parametrize(("key", "value", "fragment"), [
+    ("num_frames", 4, r"num_frames must be 1 mod 2 .*use 3 or 5"), ("height", 33, "height must be a multiple of 2"),
+    ("guidance_scale", 0.5, "guidance_scale"), ("frame_rate", 0.0, "frame_rate"),
+])
+def test_bad_options_are_refused(tiny_ltx2_dir, key, value, fragment):
+    with pytest.raises(ValueError, match=fragment):
+        make_policy(tiny_ltx2_dir, **{key: value})
+
+
+def test_config_defaults_check_without_weights():
+    config = LTX2Config(pretrained="Lightricks/LTX-2")
+    assert config.output_size()[0] == 121 * 3 * 512 * 768 * 4
