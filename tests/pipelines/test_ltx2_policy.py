@@ -95,3 +95,35 @@ def test_bad_options_are_refused(tiny_ltx2_dir, key, value, fragment):
 def test_config_defaults_check_without_weights():
     config = LTX2Config(pretrained="Lightricks/LTX-2")
     assert config.output_size()[0] == 121 * 3 * 512 * 768 * 4
+
+
+def test_real_config_carries_flow_factorys_recipe(monkeypatch):
+    from pathlib import Path
+
+    from mmgrpo import config as config_mod
+
+    root = Path(__file__).resolve().parents[2]
+    monkeypatch.chdir(root)
+    cfg = config_mod.load(root / "configs" / "ltx2_flow_grpo.yaml")
+    pipe, algo = cfg.pipeline.options, cfg.algorithm.options
+    assert cfg.pipeline.name == "ltx2" and pipe.pretrained == "Lightricks/LTX-2"
+    assert (pipe.height, pipe.width, pipe.num_frames, pipe.frame_rate) == (512, 768, 121, 24.0)
+    assert (pipe.num_steps, pipe.eval_num_steps, pipe.guidance_scale, pipe.audio_guidance_scale) == (24, 50, 1.0, 1.0)
+    assert (pipe.lora_rank, pipe.lora_alpha, len(pipe.lora_targets)) == (64, 128, 8)
+    assert (algo.sde.noise_level, algo.sde.sde_type, algo.clip.clip_low, algo.kl.kl_beta) == (0.8, "cps", 1e-4, 0.0)
+    assert (algo.sde_window_size, algo.sde_window_range, algo.advantage.scale_rewards) == (3, [0, 8], "batch")
+    assert (cfg.train.prompts_per_step, cfg.train.group_size, cfg.train.updates_per_step) == (48, 16, 2)
+    assert (cfg.train.learning_rate, cfg.train.weight_decay) == (3e-4, 1e-4)
+
+
+def test_all_28_linear_layers_of_a_block_get_lora_under_the_real_targets(tiny_ltx2_dir):
+    """The real config's suffixes match every linear layer of a block (video, audio, cross-modal), as Flow-Factory's
+    ``default`` targets; the adapter's default keeps to the video stream."""
+    targets = ["to_q", "to_k", "to_v", "to_out.0", "ff.net.0.proj", "ff.net.2", "audio_ff.net.0.proj", "audio_ff.net.2"]
+
+    def adapted(policy):
+        return {n.split(".lora_A")[0] for n, _ in policy.transformer.named_parameters()
+                if n.startswith("transformer_blocks.0.") and ".lora_A" in n}
+
+    assert len(adapted(make_policy(tiny_ltx2_dir, lora_targets=targets))) == 28
+    assert not any("audio" in n for n in adapted(make_policy(tiny_ltx2_dir)))
