@@ -173,12 +173,13 @@ class QwenImagePolicy:
         return self.trainable.forward(
             hidden_states=x.to(dtype), timestep=timestep, guidance=guidance,
             encoder_hidden_states_mask=None if bool(mask.all()) else mask,  # the pipeline passes None for all-ones
-            encoder_hidden_states=embeds.to(dtype), img_shapes=self._img_shapes(n), return_dict=False,
+            encoder_hidden_states=embeds.to(dtype), img_shapes=self._img_shapes(x), return_dict=False,
         )[0].float()
 
-    def _img_shapes(self, n: int) -> list[list[tuple[int, int, int]]]:
-        """The transformer's ``img_shapes``: per sample, ``(frames, rows, columns)`` of the packed latents' tokens."""
-        return [[(1, self._side, self._side)]] * n
+    def _img_shapes(self, x: torch.Tensor) -> list[list[tuple[int, int, int]]]:
+        """The transformer's ``img_shapes`` for its input tokens `x` `[n, L, 4C]`: per sample, ``(frames, rows,
+        columns)`` of each token grid (here the packed latents' alone)."""
+        return [[(1, self._side, self._side)]] * x.shape[0]
 
     def velocity(self, latents, sigma, embeds, guidance: bool = True) -> torch.Tensor:
         """Velocity `[n, L, 4C]` for packed latents `[n, L, 4C]` at noise level `sigma`, with true CFG (a second

@@ -1,6 +1,6 @@
 """Tiny Qwen-Image-Edit pipeline for tests: the components of [`builders.qwen_image.tiny_qwen_image_pipeline`] with a
-tokenizer that also learnt the edit template and the tiny Qwen2.5-VL's processor, in a `QwenImageEditPipeline`, which
-reloads with plain `QwenImageEditPipeline.from_pretrained`."""
+tokenizer that also learnt the edit template and the tiny Qwen2.5-VL's processor, in a `QwenImageEditPipeline` (or
+`QwenImageEditPlusPipeline`), which reloads with plain `from_pretrained`."""
 
 from __future__ import annotations
 
@@ -14,9 +14,10 @@ EDIT_TEMPLATE_TEXT = ("Describe the key features of the input image (color, shap
 CONDITION_AREA = 32 * 32  # the tiny policies' input image size
 
 
-def tiny_qwen_image_edit_pipeline(seed: int = 0):
-    """A randomly initialised, tiny `QwenImageEditPipeline` (see `builders/qwen_image.py` for the sizes)."""
-    from diffusers import QwenImageEditPipeline
+def tiny_qwen_image_edit_pipeline(seed: int = 0, plus: bool = False):
+    """A randomly initialised, tiny `QwenImageEditPipeline` (`QwenImageEditPlusPipeline` with `plus`; see
+    `builders/qwen_image.py` for the sizes)."""
+    from diffusers import QwenImageEditPipeline, QwenImageEditPlusPipeline
 
     from ._tokenizers import qwen_tokenizer
     from .qwen_image import TEMPLATE_TEXT, tiny_qwen_image_pipeline
@@ -27,7 +28,7 @@ def tiny_qwen_image_edit_pipeline(seed: int = 0):
     text_encoder, processor = tiny_qwen_vl("qwen2_5_vl", seed=seed, hidden_size=64, tokenizer=tokenizer)
     components = {**base.components, "text_encoder": text_encoder.eval(), "tokenizer": tokenizer,
                   "processor": processor}
-    return QwenImageEditPipeline(**components)
+    return (QwenImageEditPlusPipeline if plus else QwenImageEditPipeline)(**components)
 
 
 @pytest.fixture(scope="session")
@@ -35,6 +36,14 @@ def tiny_qwen_image_edit_dir(tmp_path_factory):
     """A tiny random Qwen-Image-Edit pipeline written with `save_pretrained`."""
     path = tmp_path_factory.mktemp("tiny_qwen_image_edit")
     tiny_qwen_image_edit_pipeline(seed=0).save_pretrained(path)
+    return str(path)
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen_image_edit_plus_dir(tmp_path_factory):
+    """A tiny random Qwen-Image-Edit-Plus pipeline (the same weights) written with `save_pretrained`."""
+    path = tmp_path_factory.mktemp("tiny_qwen_image_edit_plus")
+    tiny_qwen_image_edit_pipeline(seed=0, plus=True).save_pretrained(path)
     return str(path)
 
 

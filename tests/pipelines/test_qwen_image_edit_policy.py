@@ -93,3 +93,30 @@ def test_merged_export_loads_in_stock_pipeline(tiny_qwen_image_edit_dir, tmp_pat
 def test_config_errors_name_the_fix(tiny_qwen_image_edit_dir):
     with pytest.raises(ValueError, match="condition_area"):
         QwenImageEditConfig(pretrained=tiny_qwen_image_edit_dir, condition_area=10)
+
+
+def test_edit_plus_with_two_input_images_equals_stock_pipeline(tiny_qwen_image_edit_plus_dir, tmp_path, monkeypatch):
+    """Qwen-Image-Edit-Plus: two input images per prompt (``Picture 1``, ``Picture 2`` read by Qwen2.5-VL at the
+    vision size, both VAE-encoded side by side); ODE sampling with true CFG equals the stock pipeline (its 384 x 384 and
+    1024 x 1024 sizes set to the policy's), prompt by prompt as the stock pipeline runs them."""
+    from diffusers import QwenImageEditPlusPipeline
+    from diffusers.pipelines.qwenimage import pipeline_qwenimage_edit_plus as plus
+
+    policy = make_policy(tiny_qwen_image_edit_plus_dir, vision_area=48 * 48)
+    assert policy.plus
+    perturb(policy, seed=1)
+    policy.save_pretrained(str(tmp_path / "lora"))
+    monkeypatch.setattr(plus, "CONDITION_IMAGE_SIZE", 48 * 48)
+    monkeypatch.setattr(plus, "VAE_IMAGE_SIZE", CONDITION_AREA)
+    pipe = QwenImageEditPlusPipeline.from_pretrained(tiny_qwen_image_edit_plus_dir)
+    pipe.set_progress_bar_config(disable=True)
+    pipe.load_lora_weights(str(tmp_path / "lora"))
+    rows = [[to_pil(i) for i in input_images(2, seed=s)] for s in (0, 1)]
+    batch = PromptBatch(PROMPTS, conditions={"images": rows})
+    ours_images = policy.sample(batch, FlowPlan.deterministic(3), generator=torch.Generator().manual_seed(2))
+    assert ours_images.trajectory["image_latents"].shape == (2, 128, 16)  # two 8 x 8 grids per prompt
+    for k, (prompt, row) in enumerate(zip(PROMPTS, rows)):
+        noise = policy._noise(2, torch.Generator().manual_seed(2))[k:k + 1]  # the rollout's initial noise of row k
+        expected = pipe(prompt=prompt, image=row, negative_prompt=" ", true_cfg_scale=2.0, num_inference_steps=3,
+                        height=32, width=32, output_type="pt", latents=noise, max_sequence_length=32).images.float()
+        torch.testing.assert_close(ours_images.outputs["images"][k:k + 1], expected, rtol=0, atol=1e-4)
