@@ -6,7 +6,8 @@ Wraps diffusers' `HunyuanVideo15Pipeline` components (`HunyuanVideo15Transformer
 (Qwen2.5-VL's third-to-last hidden states of the chat-templated prompt with the template's 108 tokens cropped, and
 ByT5 states of the quoted text of the prompt, zero when it quotes none), each padded with its mask; the transformer
 takes the latents `[N, C, T, h, w]` concatenated with zero first-frame latents and a zero mask (text-to-video),
-all-zero image embeddings (which it masks out), the timestep ``1000 sigma``, and predicts the velocity; CFG is the
+all-zero image embeddings (which it masks out: one position here, 729 in the stock pipeline, with the same outputs),
+the timestep ``1000 sigma``, and predicts the velocity; CFG is the
 guider's ``uncond + s (cond - uncond)`` against the negative prompt (the stock default: the empty prompt). Noise
 levels are the stock ``linspace(1, 0, S + 1)[:-1]`` shifted by the scheduler (``flow_shift`` overrides its shift).
 Sampling, replay and checkpoints are the shared flow steps ([`mmgrpo.pipelines._flow_policy`], as `wan`).
@@ -204,9 +205,10 @@ class HunyuanVideo15Policy:
         x = latents.to(dtype)
         x = torch.cat([x, x]) if cfg else x  # [b, C, T, h, w]
         b, _, frames, h, w = x.shape
-        # text-to-video: zero first-frame latents and mask, all-zero image embeddings (masked by the transformer)
+        # text-to-video: zero first-frame latents and mask; all-zero image embeddings, which the transformer masks out
+        # of its attention (one position instead of the stock 729: the same outputs, ~700 fewer tokens per forward)
         model_input = torch.cat([x, x.new_zeros(b, x.shape[1] + 1, frames, h, w)], dim=1)  # [b, 2C + 1, T, h, w]
-        image_embeds = x.new_zeros(b, self.pipe.vision_num_semantic_tokens, self.pipe.vision_states_dim)
+        image_embeds = x.new_zeros(b, 1, self.pipe.vision_states_dim)
         t = torch.as_tensor(sigma, dtype=torch.float32) * self.pipe.scheduler.config.num_train_timesteps
         v = self.trainable.forward(
             hidden_states=model_input, image_embeds=image_embeds, timestep=t.to(self.device, dtype).expand(b),
