@@ -14,6 +14,7 @@ from mmgrpo.types import PromptBatch
 from algorithm_options import algo_config
 
 PROMPTS = ['a red circle with the text "hi"', "two blue squares"]
+FIXTURE = "tiny_hunyuan_video15_dir"
 
 
 def stock(path, policy, lora=None):
@@ -133,3 +134,25 @@ def test_real_config_carries_unirls_recipe(monkeypatch):
     assert (algo.sde_window_size, algo.sde_window_range, algo.advantage.scale_rewards) == (8, [0, 2], "batch")
     assert (cfg.train.prompts_per_step, cfg.train.group_size, cfg.train.updates_per_step) == (16, 16, 2)
     assert (cfg.train.learning_rate, cfg.train.weight_decay) == (1e-5, 1e-4)
+
+
+def test_gradient_checkpointing_gives_the_same_replay_and_gradient(request):
+    """``gradient_checkpointing`` recomputes the transformer's blocks in the backward pass: same log-probs, same
+    gradients (same LoRA initialisation and perturbation for both policies)."""
+    path = request.getfixturevalue(FIXTURE)
+    plan = FlowGRPO(FlowGRPOConfig()).schedule(3)
+    results = []
+    for checkpointing in (False, True):
+        torch.manual_seed(0)  # the LoRA initialisation
+        policy = make_policy(path, gradient_checkpointing=checkpointing)
+        perturb(policy, seed=5)
+        rollout = policy.sample(PromptBatch(PROMPTS), plan, generator=torch.Generator().manual_seed(0))
+        score = policy.log_prob(rollout, [0, 2]).log_prob
+        score.sum().backward()
+        results.append((score.detach(), [p.grad for p in policy.trainable_parameters()]))
+    torch.testing.assert_close(results[0][0], results[1][0], rtol=0, atol=1e-6)
+    assert any(g is not None for g in results[0][1])
+    for plain, checkpointed in zip(results[0][1], results[1][1]):
+        assert (plain is None) == (checkpointed is None)
+        if plain is not None:
+            torch.testing.assert_close(plain, checkpointed, rtol=1e-4, atol=1e-6)
