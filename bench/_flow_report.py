@@ -269,14 +269,14 @@ def plot_curves(runs: dict[tuple[str, int], dict], path: str | Path) -> None:
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5), sharey=True)
     for axis, key, title in ((axes[0], "train_s", "training wall-clock (s)"), (axes[1], "samples_seen", "sampled images")):
         for index, name in enumerate(names):
-            color = f"C{index % 10}"
+            color, style = f"C{index % 10}", "o-" if index < 10 else "s--"  # 10 colours, then dashed lines
             curves = [run["curve"] for (n, _), run in runs.items() if n == name]
             for curve in curves:
                 axis.plot([p[key] for p in curve], [p["value"] for p in curve], "-", color=color, alpha=0.2, lw=1)
             length = min(len(c) for c in curves)
             axis.plot([statistics.fmean(c[i][key] for c in curves) for i in range(length)],
                       [statistics.fmean(c[i]["value"] for c in curves) for i in range(length)],
-                      "o-", color=color, ms=3, label=label(name))
+                      style, color=color, ms=3, label=label(name))
         axis.set_xlabel(title)
         axis.grid(alpha=0.3)
     axes[0].set_ylabel(f"held-out {metric}")
