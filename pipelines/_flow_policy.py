@@ -235,8 +235,39 @@ def _images(self: FlowModel, latents: torch.Tensor, inputs: dict) -> dict[str, t
     return {"images": self.decode(latents).cpu()}
 
 
+# ------------------------------------------------------------- prompts encoded once (`hunyuan_video15`, `ltx2`)
+@torch.no_grad()
+def encode_distinct_prompts(self, batch: PromptBatch) -> dict[str, torch.Tensor]:
+    """Text inputs computed once per distinct prompt by the adapter's ``_encode_text(texts) -> {key: [U, ...]}``:
+    ``shared_<key>`` `[U, ...]`, ``prompt_index`` `[N]` into them, and, when the adapter's ``do_cfg``,
+    ``shared_negative_<key>`` `[1, ...]` of ``config.negative_prompt``."""
+    position: dict[str, int] = {}
+    index = torch.tensor([position.setdefault(p, len(position)) for p in batch.prompts], dtype=torch.long)
+    out = {"prompt_index": index, **{f"shared_{k}": v for k, v in self._encode_text(list(position)).items()}}
+    if self.do_cfg:
+        negative = self._encode_text([self.config.negative_prompt])
+        out.update({f"shared_negative_{k}": v for k, v in negative.items()})
+    return out
+
+
+def pick_distinct_prompts(self, inputs: dict[str, torch.Tensor], rows: torch.Tensor | None) -> dict[str, torch.Tensor]:
+    """The text inputs of samples `rows` (None: all) from [`encode_distinct_prompts`]'s: ``<key>`` `[r, ...]`, and
+    ``negative_<key>`` (the one negative prompt expanded to `r` rows) with CFG, on the device."""
+    index = inputs["prompt_index"] if rows is None else inputs["prompt_index"][rows.cpu()]
+    out = {}
+    for name, value in inputs.items():
+        if name.startswith("shared_negative_"):
+            negative = value.to(self.device)
+            out["negative_" + name.removeprefix("shared_negative_")] = negative.expand(len(index), *negative.shape[1:])
+        elif name.startswith("shared_"):
+            out[name.removeprefix("shared_")] = value.to(self.device)[index.to(self.device)]
+    return out
+
+
 SETUP = (num_steps, eval_num_steps, trainable_parameters, trainable_modules, prepare, reference)
 SAMPLING = (sample, log_prob, likelihood)
 CHECKPOINTS = (save_pretrained, load_trainable, export_pretrained)
 # the model-facing members of the text-to-image adapters (`sd3`, `flux`): per-sample text embeddings in, images out
 IMAGE_IO = (_prompt_inputs, _pick_rows, _images)
+# the text inputs of the adapters that encode each distinct prompt once (`hunyuan_video15`, `ltx2`)
+DISTINCT_PROMPTS = (encode_distinct_prompts, pick_distinct_prompts)

@@ -31,7 +31,6 @@ from mmgrpo.pipelines._flow_common import check_flow_config, guided
 from mmgrpo.pipelines import _flow_policy as flow_policy
 from mmgrpo.pipelines._flow_policy import load_flow_pipeline
 from mmgrpo.samplers.flow_plan import PLAN_FEATURES, SCORE_FIELDS
-from mmgrpo.types import PromptBatch
 from mmgrpo.validation import check_range
 
 TEXT_KEYS = ("video_embeds", "audio_embeds", "mask")  # the connectors' two contexts and their mask
@@ -175,30 +174,9 @@ class LTX2Policy:
                                                 max_sequence_length=self.config.max_sequence_length, device=self.device)
         return dict(zip(TEXT_KEYS, pipe.connectors(embeds, mask, padding_side=pipe.tokenizer.padding_side)))
 
-    @torch.no_grad()
-    def encode(self, batch: PromptBatch) -> dict[str, torch.Tensor]:
-        """Text contexts computed once per distinct prompt: ``shared_*`` `[U, ...]`, ``prompt_index`` `[N]` into
-        them, and ``shared_negative_*`` `[1, ...]` with CFG."""
-        position: dict[str, int] = {}
-        index = torch.tensor([position.setdefault(p, len(position)) for p in batch.prompts], dtype=torch.long)
-        out = {"prompt_index": index, **{f"shared_{k}": v for k, v in self._encode_text(list(position)).items()}}
-        if self.do_cfg:
-            negative = self._encode_text([self.config.negative_prompt])
-            out.update({f"shared_negative_{k}": v for k, v in negative.items()})
-        return out
-
+    # text inputs computed once per distinct prompt (`_encode_text`), picked per sample
+    encode, _pick = flow_policy.DISTINCT_PROMPTS
     _inputs = encode  # the model inputs of a prompt batch, for the shared sampling
-
-    def _pick(self, inputs: dict, rows: torch.Tensor | None) -> dict[str, torch.Tensor]:
-        """The text contexts of samples `rows` (None: all), and their ``negative_*`` with CFG."""
-        index = inputs["prompt_index"] if rows is None else inputs["prompt_index"][rows.cpu()]
-        out = {}
-        for key in TEXT_KEYS:
-            out[key] = inputs[f"shared_{key}"].to(self.device)[index.to(self.device)]
-            if f"shared_negative_{key}" in inputs:
-                negative = inputs[f"shared_negative_{key}"].to(self.device)
-                out[f"negative_{key}"] = negative.expand(len(index), *negative.shape[1:])
-        return out
 
     def _split(self, latents: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Joint latents `[n, Sv Cv + Sa Ca]` -> packed video `[n, Sv, Cv]` and audio `[n, Sa, Ca]` tokens."""
