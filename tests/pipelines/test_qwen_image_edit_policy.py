@@ -120,3 +120,24 @@ def test_edit_plus_with_two_input_images_equals_stock_pipeline(tiny_qwen_image_e
         expected = pipe(prompt=prompt, image=row, negative_prompt=" ", true_cfg_scale=2.0, num_inference_steps=3,
                         height=32, width=32, output_type="pt", latents=noise, max_sequence_length=32).images.float()
         torch.testing.assert_close(ours_images.outputs["images"][k:k + 1], expected, rtol=0, atol=1e-4)
+
+
+def test_real_config_carries_flow_factorys_edit_plus_recipe(monkeypatch, tiny_qwen_image_edit_plus_dir):
+    """`configs/qwen_image_edit_plus_flow_grpo.yaml` holds Flow-Factory's Edit-Plus LoRA recipe, and its LoRA targets
+    (attention and both MLPs) exist in the Qwen-Image transformer."""
+    from builders._stock_equality import load_flow_factory_config
+
+    cfg = load_flow_factory_config(monkeypatch, "qwen_image_edit_plus_flow_grpo", noise_level=1.0)
+    pipe, algo = cfg.pipeline.options, cfg.algorithm.options
+    assert cfg.pipeline.name == "qwen_image_edit" and pipe.pretrained == "Qwen/Qwen-Image-Edit-2509"
+    assert pipe.pipeline_name() == "QwenImageEditPlusPipeline"
+    assert (pipe.resolution, pipe.condition_area, pipe.vision_area) == (384, 384 * 384, 384 * 384)
+    assert (pipe.num_steps, pipe.eval_num_steps, pipe.true_cfg_scale, pipe.negative_prompt) == (10, 40, 4.0, " ")
+    assert (pipe.lora_rank, pipe.lora_alpha, pipe.gradient_checkpointing, cfg.train.sharding) == (64, 128, True, "fsdp")
+    assert (algo.advantage.adv_clip_max, algo.advantage.scale_rewards, cfg.train.updates_per_step) == (5.0, "group", 2)
+    assert cfg.reward.name == "pickscore" and cfg.data.name == "edit_jsonl"
+    policy = make_policy(tiny_qwen_image_edit_plus_dir, lora_targets=pipe.lora_targets)
+    adapted = {name.split(".lora_A")[0] for name, _ in policy.transformer.named_parameters() if ".lora_A" in name}
+    for target in pipe.lora_targets:
+        assert any(name.endswith(target) for name in adapted), target
+    assert any("img_mlp" in name for name in adapted) and any("txt_mlp" in name for name in adapted)
