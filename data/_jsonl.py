@@ -8,6 +8,7 @@ import json
 from pathlib import Path
 from typing import Callable
 
+from mmgrpo.hub import data_path
 from mmgrpo.image_files import open_image
 
 
@@ -22,7 +23,7 @@ def read_items(file: str, image_root: str | None, item: Callable[[dict, Path], d
     Raises:
         `ValueError`: naming the file and line of a row `item` refuses, or a file without rows.
     """
-    path = Path(file).expanduser()
+    path = Path(data_path(file))  # the shipped example rows when `file` names them and is not here
     root = Path(image_root).expanduser() if image_root else path.parent
     items = []
     for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):

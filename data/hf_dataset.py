@@ -19,7 +19,7 @@ import io
 from dataclasses import dataclass
 from pathlib import Path
 
-from mmgrpo.hub import resolve_pretrained
+from mmgrpo.hub import data_path, resolve_pretrained
 from mmgrpo.image_files import DEFAULT_MAX_IMAGE_PIXELS, MAX_IMAGE_PIXELS_LIMIT, open_image
 from mmgrpo.types import as_list
 from mmgrpo.validation import check_fields, check_range, check_template, check_text
@@ -65,7 +65,8 @@ class HFDatasetConfig:
         check_fields(self)
         check_range("max_image_pixels", self.max_image_pixels, 1, MAX_IMAGE_PIXELS_LIMIT,
                     fix="the default 67108864 is 8192 x 8192")
-        resolve_pretrained(self.path, "data.path", what="dataset")  # an existing local folder or a hub id; checked before loading
+        # an existing local folder or a hub id; checked before loading
+        resolve_pretrained(data_path(self.path), "data.path", what="dataset")
         for key, value in {"train_split": self.train_split, "question_column": self.question_column,
                            "box_key": self.box_key}.items():
             check_text(key, value)
@@ -102,7 +103,7 @@ class HFDataset:
         import datasets
 
         c = self.config
-        local = Path(c.path).expanduser()
+        local = Path(data_path(c.path))
         if (local / "dataset_dict.json").is_file() or (local / "state.json").is_file():
             loaded = datasets.load_from_disk(str(local))
             if isinstance(loaded, datasets.DatasetDict):

@@ -31,6 +31,7 @@ from typing import Literal
 import torch
 
 from mmgrpo.data._jsonl import image_size, read_items, resolve_media
+from mmgrpo.hub import data_path
 from mmgrpo.image_files import DEFAULT_MAX_IMAGE_PIXELS, MAX_IMAGE_PIXELS_LIMIT
 from mmgrpo.rewards._seg_masks import load_mask
 from mmgrpo.validation import check_fields, check_range, check_template, check_text
@@ -90,7 +91,7 @@ class ReferringJsonlConfig:
         if self.image_root is not None and not Path(self.image_root).expanduser().is_dir():
             raise ValueError(f"data.image_root: {self.image_root!r} is not a folder; give the folder of the images.")
         for key, value in {"train_file": self.train_file, "eval_file": self.eval_file}.items():
-            if value is not None and not Path(value).expanduser().is_file():
+            if value is not None and not Path(data_path(value)).is_file():
                 raise ValueError(f"data.{key}: {value!r} does not exist; give a JSONL file (see "
                                  "data/referring_jsonl.py).")
 

@@ -30,6 +30,20 @@ def shipped_configs_dir() -> Path:
     return Path(mmgrpo.configs.__file__).resolve().parent
 
 
+EXAMPLES = "data/examples/"  # the example data the shipped real-model configs name (``mmgrpo/data/examples`` installed)
+
+
+def data_path(location: str) -> str:
+    """A data file or folder a config names, ``~`` expanded: `location` itself when it exists, else, for a relative
+    path under ``data/examples/`` (the example rows the shipped real-model configs read), the copy shipped inside the
+    package, so those configs run from any folder and from an installed wheel."""
+    expanded = os.path.expanduser(location)
+    if os.path.exists(expanded) or not location.replace(os.sep, "/").startswith(EXAMPLES):
+        return expanded
+    shipped = shipped_weights_dir().parent / location[len("data/"):]
+    return str(shipped) if shipped.exists() else expanded
+
+
 def resolve_config(location: str) -> str:
     """An experiment config's path: `location` itself when it is a file, else the shipped config of that name
     (``t2i_shapes`` -> ``tiny/t2i_shapes.yaml``, ``sd3_5_medium_flow_grpo``, ``tiny/vlm_count.yaml``...).

@@ -3,6 +3,7 @@
 and in a wheel. The wheel ships every config, the toy base models that configs name (``mmgrpo:<name>``) and no tiny
 test builder or training script."""
 
+import os
 import re
 import shutil
 import subprocess
@@ -80,8 +81,9 @@ def test_built_wheel_installs_only_the_mmgrpo_package(wheel, tmp_path):
 def test_wheel_ships_the_configured_toy_models_and_no_test_builder_or_training_script(wheel):
     names = set(zipfile.ZipFile(wheel).namelist())
     data = sorted(n.removeprefix("mmgrpo/data/") for n in names if n.startswith("mmgrpo/data/"))
-    # data/ ships prompt sources (modules) and the toy base models, nothing else
-    assert [n for n in data if not (n.startswith("weights/") or n.count("/") == 0 and n.endswith(".py"))] == []
+    # data/ ships prompt sources (modules), the toy base models and the example rows, nothing else
+    assert [n for n in data if not (n.startswith(("weights/", "examples/")) or n.count("/") == 0
+                                    and n.endswith(".py"))] == []
     assert not [n for n in names if re.search(r"(^|/)(tiny_\w+|train_\w+|_tokenizers)\.py$", n)]
     assert not [n for n in names if n.endswith("samples.png")]
     configured = _configured_toy_models()
@@ -113,3 +115,35 @@ def test_one_version_number_for_the_package_the_readme_and_checkpoints(wheel):
     assert wheel.name.startswith(f"mmgrpo-{__version__}-")
     assert f"mmgrpo {__version__}" in (ROOT / "README.md").read_text()
     assert checkpoint.FORMAT == 2  # the pickle-free format that 0.2 introduced (the README's conversion note)
+
+
+EXAMPLE_CONFIGS = sorted(p.stem for p in (ROOT / "configs").glob("*.yaml") if "data/examples/" in p.read_text())
+INSTALLED_CHECK = (
+    "import sys\n"
+    "import mmgrpo\n"
+    "from mmgrpo import cli, memory_check\n"
+    "assert mmgrpo.__file__.startswith(sys.argv[1]), mmgrpo.__file__\n"
+    "memory_check.machine_memory = lambda: 2**40 + 8 * memory_check.ACCELERATOR_ALLOWANCE  # the 8-accelerator node\n"
+    "for name in sys.argv[2:]:\n"
+    "    assert cli.main(['check', name]) == 0, name\n"
+)
+
+
+def test_wheel_ships_the_example_data_so_the_real_model_configs_check_from_an_installed_copy(wheel, tmp_path):
+    """The real-model configs read example rows under ``data/examples/`` (a format to copy); installed from the wheel
+    and run from a folder without them, ``mmgrpo check`` passes on each: the package's copy answers."""
+    names = set(zipfile.ZipFile(wheel).namelist())
+    examples = {f"mmgrpo/{p.relative_to(ROOT).as_posix()}" for p in (ROOT / "data" / "examples").rglob("*") if p.is_file()}
+    assert examples and examples <= names, f"example data missing from the wheel: {sorted(examples - names)}"
+    assert len(EXAMPLE_CONFIGS) >= 5, EXAMPLE_CONFIGS
+    target = tmp_path / "site"
+    install = subprocess.run(
+        [sys.executable, "-m", "pip", "install", "--no-deps", "--no-index", "--target", str(target), str(wheel)],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert install.returncode == 0, install.stderr[-2000:]
+    env = {**os.environ, "PYTHONPATH": str(target), "HF_HUB_OFFLINE": "1"}  # the wheel's mmgrpo before the editable one
+    proc = subprocess.run([sys.executable, "-c", INSTALLED_CHECK, str(target), *EXAMPLE_CONFIGS], cwd=tmp_path,
+                          env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.count("ok\n") == len(EXAMPLE_CONFIGS)
