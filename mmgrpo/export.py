@@ -226,16 +226,38 @@ def export_checkpoint(source: str | Path, output: str | Path, merge_lora: bool =
 def push_to_hub(folder: str | Path, repo_id: str, private: bool = False) -> str:
     """Uploads an exported folder to the Hugging Face hub (creating the repository if needed); returns its URL.
 
-    Raises:
-        `RuntimeError`: the hub cannot be reached (offline mode, no network, no token); the message says what to do.
-    """
-    from huggingface_hub import HfApi, constants
+    One request without retries (``whoami``) comes first, so no network, an unreachable endpoint or a missing or
+    invalid token fail within seconds, before the upload's own retries.
 
+    Raises:
+        `RuntimeError`: the hub cannot be reached (offline mode, no network, no token, refused); a one-line message
+            that says what to do.
+    """
+    import httpx2  # huggingface_hub's HTTP client: its transport errors are no connection, DNS, timeouts
+    from huggingface_hub import HfApi, constants
+    from huggingface_hub.errors import HfHubHTTPError, LocalTokenNotFoundError, OfflineModeIsEnabled
+
+    later = f"or upload {folder} yourself later with `hf upload {repo_id} {folder}`."
     if constants.is_offline_mode():
         raise RuntimeError(f"cannot push to {repo_id!r}: HF_HUB_OFFLINE is set. Unset it (and log in with `hf auth "
-                           f"login`), or upload {folder} yourself later with `hf upload {repo_id} {folder}`.")
+                           f"login`), {later}")
     api = HfApi()
-    api.create_repo(repo_id, private=private, exist_ok=True, repo_type="model")
-    api.upload_folder(folder_path=str(folder), repo_id=repo_id, repo_type="model",
-                      commit_message="Upload model exported by mmgrpo")
+    try:
+        api.whoami()
+        api.create_repo(repo_id, private=private, exist_ok=True, repo_type="model")
+        api.upload_folder(folder_path=str(folder), repo_id=repo_id, repo_type="model",
+                          commit_message="Upload model exported by mmgrpo")
+    except OfflineModeIsEnabled:
+        raise RuntimeError(f"cannot push to {repo_id!r}: HF_HUB_OFFLINE is set. Unset it, {later}") from None
+    except LocalTokenNotFoundError:
+        raise RuntimeError(f"cannot push to {repo_id!r}: not logged in to the hub. Run `hf auth login` (or set "
+                           f"HF_TOKEN) and export again with --push-to-hub, {later}") from None
+    except httpx2.TransportError as err:
+        reason = " ".join(str(err).split()) or type(err).__name__
+        raise RuntimeError(f"cannot push to {repo_id!r}: the hub at {api.endpoint} cannot be reached ({reason}). Check "
+                           f"the network (or HF_ENDPOINT, a proxy), {later}") from None
+    except HfHubHTTPError as err:
+        reason = " ".join(str(err).split())[:300]
+        raise RuntimeError(f"cannot push to {repo_id!r}: the hub refused ({reason}). Check the token's write access "
+                           f"to {repo_id} (`hf auth whoami`), {later}") from None
     return f"https://huggingface.co/{repo_id}"

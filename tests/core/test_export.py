@@ -139,6 +139,44 @@ def test_push_to_hub_offline_exports_first_then_says_how_to_upload(sd3_run, tmp_
     assert "HF_HUB_OFFLINE is set" in err and "hf upload someone/tiny-sd3" in err
 
 
+def _closed_port() -> int:
+    import socket
+
+    with socket.socket() as sock:  # a port nothing listens on: connections are refused at once
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.mark.parametrize("token", ["hf_not_a_real_token", None], ids=["unreachable", "no-token"])
+def test_push_to_hub_without_network_fails_fast_with_one_line(sd3_run, tmp_path, monkeypatch, capsys, token):
+    """Online mode, but the hub cannot be reached (here an endpoint on a closed loopback port) or no token: a one-line
+    error naming the fix, within seconds, after the export is written; no traceback."""
+    import time
+
+    from huggingface_hub import constants
+
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(constants, "ENDPOINT", f"http://127.0.0.1:{_closed_port()}")
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf_home"))  # no stored token
+    monkeypatch.setattr(constants, "HF_TOKEN_PATH", str(tmp_path / "hf_home" / "token"))
+    monkeypatch.setattr(constants, "HF_STORED_TOKENS_PATH", str(tmp_path / "hf_home" / "stored_tokens"))
+    if token:
+        monkeypatch.setenv("HF_TOKEN", token)
+    else:
+        monkeypatch.delenv("HF_TOKEN", raising=False)
+    capsys.readouterr()
+    begin = time.monotonic()
+    code = cli.main(["export", str(sd3_run), str(tmp_path / "model"), "--push-to-hub", "someone/tiny-sd3"])
+    err = capsys.readouterr().err
+    assert code == 1 and (tmp_path / "model" / "README.md").is_file()
+    lines = [line for line in err.splitlines() if line.startswith("mmgrpo: ")]
+    assert len(lines) == 1 and "Traceback" not in err, err
+    assert ("cannot be reached" if token else "hf auth login") in lines[0], lines[0]
+    assert "hf upload someone/tiny-sd3" in lines[0]
+    assert time.monotonic() - begin < 60  # the export itself; no retries with back-off
+
+
 @pytest.mark.parametrize("lora_rank, merge", [(4, True), (4, False), (0, False)], ids=["lora-merged", "lora", "full"])
 def test_wan_two_expert_export_loads_in_stock_diffusers(tiny_wan_experts_dir, tmp_path, lora_rank, merge):
     """Both experts' trained weights reach the exported pipeline: each exported transformer computes what the
