@@ -227,6 +227,29 @@ def check_items(config: ExperimentConfig, split: str = "eval") -> None:
             f"eval.every: prompt source {config.data.name!r} has no held-out items to evaluate: give it some "
             f"({held_out_options(config.data.options)}) or set eval.every=0 and eval.every_seconds=0."
         )
+    check_input_images(config, data.train_items(), "training")
+    if evaluating and split == "eval":
+        check_input_images(config, data.eval_items(), "held-out")
+
+
+INPUT_IMAGES = "input_images"  # the capability of a pipeline whose `sample` reads conditions["images"] (editing)
+
+
+def check_input_images(config: ExperimentConfig, items: list[dict], which: str) -> None:
+    """A pipeline that edits images (it declares the ``input_images`` capability) gets at least one input image with
+    every prompt item (the item's ``images`` condition, see [`mmgrpo.protocols.PromptSource`]), so a text-only prompt
+    source fails here in one line rather than at the first rollout."""
+    if INPUT_IMAGES not in registry.get("pipeline", config.pipeline.name).capabilities:
+        return
+    for index, item in enumerate(items):
+        images = item.get("images")  # an item's conditions are its keys beside "prompt" and "metadata"
+        if images is None or (isinstance(images, (list, tuple)) and not images):
+            raise ConfigError(
+                f"data.name: pipeline {config.pipeline.name!r} edits input images, but {which} item {index} "
+                f"({item['prompt']!r}) of prompt source {config.data.name!r} has none (its 'images' condition): use "
+                "a prompt source whose items carry input images (data: edit_jsonl or shapes_edit), or a "
+                "text-to-image pipeline."
+            )
 
 
 def held_out_options(options) -> str:

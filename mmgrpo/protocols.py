@@ -35,7 +35,7 @@ class StochasticPolicy(Protocol):
     eval_num_steps: int  # decisions per evaluation sample
     # the optional members it implements beyond this protocol, declared (never probed); empty for none:
     # "input_images": `sample` reads one or more input images per prompt from ``batch.conditions["images"]`` (image
-    # editing) and refuses a batch without them;
+    # editing) and refuses a batch without them (preflight refuses a prompt source with an item without them);
     # "teacher_rollout": ``teacher_rollout(batch, completions) -> Rollout``, the rollout of given completion texts
     # (teacher-forced, one per prompt), which ``mmgrpo sft`` trains on; sft refuses a pipeline without it
     capabilities: frozenset[str]
