@@ -158,6 +158,10 @@ def main(argv: list[str] | None = None) -> int:
     ):
         p_serve.add_argument(flag, type=kind, default=argparse.SUPPRESS, help=text)
     p_serve.add_argument("overrides", nargs="*")
+    for command in (p_check, p_train, p_sft, p_eval, p_serve):
+        command.add_argument("--allow-plugins", action="store_true",
+                             help="allow plugin names of the form module:attribute (your own code) in the config; "
+                             "importing them runs their code, so a config file alone cannot")
     args, extra = parser.parse_known_args(argv)
     unknown = [item for item in extra if "=" not in item or item.startswith("-")]
     if unknown or (extra and args.command in ("list", "show", "convert-checkpoint", "export")):
@@ -177,6 +181,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "convert-checkpoint":
         return _convert_checkpoints(args.folders, args.trust_pickles)
     overrides = list(args.overrides) + extra  # key=value overrides may also follow --checkpoint DIR
+    registry.allow_user_code(args.allow_plugins)  # module:attribute plugins are imported only if the command line says so
     if args.command == "serve-reward":
         from dataclasses import fields
 

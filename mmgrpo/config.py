@@ -121,7 +121,7 @@ def field_type(raw: dict, parts: list[str]) -> Any:
         if parts[1:] == ["name"]:
             return str
         name = raw.get(head, {}).get("name") if isinstance(raw.get(head), dict) else None
-        if not isinstance(name, str) or name not in registry.available(head):
+        if not isinstance(name, str) or not registry.resolvable(head, name):
             return None
         tp = registry.get(head, name).Config
     else:
