@@ -15,7 +15,7 @@ import sys
 from . import plugin_help, registry
 from .config import ConfigError, load
 from .config_yaml import dump_yaml
-from .hub import resolve_config
+from .hub import is_hub_id, resolve_config
 from .preflight import check_remote_code, preflight
 
 
@@ -79,6 +79,11 @@ def _export(args) -> int:
     from .errors import RunError
     from .export import export_checkpoint, push_to_hub
 
+    if args.push_to_hub and not is_hub_id(args.push_to_hub):  # refused before the export, not after it
+        print(f"mmgrpo: export: --push-to-hub {args.push_to_hub!r} is not a hub repository id; give "
+              "'namespace/name' (letters, digits, '-', '_', '.'; no '--' or '..'; at most 96 characters)",
+              file=sys.stderr)
+        return 2
     try:
         folder = export_checkpoint(args.checkpoint, args.output, merge_lora=args.merge_lora,
                                    trust_remote_code=args.trust_remote_code)

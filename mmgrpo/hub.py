@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import re
 from pathlib import Path
 
 import torch
@@ -11,7 +10,6 @@ import torch
 SHIPPED_PREFIX = "mmgrpo:"
 # `weights_dtype` names a config may use -> torch dtypes (one table for every pipeline)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
 
 def shipped_weights_dir() -> Path:
@@ -28,6 +26,22 @@ def shipped_configs_dir() -> Path:
     import mmgrpo.configs
 
     return Path(mmgrpo.configs.__file__).resolve().parent
+
+
+def is_hub_id(location: str) -> bool:
+    """Whether `location` is a well-formed hub repository id ``namespace/name`` by the hub client's own rules
+    (``huggingface_hub.utils.validate_repo_id``: its characters, no ``--`` or ``..``, no ``.git`` ending, at most 96
+    characters), and not a shipped model (``mmgrpo:<name>``) or an existing local path."""
+    from huggingface_hub.errors import HFValidationError
+    from huggingface_hub.utils import validate_repo_id
+
+    if location.count("/") != 1 or location.startswith(SHIPPED_PREFIX) or os.path.exists(os.path.expanduser(location)):
+        return False
+    try:
+        validate_repo_id(location)
+    except HFValidationError:
+        return False
+    return True
 
 
 EXAMPLES = "data/examples/"  # the example data the shipped real-model configs name (``mmgrpo/data/examples`` installed)
@@ -114,7 +128,7 @@ def resolve_pretrained(location: str, key: str = "pretrained", what: str = "mode
             + (", whose weights are safetensors" if what == "model" else "") + "."
         )
     looks_local = location.startswith(("/", ".", "~")) or os.sep in location.strip("/").replace("/", "", 1)
-    if looks_local or not _HUB_ID.match(location):
+    if looks_local or not is_hub_id(location):
         raise ValueError(
             f"{key}: {what} folder {location!r} does not exist. Point {key} at {_LOCAL_FOLDERS[what]}, a hub id "
             f"like 'org/{what}'" + (f", or a shipped model '{SHIPPED_PREFIX}<name>'." if what == "model" else ".")
