@@ -21,6 +21,7 @@ from mmgrpo.algorithms._options import AdvantageOptions, KLOptions, KLWeight
 from mmgrpo.validation import build_dataclass, flat_dict, flat_hints, is_embedded
 from reward_fixtures import jpeg_server, tiny_aesthetic_head, tiny_clip_dir, tiny_pickscore_dir  # noqa: F401
 from builders._sam import tiny_sam2_dir  # noqa: F401
+from judge_server import judge_server  # noqa: F401
 
 
 TEXTS = [
@@ -42,6 +43,12 @@ def _tiny_clip(request) -> dict:
     return {"model_name": f"local-dir:{request.getfixturevalue('tiny_clip_dir')}", "device": "cpu"}
 
 
+def _judge_server(request):
+    from mmgrpo.rewards._judge import JudgeServer
+
+    return JudgeServer(url=request.getfixturevalue("judge_server").url, timeout=5.0, retries=0)
+
+
 # reward name -> options needed to build it in tests (defaults otherwise); a callable gets pytest's `request`
 REWARD_OPTIONS = {
     "clip_score": _tiny_clip,
@@ -52,6 +59,8 @@ REWARD_OPTIONS = {
     "temporal_consistency": _tiny_clip,
     "dpp_diversity": _tiny_clip,
     "sam_mask": lambda request: {"model": request.getfixturevalue("tiny_sam2_dir"), "device": "cpu", "coords": "original"},
+    "judge": lambda request: {"server": _judge_server(request)},
+    "judge_pairwise": lambda request: {"server": _judge_server(request), "template": "PAIR {prompt}"},
 }
 # fit the tiny policies' 3 steps (dgpo); read the transitions' mean and std (flow_grpo's KL term)
 ALGORITHM_OPTIONS = {"dgpo": {"trunc_steps": 2, "num_train_timesteps": 2},
