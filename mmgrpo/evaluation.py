@@ -70,6 +70,25 @@ def finite_mean(values: torch.Tensor) -> float:
     return values.float().mean().item() if values.numel() else float("nan")
 
 
+def reward_metrics(scores: torch.Tensor, group_ids: torch.Tensor, components: dict) -> dict[str, float]:
+    """A training step's reward metrics from the gathered `scores` `[N]` (after the group stage), `group_ids` `[N]` and
+    `components` (each `[N]`): ``reward/mean`` and ``reward/std`` of the finite scores, ``reward/invalid`` (samples
+    without a finite score), ``reward/zero_std_groups`` (the share of groups whose finite scores are all equal) and
+    ``reward/<component>`` (each component's finite mean)."""
+    finite = torch.isfinite(scores)
+    groups = [scores[(group_ids == g) & finite] for g in torch.unique(group_ids)]
+    stds = torch.tensor([float(g.std(unbiased=False)) for g in groups if g.numel()])  # [groups with valid scores]
+    metrics = {
+        "reward/mean": finite_mean(scores),
+        "reward/std": scores[finite].std().item() if finite.sum() > 1 else 0.0,
+        "reward/invalid": float((~finite).sum()),
+        "reward/zero_std_groups": float((stds < 1e-8).float().mean()) if stds.numel() else 0.0,
+    }
+    for name, values in components.items():
+        metrics[f"reward/{name}"] = finite_mean(values.float().cpu())
+    return metrics
+
+
 def gather_rewards(accelerator, result: RewardResult, group_ids: torch.Tensor,
                    group_stage=None) -> tuple[RewardResult, torch.Tensor]:
     """Gathers this process's reward `result` (``scores`` `[n]`, ``components`` each `[n]`, ``features`` `[n, ...]`)

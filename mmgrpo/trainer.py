@@ -42,7 +42,7 @@ from . import checkpoint, sharding
 from .advantages import groups_with_signal, kept_samples, reward_advantages
 from .components import build_components, score_unit
 from .config import ExperimentConfig
-from .evaluation import evaluate_held_out, finite_mean, gather_rewards
+from .evaluation import evaluate_held_out, finite_mean, gather_rewards, reward_metrics
 from .metrics_log import MetricsLog, read_records
 from .optim import build_optimizer
 from .prompt_stream import PromptStream
@@ -137,7 +137,7 @@ class Trainer:
         if self.stream.adaptive:  # group_variance sampling reads back each prompt's group rewards (batch order)
             self.stream.observe(all_scores, batch.group_ids - (self.step - 1) * cfg.train.prompts_per_step)
         local_adv = self._this_process(advantages, len(local))
-        metrics = self._reward_metrics(all_scores, all_groups, whole.components)
+        metrics = reward_metrics(all_scores, all_groups, whole.components)
         if self.algorithm.traits.ground_truth_member:  # TempSamp: the reward of the policy's own answers alone
             metrics["reward/sampled_mean"] = finite_mean(all_scores[batch.member_ids != 0])
         with_signal, rewarded = groups_with_signal(advantages, all_groups), torch.isfinite(all_scores)  # [N], [N]
@@ -322,21 +322,6 @@ class Trainer:
         if self.algorithm.traits.step_advantages:
             advantages = advantages[:, unit]  # [n, k]
         return self.algorithm.loss(new, old, advantages.to(device), ref)
-
-    @staticmethod
-    def _reward_metrics(scores, group_ids, components) -> dict[str, float]:
-        finite = torch.isfinite(scores)
-        groups = [scores[(group_ids == g) & finite] for g in torch.unique(group_ids)]
-        stds = torch.tensor([float(g.std(unbiased=False)) for g in groups if g.numel()])  # [groups with valid scores]
-        metrics = {
-            "reward/mean": finite_mean(scores),
-            "reward/std": scores[finite].std().item() if finite.sum() > 1 else 0.0,
-            "reward/invalid": float((~finite).sum()),
-            "reward/zero_std_groups": float((stds < 1e-8).float().mean()) if stds.numel() else 0.0,
-        }
-        for name, values in components.items():
-            metrics[f"reward/{name}"] = finite_mean(values.float().cpu())
-        return metrics
 
     # --------------------------------------------------------------------------------------------- evaluation
     def evaluate(self, step: int, batch_size: int = 64) -> dict[str, float]:
