@@ -1,13 +1,14 @@
 """FSDP2 (``train.sharding: fsdp``) on two CPU processes under torchrun and gloo against one process, on the same
 rollouts and advantages (see `fsdp_worker.py`): the same losses and, within fp32 tolerance, the same weights after
-several updates, for the flow pipelines (sd3, flux, wan), `qwen_vl` and `mdlm`, LoRA and full fine-tuning (the full
-ones with gradient checkpointing: diffusers' checkpointed blocks rerun FSDP2's hooks, transformers' do not); with the
-reference policy (adapter off / frozen copy, through a KL term), DGPO's fast-EMA old model, global gradient clipping
-(an active clip: a per-process norm would scale differently) and the NaN-skip rule; evaluation and sample writing on
-rank 0; checkpoints resumed at the other world size (2 -> 1 and 1 -> 2) whose weights load in stock diffusers; a
-launch as two nodes of one process (two torchrun invocations, localhost rendezvous), ``train.sharding: hybrid`` on
-them (a 2 x 1 replicate x shard mesh), and a process of it dying; and, marked slow, hybrid on two nodes of two
-processes (a 2 x 2 mesh).
+several updates, for the flow pipelines (sd3, flux, wan, and fully trained with checkpointed blocks z_image,
+qwen_image, flux2, hunyuan_video15, ltx2, flux_kontext and qwen_image_edit), `qwen_vl` and `mdlm`, LoRA and full
+fine-tuning (the full ones with gradient checkpointing: diffusers' checkpointed blocks rerun FSDP2's hooks,
+transformers' do not); with the reference policy (adapter off / frozen copy, through a KL term), DGPO's fast-EMA old
+model, global gradient clipping (an active clip: a per-process norm would scale differently) and the NaN-skip rule;
+evaluation and sample writing on rank 0; checkpoints resumed at the other world size (2 -> 1 and 1 -> 2) whose
+weights load in stock diffusers; a launch as two nodes of one process (two torchrun invocations, localhost
+rendezvous), ``train.sharding: hybrid`` on them (a 2 x 1 replicate x shard mesh), and a process of it dying; and,
+marked slow, hybrid on two nodes of two processes (a 2 x 2 mesh).
 Four launches shared by the tests (one process, two, one, two nodes) and the slow test's launch of four processes:
 measured: 14 tests in 70 s on two otherwise idle cores.
 
@@ -63,6 +64,36 @@ def wan_config(root: Path, pretrained: str, world: int, *, lora: bool, checkpoin
                           "num_steps": 3, "guidance_scale": 1.0, "lora_rank": 4 if lora else 0, "lora_alpha": 8,
                           "max_sequence_length": 16, "gradient_checkpointing": checkpointing}
     config["reward"], config["eval"]["metric"] = {"name": "temporal_flicker"}, "temporal_flicker"
+    return config
+
+
+FLOW_OPTIONS = {  # the 2026 flow pipelines: tiny sizes of their builders, one forward per step (no CFG), fp32 weights
+    "z_image": {"resolution": 32, "guidance_scale": 0.0, "max_sequence_length": 16},
+    "qwen_image": {"resolution": 32, "true_cfg_scale": 1.0, "max_sequence_length": 16},
+    "flux2": {"resolution": 32, "guidance_scale": 1.0, "max_sequence_length": 16,
+              "text_encoder_out_layers": [1, 2, 2]},
+    "hunyuan_video15": {"height": 16, "width": 16, "num_frames": 3, "guidance_scale": 1.0, "max_sequence_length": 16,
+                        "glyph_max_length": 16},
+    "ltx2": {"height": 32, "width": 32, "num_frames": 5, "frame_rate": 25.0, "guidance_scale": 1.0,
+             "audio_guidance_scale": 1.0, "max_sequence_length": 16},
+    "flux_kontext": {"resolution": 32, "max_sequence_length": 16},
+    "qwen_image_edit": {"resolution": 32, "true_cfg_scale": 1.0, "max_sequence_length": 16,
+                        "condition_area": 32 * 32, "pipeline_class": "QwenImageEditPipeline"},
+}
+EDITS = Path(__file__).resolve().parents[2] / "data" / "examples" / "edit" / "edits.jsonl"
+
+
+def flow_config(root: Path, pretrained: str, world: int, *, name: str, lora: bool, checkpointing: bool) -> dict:
+    """Flow-GRPO with a KL term on pipeline `name` (options in `FLOW_OPTIONS`); videos are rewarded by flicker, edits
+    read the example edit rows (an instruction and an input image each)."""
+    config = sd3_config(root, pretrained, world, lora=lora, algorithm=flow_grpo(), checkpointing=checkpointing)
+    config["pipeline"] = {"name": name, "pretrained": pretrained, "num_steps": 3, "lora_rank": 4 if lora else 0,
+                          "lora_alpha": 8, "weights_dtype": "float32", "gradient_checkpointing": checkpointing,
+                          **FLOW_OPTIONS[name]}
+    if "num_frames" in FLOW_OPTIONS[name]:
+        config["reward"], config["eval"]["metric"] = {"name": "temporal_flicker"}, "temporal_flicker"
+    if name in ("flux_kontext", "qwen_image_edit"):
+        config["data"] = {"name": "edit_jsonl", "train_file": str(EDITS), "eval_file": str(EDITS)}
     return config
 
 
@@ -142,6 +173,9 @@ CASES = {  # name -> (builder, its fixture, options): each trains 2 steps of 2 i
     "qwen_vl_full": (qwen_vl_config, "tiny_qwen2_vl_dir", {"lora": False}),
     "mdlm_lora": (mdlm_config, "tiny_mdlm_dir", {"lora": True}),  # step-by-step masked-diffusion backward, KL
     "mdlm_full": (mdlm_config, "tiny_mdlm_dir", {"lora": False, "checkpointing": True}),  # layers checkpointed
+    # the 2026 flow pipelines, full fine-tuning with checkpointed blocks (a sharded frozen reference copy)
+    **{f"{name}_full": (flow_config, f"tiny_{name}_dir", {"name": name, "lora": False, "checkpointing": True})
+       for name in FLOW_OPTIONS},
 }
 
 

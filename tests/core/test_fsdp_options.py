@@ -79,6 +79,33 @@ def test_blocks_and_root_of_mdlm_peft_model(tiny_mdlm_dir):
     assert [type(b).__name__ for b in blocks] == ["LlamaDecoderLayer"] * root.config.num_hidden_layers
 
 
+FLOW_BLOCK_LISTS = {  # pipeline -> the transformer's block lists (LTX-2 names no _no_split_modules: found by name)
+    "z_image": ("noise_refiner", "context_refiner", "layers"),
+    "qwen_image": ("transformer_blocks",),
+    "flux2": ("transformer_blocks", "single_transformer_blocks"),
+    "hunyuan_video15": ("transformer_blocks",),
+    "ltx2": ("transformer_blocks",),
+    "flux_kontext": ("transformer_blocks", "single_transformer_blocks"),
+    "qwen_image_edit": ("transformer_blocks",),
+}
+
+
+@pytest.mark.parametrize("name", list(FLOW_BLOCK_LISTS))
+def test_blocks_of_the_2026_flow_transformers(request, name):
+    """FSDP2 shards every block of each list of the trained transformer (with its LoRA), each once, none inside
+    another, and the transformer itself is the root."""
+    import importlib
+
+    policy = importlib.import_module(f"builders.{name}").build_policy(request)
+    model = next(iter(policy.trainable_modules().values()))
+    assert sharding.shard_root(model) is model
+    blocks = sharding.find_blocks(model)
+    expected = [block for attribute in FLOW_BLOCK_LISTS[name] for block in model.get_submodule(attribute)]
+    assert {id(b) for b in expected} <= {id(b) for b in blocks} and len({id(b) for b in blocks}) == len(blocks)
+    inner = {id(m) for b in blocks for m in b.modules() if m is not b}
+    assert not any(id(b) in inner for b in blocks)  # never nested
+
+
 def test_block_lists_are_found_by_name_without_no_split_modules():
     class Toy(torch.nn.Module):
         def __init__(self):
