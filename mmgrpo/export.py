@@ -17,8 +17,9 @@ import tempfile
 from pathlib import Path
 
 from . import checkpoint, registry
-from .config_yaml import dump_yaml
-from .metrics_log import json_safe, read_records
+from .hub import is_hub_id
+from .metrics_log import read_records
+from .model_card import loading_call, model_card  # noqa: F401  (model_card: the card's writer, used from here)
 
 LORA_FOLDER = "lora"
 
@@ -99,7 +100,20 @@ def export_transformers(policy, model_cls, location: str, path: str | Path, merg
             (path / LORA_FOLDER).mkdir(parents=True, exist_ok=True)
             for name in ("adapter_config.json", "adapter_model.safetensors"):
                 shutil.copy2(Path(trained) / name, path / LORA_FOLDER / name)
+            name_base(path, model_cls, location if is_hub_id(location) else str(path.resolve()))
     processor.save_pretrained(path)
+
+
+def name_base(path: Path, model_cls, base: str) -> None:
+    """Names, in ``lora/adapter_config.json`` of an export at `path`, the base model's class (peft's ``auto_mapping``,
+    which ``AutoPeftModel`` reads when there is no task type) and where the base is: `base`, its hub id, or the
+    exported folder itself, which holds the base (a local or shipped ``mmgrpo:`` base is bundled)."""
+    file = Path(path) / LORA_FOLDER / "adapter_config.json"
+    record = json.loads(file.read_text(encoding="utf-8"))
+    record["base_model_name_or_path"] = base
+    if record.get("task_type") is None:
+        record["auto_mapping"] = {"base_model_class": model_cls.__name__, "parent_library": model_cls.__module__}
+    file.write_text(json.dumps(record, indent=2, sort_keys=True) + "\n", encoding="utf-8")
 
 
 def _run_folder(source: Path) -> tuple[Path, Path]:
@@ -116,70 +130,27 @@ def _final_evaluation(run: Path) -> dict:
     return {k: v for k, v in evals[-1].items() if k == "step" or k.startswith("eval/")} if evals else {}
 
 
-def _loading_call(folder: Path) -> tuple[str, str]:
-    """``(class, extra arguments)`` that load an exported folder: the diffusers pipeline's ``_class_name`` with its
-    absent components named as None (an SD3 pipeline saved without T5 needs them), or the transformers model's first
-    architecture."""
-    index = folder / "model_index.json"
-    if index.is_file():
-        import diffusers
-
-        entries = json.loads(index.read_text(encoding="utf-8"))
-        cls = entries.get("_class_name", "DiffusionPipeline")
-        optional = set(getattr(getattr(diffusers, cls, None), "_optional_components", []))
-        absent = [key for key, value in entries.items()
-                  if isinstance(value, list) and value[0] is None and key not in optional]
-        return cls, "".join(f", {key}=None" for key in absent)
-    if (folder / "config.json").is_file():
-        architectures = json.loads((folder / "config.json").read_text(encoding="utf-8")).get("architectures") or []
-        return (architectures[0] if architectures else "AutoModel"), ""
-    return "AutoModel", ""
+def _rename_bundled_base(tmp: Path, output: Path) -> None:
+    """An adapter whose base is bundled in the export names the folder under its final name, not the temporary one
+    it is written in."""
+    file = tmp / LORA_FOLDER / "adapter_config.json"
+    if file.is_file():
+        record = json.loads(file.read_text(encoding="utf-8"))
+        if record.get("base_model_name_or_path") == str(tmp.resolve()):
+            record["base_model_name_or_path"] = str(output.resolve())
+            file.write_text(json.dumps(record, indent=2, sort_keys=True) + "\n", encoding="utf-8")
 
 
-def _diffusers_lora_call(cls: str) -> str:
-    """The line that loads an unmerged ``lora/`` into a pipeline of class `cls`: ``pipe.load_lora_weights``, or the
-    transformer's own ``load_lora_adapter`` for a pipeline diffusers has no LoRA loader for (HunyuanVideo 1.5)."""
-    import diffusers
-    from diffusers.loaders.lora_base import LoraBaseMixin
-
-    pipeline_cls = getattr(diffusers, cls, None)  # a library lookup by name, as `_loading_call`
-    if isinstance(pipeline_cls, type) and issubclass(pipeline_cls, diffusers.DiffusionPipeline) \
-            and not issubclass(pipeline_cls, LoraBaseMixin):
-        return "pipe.transformer.load_lora_adapter(\"<this folder>/lora\", prefix=None, use_safetensors=True)\n"
-    return "pipe.load_lora_weights(\"<this folder>/lora\")\n"
-
-
-def model_card(config: dict, step: int, evaluation: dict, lora: bool, merged: bool,
-               loading: tuple[str, str] = ("", "")) -> str:
-    """A Hugging Face model card: front matter (library, base model, tags), then what was trained, how and how well,
-    how to load it (`loading`: the class and extra arguments, see [`_loading_call`]), and the full config."""
-    pipeline, algorithm = config["pipeline"], config["algorithm"]
-    cls, extra = loading
-    library = "diffusers" if cls.endswith("Pipeline") else "transformers"  # a diffusers folder loads with a *Pipeline
-    base = pipeline.get("pretrained", "")
-    front = {"library_name": library, "tags": ["mmgrpo", "reinforcement-learning", algorithm["name"]]}
-    if base and not base.startswith(("/", ".", "~", "mmgrpo:")):
-        front["base_model"] = base
-    how = "LoRA merged into the weights" if lora and merged else "LoRA adapter in `lora/`" if lora else "full fine-tuning"
-    figures = "\n".join(f"| `{k}` | {v} |" for k, v in evaluation.items() if k != "step") or "| (no evaluation) | |"
-    cls = cls or ("DiffusionPipeline" if library == "diffusers" else "AutoModel")
-    load = (f"```python\nfrom diffusers import {cls}\npipe = {cls}.from_pretrained(\"<this folder>\"{extra})\n"
-            + (_diffusers_lora_call(cls) if lora and not merged else "") + "```") \
-        if library == "diffusers" else (
-            f"```python\nfrom transformers import {cls}\nmodel = {cls}.from_pretrained(\"<this folder>\")\n"
-            + ("from peft import PeftModel\nmodel = PeftModel.from_pretrained(model, \"<this folder>/lora\")\n"
-               if lora and not merged else "") + "```")
-    return "\n".join([
-        "---", dump_yaml(front).rstrip(), "---", "",
-        f"# {pipeline['name']} trained with {algorithm['name']} (mmgrpo)", "",
-        f"- Base model: `{base}`",
-        f"- Algorithm: `{algorithm['name']}`; reward: `{config['reward']['name']}`; prompts: `{config['data']['name']}`",
-        f"- Training steps: {step} ({how})", "",
-        "## Evaluation (held-out prompts, last evaluation)", "",
-        "| metric | value |", "|---|---|", figures, "",
-        "## Loading", "", load, "",
-        "## Training config", "", "```yaml", dump_yaml(json_safe(config)).rstrip(), "```", "",
-    ])
+def _example_prompt(config) -> str | None:
+    """The first held-out (else training) prompt of the run's prompt source, for the model card's example; None when
+    the source cannot be read here (its files are elsewhere, a hub dataset offline)."""
+    source = registry.get("data", config.data.name)(config.data.options)
+    try:
+        items = source.eval_items() or source.train_items()
+    except (OSError, ValueError):
+        return None
+    prompt = items[0].get("prompt") if items else None
+    return prompt if isinstance(prompt, str) else None
 
 
 def export_checkpoint(source: str | Path, output: str | Path, merge_lora: bool = False,
@@ -218,9 +189,36 @@ def export_checkpoint(source: str | Path, output: str | Path, merge_lora: bool =
             entries = json.loads(index.read_text(encoding="utf-8"))
             entries["_name_or_path"] = raw["pipeline"].get("pretrained", "")
             index.write_text(json.dumps(entries, indent=2) + "\n", encoding="utf-8")
-        card = model_card(raw, int(meta["step"]), _final_evaluation(run), lora, merge_lora, _loading_call(tmp))
+        _rename_bundled_base(tmp, output)
+        card = model_card(raw, int(meta["step"]), _final_evaluation(run), lora, merge_lora, loading_call(tmp),
+                          folder=str(output.resolve()), prompt=_example_prompt(config))
         (tmp / "README.md").write_text(card, encoding="utf-8")
     return output
+
+
+def hub_files(folder: Path, repo_id: str) -> dict[str, bytes]:
+    """The files of an export that name its local folder, as they are uploaded to `repo_id`: the model card's example
+    downloads the repository (``snapshot_download``) and a bundled base model is the repository itself.
+
+    Returns:
+        `dict[str, bytes]`: path in the repository -> content, for the files that change.
+    """
+    local = str(folder.resolve())
+    changed = {}
+    card = folder / "README.md"
+    if card.is_file():
+        text = card.read_text(encoding="utf-8").replace(
+            f"folder = {json.dumps(local)}",
+            f"from huggingface_hub import snapshot_download\nfolder = snapshot_download({json.dumps(repo_id)})")
+        changed["README.md"] = text.encode("utf-8")
+    adapter = folder / LORA_FOLDER / "adapter_config.json"
+    if adapter.is_file():
+        record = json.loads(adapter.read_text(encoding="utf-8"))
+        if record.get("base_model_name_or_path") == local:
+            record["base_model_name_or_path"] = repo_id
+            text = json.dumps(record, indent=2, sort_keys=True) + "\n"
+            changed[f"{LORA_FOLDER}/adapter_config.json"] = text.encode("utf-8")
+    return changed
 
 
 def push_to_hub(folder: str | Path, repo_id: str, private: bool = False) -> str:
@@ -234,7 +232,7 @@ def push_to_hub(folder: str | Path, repo_id: str, private: bool = False) -> str:
             that says what to do.
     """
     import httpx2  # huggingface_hub's HTTP client: its transport errors are no connection, DNS, timeouts
-    from huggingface_hub import HfApi, constants
+    from huggingface_hub import CommitOperationAdd, HfApi, constants
     from huggingface_hub.errors import HfHubHTTPError, LocalTokenNotFoundError, OfflineModeIsEnabled
 
     later = f"or upload {folder} yourself later with `hf upload {repo_id} {folder}`."
@@ -245,8 +243,11 @@ def push_to_hub(folder: str | Path, repo_id: str, private: bool = False) -> str:
     try:
         api.whoami()
         api.create_repo(repo_id, private=private, exist_ok=True, repo_type="model")
-        api.upload_folder(folder_path=str(folder), repo_id=repo_id, repo_type="model",
-                          commit_message="Upload model exported by mmgrpo")
+        rewritten = hub_files(Path(folder), repo_id)
+        files = sorted(p for p in Path(folder).rglob("*") if p.is_file())
+        api.create_commit(repo_id, repo_type="model", commit_message="Upload model exported by mmgrpo", operations=[
+            CommitOperationAdd(path_in_repo=name, path_or_fileobj=rewritten.get(name, str(file)))
+            for file in files for name in [file.relative_to(folder).as_posix()]])
     except OfflineModeIsEnabled:
         raise RuntimeError(f"cannot push to {repo_id!r}: HF_HUB_OFFLINE is set. Unset it, {later}") from None
     except LocalTokenNotFoundError:

@@ -3,12 +3,18 @@
 half-written; the hub push is refused clearly when the hub cannot be reached."""
 
 import json
+import re
+import subprocess
+import sys
 
 import pytest
+from huggingface_hub import ModelCard
 import torch
 
 from mmgrpo import cli, config as config_mod
-from mmgrpo.export import LORA_FOLDER, export_checkpoint
+from mmgrpo.export import LORA_FOLDER, export_checkpoint, hub_files
+from mmgrpo.metrics_log import read_records
+from mmgrpo.model_card import loading_call, model_card
 from mmgrpo.trainer import Trainer
 from mmgrpo.types import PromptBatch
 from mmgrpo.plans import FlowPlan
@@ -31,6 +37,14 @@ def _stock_sd3(folder):
 def _samples(pipe):
     return pipe(prompt=PROMPTS, num_inference_steps=4, guidance_scale=1.0, height=32, width=32, output_type="pt",
                 generator=torch.Generator().manual_seed(2), max_sequence_length=16).images.float()
+
+
+def _run_example(card: str, folder) -> str:
+    """Runs the model card's Python example in a fresh interpreter in `folder`; returns what it printed."""
+    code = re.search(r"```python\n(.*?)```", card, re.S).group(1)
+    proc = subprocess.run([sys.executable, "-c", code], cwd=folder, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc.stdout
 
 
 def _sd3_policy(path, lora_rank):
@@ -76,6 +90,45 @@ def test_qwen_vl_export_loads_in_stock_transformers(tiny_qwen2_vl_dir, tmp_path,
                                    rtol=0, atol=1e-5)
 
 
+def test_vlm_lora_export_of_a_shipped_base_loads_with_auto_peft_model_and_its_card_example_runs(tmp_path):
+    """The VLM default's base is shipped (``mmgrpo:vlm_shapes``): the export bundles it and its adapter names it, with
+    the base class, so peft's ``AutoPeftModel`` loads ``lora/`` alone and computes what the policy does; the card's
+    example loads and generates; pushed, the adapter and the example name the repository instead."""
+    from peft import AutoPeftModel
+
+    from mmgrpo.pipelines.qwen_vl import QwenVLConfig, QwenVLPolicy
+
+    policy = QwenVLPolicy(QwenVLConfig(pretrained="mmgrpo:vlm_shapes", max_new_tokens=4, lora_rank=4, lora_alpha=8))
+    perturb(policy, seed=4)
+    out = tmp_path / "out"
+    policy.export_pretrained(str(out), merge_lora=False)
+    model = AutoPeftModel.from_pretrained(str(out / LORA_FOLDER)).eval()
+    ids = torch.tensor([[3, 5, 7, 9, 11, 4]])
+    with torch.no_grad():
+        torch.testing.assert_close(model(input_ids=ids).logits, policy.model.eval()(input_ids=ids).logits,
+                                   rtol=0, atol=1e-5)
+    config = {"pipeline": {"name": "qwen_vl", "pretrained": "mmgrpo:vlm_shapes", "max_new_tokens": 4},
+              "algorithm": {"name": "grpo"}, "reward": {"name": "accuracy"}, "data": {"name": "vlm_shapes"}}
+    card = model_card(config, 3, {"eval/accuracy": 2 / 3}, lora=True, merged=False, loading=loading_call(out),
+                      folder=str(out.resolve()), prompt="How many circles?")
+    data = ModelCard(card).data
+    assert (data.library_name, data.pipeline_tag, data.base_model) == ("transformers", "image-text-to-text", None)
+    assert "| `eval/accuracy` | 0.6667 |" in card and "AutoPeftModel.from_pretrained" in card
+    assert _run_example(card, tmp_path).strip()  # a generated answer
+    (out / "README.md").write_text(card)
+    pushed = hub_files(out, "someone/tiny-vlm")
+    assert json.loads(pushed[f"{LORA_FOLDER}/adapter_config.json"])["base_model_name_or_path"] == "someone/tiny-vlm"
+    assert 'folder = snapshot_download("someone/tiny-vlm")' in pushed["README.md"].decode()
+
+
+def test_a_hub_base_is_the_cards_base_model():
+    config = {"pipeline": {"name": "sd3", "pretrained": "stabilityai/stable-diffusion-3.5-medium"},
+              "algorithm": {"name": "flow_grpo"}, "reward": {"name": "pickscore"}, "data": {"name": "prompt_file"}}
+    card = ModelCard(model_card(config, 1, {}, lora=True, merged=False, loading=("StableDiffusion3Pipeline", "")))
+    assert card.data.base_model == "stabilityai/stable-diffusion-3.5-medium"
+    assert card.data.pipeline_tag == "text-to-image"
+
+
 def test_mdlm_export_merged_loads_in_stock_transformers(tiny_mdlm_dir, tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -108,11 +161,17 @@ def test_export_command_writes_a_model_card_and_the_checkpoints_weights(sd3_run,
     assert cli.main(["export", str(sd3_run), str(tmp_path / "model"), "--merge-lora"]) == 0
     card = (tmp_path / "model" / "README.md").read_text()
     config = json.loads((sd3_run / "config.json").read_text())
-    assert card.startswith("---\nlibrary_name: diffusers\n")
+    data = ModelCard.load(tmp_path / "model" / "README.md").data  # the hub's own reader of the front matter
+    assert (data.library_name, data.pipeline_tag, data.base_model) == ("diffusers", "text-to-image", None)
+    assert "dgpo" in data.tags
     for text in ("trained with dgpo", "Training steps: 2 (LoRA merged into the weights)", "reward: `jpeg`",
-                 "| `eval/jpeg_kb` |", "## Training config", f"pretrained: {config['pipeline']['pretrained']}",
-                 'StableDiffusion3Pipeline.from_pretrained("<this folder>", text_encoder_3=None, tokenizer_3=None)'):
+                 "## Training config", f"pretrained: {config['pipeline']['pretrained']}",
+                 'StableDiffusion3Pipeline.from_pretrained(folder, text_encoder_3=None, tokenizer_3=None)'):
         assert text in card, text
+    evaluation = [r for r in read_records(sd3_run / "metrics.jsonl") if "eval/jpeg_kb" in r][-1]["eval/jpeg_kb"]
+    assert f"| `eval/jpeg_kb` | {evaluation:.4g} |" in card  # rounded to 4 significant digits
+    _run_example(card, tmp_path)
+    assert (tmp_path / "sample.png").is_file()
     exported = _samples(_stock_sd3(tmp_path / "model"))
     policy = _sd3_policy(config["pipeline"]["pretrained"], 4)
     policy.load_trainable(str(sorted((sd3_run / "checkpoints").glob("step_*"))[-1] / "weights"))

@@ -17,8 +17,8 @@ ALLOWED = {
     ("mmgrpo/sharding.py", "m"): "torch modules: transformers / diffusers block lists (_no_split_modules), peft's "
                                  "peft_config",
     ("mmgrpo/sharding.py", "self._accelerator"): "the accelerate Accelerator that the wrapper forwards to",
-    ("mmgrpo/export.py", "diffusers"): "a diffusers pipeline class named in model_index.json",
-    ("mmgrpo/export.py", "getattr(diffusers, cls, None)"): "that diffusers class's _optional_components",
+    ("mmgrpo/model_card.py", "diffusers"): "a diffusers pipeline class named in model_index.json",
+    ("mmgrpo/model_card.py", "getattr(diffusers, cls, None)"): "that diffusers class's _optional_components",
     ("mmgrpo/checkpoint.py", "np"): "numpy moved numpy.core to numpy._core in 2.0",
     ("mmgrpo/tracking.py", "tracker"): "accelerate's trackers: only some log images or tables",
     ("mmgrpo/validation.py", "tp"): "a type annotation: typing constructs have no __name__",
