@@ -73,16 +73,16 @@ def parse_boxes(text: str, answer_tag: str | None = "answer", max_boxes: int = 1
 
 
 def box_iou(boxes_a: torch.Tensor, boxes_b: torch.Tensor) -> torch.Tensor:
-    """Pairwise IoU of ``[x1, y1, x2, y2]`` boxes: `[P, 4]` x `[G, 4]` -> `[P, G]`. Inverted or empty boxes have
-    area 0; a pair with zero union has IoU 0."""
-    a, b = boxes_a.double()[:, None, :], boxes_b.double()[None, :, :]  # [P, 1, 4], [1, G, 4]
-    width = (torch.minimum(a[..., 2], b[..., 2]) - torch.maximum(a[..., 0], b[..., 0])).clamp_min(0)  # [P, G]
-    height = (torch.minimum(a[..., 3], b[..., 3]) - torch.maximum(a[..., 1], b[..., 1])).clamp_min(0)
-    inter = width * height
-    area_a = ((a[..., 2] - a[..., 0]).clamp_min(0) * (a[..., 3] - a[..., 1]).clamp_min(0))  # [P, 1]
-    area_b = ((b[..., 2] - b[..., 0]).clamp_min(0) * (b[..., 3] - b[..., 1]).clamp_min(0))  # [1, G]
-    union = area_a + area_b - inter
-    return torch.where(union > 0, inter / union.clamp_min(1e-12), torch.zeros_like(union))  # [P, G]
+    """Pairwise IoU of ``[x1, y1, x2, y2]`` boxes: `[P, 4]` x `[G, 4]` -> `[P, G]` (``torchvision.ops.box_iou``, in
+    float64). Inverted boxes count as empty (area 0, as torchvision would otherwise give them a negative area); a
+    pair with zero union has IoU 0 (torchvision's 0 / 0)."""
+    from torchvision.ops import box_iou as iou
+
+    def empty_if_inverted(boxes: torch.Tensor) -> torch.Tensor:  # [n, 4] -> [n, 4], x2 >= x1 and y2 >= y1
+        boxes = boxes.double()
+        return torch.cat([boxes[:, :2], torch.maximum(boxes[:, :2], boxes[:, 2:])], dim=1)
+
+    return torch.nan_to_num(iou(empty_if_inverted(boxes_a), empty_if_inverted(boxes_b)), nan=0.0)  # [P, G]
 
 
 @dataclass

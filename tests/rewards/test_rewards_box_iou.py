@@ -146,3 +146,24 @@ def test_threshold_mode():
 def test_config_refuses_unusable_values_naming_the_key(options, key):
     with pytest.raises(ValueError, match=key):
         BoxIoU.Config(**options)
+
+
+def _box_iou_by_hand(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """The pairwise IoU written out (the formula mmgrpo computed before it used torchvision): clamped overlap widths,
+    inverted boxes of area 0, 0 for a zero union."""
+    out = torch.zeros(len(a), len(b), dtype=torch.float64)
+    for i, (ax1, ay1, ax2, ay2) in enumerate(a.double().tolist()):
+        for j, (bx1, by1, bx2, by2) in enumerate(b.double().tolist()):
+            inter = max(0.0, min(ax2, bx2) - max(ax1, bx1)) * max(0.0, min(ay2, by2) - max(ay1, by1))
+            union = max(0.0, ax2 - ax1) * max(0.0, ay2 - ay1) + max(0.0, bx2 - bx1) * max(0.0, by2 - by1) - inter
+            out[i, j] = inter / union if union > 0 else 0.0
+    return out
+
+
+def test_box_iou_through_torchvision_gives_the_same_numbers_as_the_formula_written_out():
+    generator = torch.Generator().manual_seed(0)
+    corners = torch.randint(0, 40, (64, 4), generator=generator).double()  # some inverted, some empty
+    exact = torch.tensor([[1.0, 2, 30, 20], [5.0, 5, 5, 5], [30.0, 20, 1, 2], [0.0, 0, 0.5, 40]])
+    a, b = torch.cat([corners[:32], exact]), torch.cat([corners[32:], exact])
+    assert ((a[:, 2] < a[:, 0]) | (a[:, 3] < a[:, 1])).any() and ((a[:, 2] == a[:, 0]) | (a[:, 3] == a[:, 1])).any()
+    torch.testing.assert_close(box_iou(a, b), _box_iou_by_hand(a, b), rtol=0, atol=1e-12)
