@@ -5,11 +5,17 @@ index alone). Each item edits one shape, named so the instruction points at it a
 shape of the scene has it, else by colour and shape):
 
 - ``recolor``: "make the red circle blue" (the shape redrawn in another colour of the palette);
-- ``remove``: "remove the square" (the shape left out).
+- ``remove``: "remove the square" (the shape left out);
+- ``move``: "move the triangle left" (the shape shifted by half the image into the empty quadrant beside it: left,
+  right, up or down).
 
 Items carry ``images`` (the input scene, one PIL image) and metadata ``kind``, ``scene`` and ``target_scene`` (the
 shapes before and after, JSON-able), and ``source_image`` / ``target_image`` (uint8 tensors `[3, size, size]`), which
 `edit_fidelity` compares the edited image with. Training items use even scene indices, held-out items odd ones (disjoint splits).
+With ``held_out: unseen`` (the default) the held-out items are moreover edits of combinations never trained on: an
+edit's combination is its kind, the edited shape and its colour (the new colour of a recolour), and a quarter of them
+(`HELD_OUT`: 3 per kind, each shape and each colour once) are held-out only; every kind, shape and colour alone still
+occurs in training. ``held_out: scenes`` holds out scenes only.
 """
 
 from __future__ import annotations
@@ -21,10 +27,15 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from mmgrpo.data.vlm_shapes import COLOURS, render, scene
+from mmgrpo.data.vlm_shapes import COLOURS, SHAPES, render, scene
 from mmgrpo.validation import check_fields, check_range, check_seed
 
-KINDS = ("recolor", "remove")
+KINDS = ("recolor", "remove", "move")
+DIRECTIONS = {"left": (-1, 0), "right": (1, 0), "up": (0, -1), "down": (0, 1)}  # quadrant steps (column, row)
+# (kind, shape, colour) edits held out under `held_out: unseen`: those whose indices in KINDS, SHAPES and COLOURS sum
+# to a multiple of 4 (per kind, one colour per shape and one shape per colour).
+HELD_OUT = frozenset((k, s, c) for i, k in enumerate(KINDS) for j, s in enumerate(SHAPES)
+                     for n, c in enumerate(COLOURS) if (i + j + n) % 4 == 0)
 
 
 @dataclass
@@ -36,8 +47,11 @@ class ShapesEditConfig:
         n_train (`int`, defaults to 1000): training items.
         n_eval (`int`, defaults to 100): held-out items.
         size (`int`, defaults to 64): image side in pixels (at least 28).
-        kinds (`tuple[str, ...]`, defaults to both): edit kinds among ``recolor`` and ``remove``, taken in turn.
+        kinds (`tuple[str, ...]`, defaults to all): edit kinds among ``recolor``, ``remove`` and ``move``, taken in
+            turn.
         max_objects (`int`, defaults to 3): most shapes in a scene (1 to 4).
+        held_out (`str`, defaults to ``"unseen"``): ``unseen`` holds out the edit combinations of `HELD_OUT` (and the
+            scenes of odd indices); ``scenes`` holds out scenes only.
     """
 
     seed: int = 0
@@ -46,6 +60,7 @@ class ShapesEditConfig:
     size: int = 64
     kinds: tuple[str, ...] = KINDS
     max_objects: int = 3
+    held_out: str = "unseen"
 
     def __post_init__(self):
         check_fields(self)
@@ -54,6 +69,8 @@ class ShapesEditConfig:
         check_range("n_eval", self.n_eval, 0, 10**6, fix="0: no held-out items (then set eval.every=0)")
         check_range("size", self.size, 28, 1024, fix="a scene needs at least 28 pixels")
         check_range("max_objects", self.max_objects, 1, 4, fix="one shape per quadrant")
+        if self.held_out not in ("unseen", "scenes"):
+            raise ValueError(f"data.held_out must be 'unseen' or 'scenes', got {self.held_out!r}.")
         self.kinds = tuple(self.kinds)
         unknown = sorted(set(self.kinds) - set(KINDS))
         if unknown or not self.kinds:
@@ -68,21 +85,54 @@ def name_of(shapes: list[dict], k: int) -> str:
     return f"the {target['colour']} {target['shape']}"
 
 
-def edit(shapes: list[dict], kind: str, rng: random.Random) -> tuple[str, list[dict]] | None:
-    """``(instruction, edited shapes)`` of one edit of `kind` on a shape named unambiguously, or None when no shape
-    of the scene can be named alone."""
-    nameable = [k for k, s in enumerate(shapes)
-                if sum((o["shape"], o["colour"]) == (s["shape"], s["colour"]) for o in shapes) == 1]
-    if not nameable:
+def _moved(shape: dict, direction: str, size: int, taken: set[int]) -> dict | None:
+    """`shape` moved one quadrant towards `direction` (its box shifted by half the image), or None when that quadrant
+    is off the image or taken."""
+    dx, dy = DIRECTIONS[direction]
+    column, row = shape["cell"] % 2 + dx, shape["cell"] // 2 + dy
+    if not (0 <= column < 2 and 0 <= row < 2) or row * 2 + column in taken:
         return None
-    k = rng.choice(nameable)
-    name, edited = name_of(shapes, k), copy.deepcopy(shapes)
-    if kind == "remove":
-        del edited[k]
-        return f"remove {name}", edited
-    colour = rng.choice([c for c in COLOURS if c != shapes[k]["colour"]])
-    edited[k]["colour"] = colour
-    return f"make {name} {colour}", edited
+    half = size // 2
+    x1, y1, x2, y2 = shape["box"]
+    return {**shape, "cell": row * 2 + column, "box": [x1 + dx * half, y1 + dy * half, x2 + dx * half, y2 + dy * half]}
+
+
+def candidates(shapes: list[dict], kind: str, size: int) -> list[tuple[int, str, list[dict]]]:
+    """Every edit of `kind` on a shape named unambiguously: ``(shape index, instruction word, edited shapes)``, the
+    word being the new colour (recolour), the direction (move) or empty (remove)."""
+    out = []
+    for k, s in enumerate(shapes):
+        if sum((o["shape"], o["colour"]) == (s["shape"], s["colour"]) for o in shapes) != 1:
+            continue  # no name points at this shape alone
+        if kind == "remove":
+            out.append((k, "", shapes[:k] + shapes[k + 1:]))
+        elif kind == "recolor":
+            out += [(k, c, [{**o, "colour": c} if i == k else o for i, o in enumerate(shapes)])
+                    for c in COLOURS if c != s["colour"]]
+        else:
+            taken = {o["cell"] for o in shapes}
+            for direction in DIRECTIONS:
+                moved = _moved(s, direction, size, taken)
+                if moved is not None:
+                    out.append((k, direction, [moved if i == k else o for i, o in enumerate(shapes)]))
+    return out
+
+
+def combination(kind: str, shape: dict, word: str) -> tuple[str, str, str]:
+    """An edit's ``(kind, shape, colour)``: the new colour for a recolour, the shape's own otherwise."""
+    return kind, shape["shape"], word if kind == "recolor" else shape["colour"]
+
+
+def edit(shapes: list[dict], kind: str, rng: random.Random, size: int,
+         allowed=lambda combo: True) -> tuple[str, list[dict]] | None:
+    """``(instruction, edited shapes)`` of one edit of `kind` (drawn by `rng` among those whose combination
+    `allowed` accepts) on a shape named unambiguously, or None when there is none."""
+    options = [c for c in candidates(shapes, kind, size) if allowed(combination(kind, shapes[c[0]], c[1]))]
+    if not options:
+        return None
+    k, word, edited = rng.choice(options)
+    verb = {"remove": "remove {}", "recolor": "make {} " + word, "move": "move {} " + word}[kind]
+    return verb.format(name_of(shapes, k)), copy.deepcopy(edited)
 
 
 def as_tensor(image) -> torch.Tensor:
@@ -100,10 +150,14 @@ class ShapesEdit:
         self.config = config or self.Config()
 
     def item(self, index: int, kind: str) -> dict | None:
-        """The edit item of scene `index` (None when no shape can be named alone)."""
+        """The edit item of scene `index` (None when it allows no edit of `kind` in its split: the split is the
+        index's parity, and under ``held_out: unseen`` odd indices take `HELD_OUT` combinations only, even ones
+        none)."""
         c = self.config
         shapes = scene(index, c.size, c.max_objects)
-        made = edit(shapes, kind, random.Random(f"edit-{index}"))
+        held = index % 2 == 1
+        allowed = (lambda combo: (combo in HELD_OUT) == held) if c.held_out == "unseen" else (lambda combo: True)
+        made = edit(shapes, kind, random.Random(f"edit-{index}"), c.size, allowed)
         if made is None:
             return None
         instruction, edited = made

@@ -11,8 +11,11 @@ absolute difference of pixels in [0, 1] over the channels:
     preserve = 1 - mean outside the region grown by `dilation` pixels of d(output, source)
     score    = change_weight * change + (1 - change_weight) * preserve
 
-in [0, 1]; a region that is empty (nothing to change) or the whole image scores its one defined term. A prompt
-without source or target image scores NaN (not applicable). Images are tensors `[3, H, W]` in [0, 1] (or uint8),
+in [0, 1]; a region that is empty (nothing to change) or the whole image scores its one defined term. The strict
+component is 1 when the edit is right on pixels: at least `strict_change_share` of the region's pixels are within
+`strict_tolerance` of the target and at least `strict_preserve_share` of the preserved ones within it of the source
+(``d`` per pixel; an empty region passes its test), else 0. A prompt without source or target image scores NaN (not
+applicable). Images are tensors `[3, H, W]` in [0, 1] (or uint8),
 PIL images or paths (opened with [`mmgrpo.image_files.open_image`], size-checked); masks are `[H, W]` tensors,
 PIL images (non-zero is true) or paths.
 """
@@ -44,17 +47,30 @@ class EditFidelityConfig:
             by more than this in some channel (pixels in [0, 1]).
         dilation (`int`, defaults to 1): pixels around the edited region (at the output's resolution) left out of the
             preserved region.
+        strict_tolerance (`float`, defaults to 0.25): the strict rule's largest mean absolute difference (over the
+            channels, pixels in [0, 1]) of a right pixel.
+        strict_change_share (`float`, defaults to 0.8): share of the edited region's pixels that must match the
+            target for the strict rule.
+        strict_preserve_share (`float`, defaults to 0.98): share of the preserved region's pixels that must match the
+            source for the strict rule.
     """
 
     change_weight: float = 0.5
     threshold: float = 0.1
     dilation: int = 1
+    strict_tolerance: float = 0.25
+    strict_change_share: float = 0.8
+    strict_preserve_share: float = 0.98
 
     def __post_init__(self):
         check_fields(self)
         check_range("change_weight", self.change_weight, 0.0, 1.0, fix="0.5 weighs both terms alike")
         check_range("threshold", self.threshold, 0.0, 1.0, low_open=True, fix="pixels are in [0, 1]; 0.1 is usual")
         check_range("dilation", self.dilation, 0, 64, fix="0 keeps the region as it is")
+        check_range("strict_tolerance", self.strict_tolerance, 0.0, 1.0, low_open=True, fix="0.25 is a quarter of "
+                    "the full range")
+        check_range("strict_change_share", self.strict_change_share, 0.0, 1.0, fix="a share of pixels")
+        check_range("strict_preserve_share", self.strict_preserve_share, 0.0, 1.0, fix="a share of pixels")
 
 
 def as_image(image: Any) -> torch.Tensor:
@@ -96,15 +112,18 @@ def edit_region(source: torch.Tensor, target: torch.Tensor, mask: torch.Tensor |
 
 
 def fidelity(output: torch.Tensor, source: torch.Tensor, target: torch.Tensor, region: torch.Tensor,
-             kept: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(change, preserve)`` of one output `[3, h, w]` over the edited `region` and the `kept` one (NaN where
-    empty)."""
+             kept: torch.Tensor, config: EditFidelityConfig) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(change, preserve, strict)`` of one output `[3, h, w]` over the edited `region` and the `kept` one (change and
+    preserve NaN where empty; strict 0 or 1)."""
     nan = torch.tensor(float("nan"))
     to_target = (output - target).abs().mean(0)  # [h, w]
     to_source = (output - source).abs().mean(0)  # [h, w]
     change = 1 - to_target[region].mean() if region.any() else nan
     preserve = 1 - to_source[kept].mean() if kept.any() else nan
-    return change, preserve
+    tol = config.strict_tolerance
+    changed = (to_target[region] <= tol).float().mean() >= config.strict_change_share if region.any() else True
+    stayed = (to_source[kept] <= tol).float().mean() >= config.strict_preserve_share if kept.any() else True
+    return change, preserve, torch.tensor(float(bool(changed) and bool(stayed)))
 
 
 class EditFidelityReward:
@@ -123,12 +142,13 @@ class EditFidelityReward:
 
     def __call__(self, outputs: dict[str, Any], batch: PromptBatch) -> RewardResult:
         """Returns `scores` `[N]` in [0, 1] (NaN without source / target) and components ``edit_change`` and
-        ``edit_preserve`` `[N]` (NaN where undefined)."""
+        ``edit_preserve`` `[N]` (NaN where undefined) and ``strict`` `[N]` (0 or 1, NaN without source / target)."""
         cfg = self.config
         images = outputs["images"].float().clamp(0, 1).cpu()  # [N, 3, H, W]
         size = tuple(images.shape[-2:])
         n = len(images)
         change, preserve = torch.full((n,), float("nan")), torch.full((n,), float("nan"))
+        strict = torch.full((n,), float("nan"))
         for i, metadata in enumerate(batch.metadata):
             if metadata.get("source_image") is None or metadata.get("target_image") is None:
                 continue
@@ -136,10 +156,12 @@ class EditFidelityReward:
             mask = as_mask(metadata["edit_mask"]) if metadata.get("edit_mask") is not None else None
             aligned = _resized(source, tuple(target.shape[-2:]))  # the source at the target's size
             region, kept = edit_region(aligned, target, mask, size, cfg.threshold, cfg.dilation)
-            change[i], preserve[i] = fidelity(images[i], _resized(source, size), _resized(target, size), region, kept)
+            change[i], preserve[i], strict[i] = fidelity(images[i], _resized(source, size), _resized(target, size),
+                                                         region, kept, cfg)
         weighted = cfg.change_weight * change + (1 - cfg.change_weight) * preserve
         scores = torch.where(change.isnan(), preserve, torch.where(preserve.isnan(), change, weighted))
-        return RewardResult(scores=scores.float(), components={"edit_change": change, "edit_preserve": preserve})
+        return RewardResult(scores=scores.float(), components={"edit_change": change, "edit_preserve": preserve,
+                                                                   "strict": strict})
 
 
 PLUGIN = EditFidelityReward

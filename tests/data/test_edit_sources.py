@@ -1,6 +1,6 @@
 """The editing prompt sources: `edit_jsonl` (rows with input images, instruction, optional target and mask; paths
 relative to the file, headers size-checked, one-line errors naming file and row) and `shapes_edit` (recolour / remove
-edits on shapes scenes whose target is exactly the edited scene)."""
+edits on shapes scenes whose target is exactly the edited scene, moves, and held-out unseen combinations)."""
 
 import json
 from pathlib import Path
@@ -10,7 +10,7 @@ import torch
 from PIL import Image
 
 from mmgrpo.data.edit_jsonl import EditJsonl, EditJsonlConfig
-from mmgrpo.data.shapes_edit import ShapesEdit, ShapesEditConfig
+from mmgrpo.data.shapes_edit import HELD_OUT, KINDS, ShapesEdit, ShapesEditConfig, combination
 from mmgrpo.prompt_stream import items_to_batch
 from mmgrpo.rewards.edit_fidelity import EditFidelityReward
 
@@ -72,7 +72,7 @@ def test_shapes_edits_change_exactly_the_named_shape():
         assert changed.any()  # the edit is visible
         if m["kind"] == "remove":
             assert len(m["target_scene"]) == len(m["scene"]) - 1 and item["prompt"].startswith("remove the ")
-        else:
+        elif m["kind"] == "recolor":
             assert item["prompt"].split()[-1] in {s["colour"] for s in m["target_scene"]}
         batch = items_to_batch([item, item])
         outputs = torch.stack([m["target_image"], m["source_image"]]).float() / 255
@@ -82,8 +82,47 @@ def test_shapes_edits_change_exactly_the_named_shape():
     assert not held_out & {repr(i["metadata"]["scene"]) for i in items}
 
 
+def combo_of(item) -> tuple[str, str, str]:
+    """The (kind, shape, colour) of an item's edit, read back from its scenes."""
+    m = item["metadata"]
+    before, after = m["scene"], m["target_scene"]
+    if m["kind"] == "remove":
+        (edited,) = [s for s in before if s not in after]
+        return combination("remove", edited, "")
+    (k,) = [k for k, (a, b) in enumerate(zip(before, after)) if a != b]
+    return combination(m["kind"], before[k], after[k]["colour"])
+
+
+def test_moves_shift_the_named_shape_into_the_empty_quadrant_beside_it():
+    items = ShapesEdit(ShapesEditConfig(n_train=30, n_eval=0, size=32, kinds=("move",))).train_items()
+    steps = {"left": (-16, 0), "right": (16, 0), "up": (0, -16), "down": (0, 16)}
+    for item in items:
+        before, after = item["metadata"]["scene"], item["metadata"]["target_scene"]
+        (k,) = [k for k, (a, b) in enumerate(zip(before, after)) if a != b]
+        dx, dy = steps[item["prompt"].split()[-1]]
+        assert after[k]["box"] == [before[k]["box"][0] + dx, before[k]["box"][1] + dy, before[k]["box"][2] + dx,
+                                   before[k]["box"][3] + dy]
+        assert after[k]["cell"] not in {s["cell"] for s in before}  # into an empty quadrant
+        assert item["prompt"].startswith("move the ") and before[k]["shape"] in item["prompt"]
+    assert {i["prompt"].split()[-1] for i in items} == set(steps)
+
+
+def test_unseen_split_holds_out_combinations_and_trains_every_kind_shape_and_colour():
+    source = ShapesEdit(ShapesEditConfig(n_train=300, n_eval=60, size=32))
+    train = [combo_of(i) for i in source.train_items()]
+    held = [combo_of(i) for i in source.eval_items()]
+    assert set(held) <= HELD_OUT and not set(train) & HELD_OUT
+    assert {c[0] for c in held} == set(KINDS)
+    for position in range(3):  # each kind, shape and colour alone is trained on
+        assert {c[position] for c in train} == {c[position] for c in HELD_OUT}
+    scenes = ShapesEdit(ShapesEditConfig(n_train=0, n_eval=60, size=32, held_out="scenes")).eval_items()
+    assert set(combo_of(i) for i in scenes) - HELD_OUT  # scenes only: any combination
+
+
 def test_shapes_edit_config_errors():
     with pytest.raises(ValueError, match="kinds"):
         ShapesEditConfig(kinds=("blur",))
     with pytest.raises(ValueError, match="max_objects"):
         ShapesEditConfig(max_objects=5)
+    with pytest.raises(ValueError, match="held_out"):
+        ShapesEditConfig(held_out="none")

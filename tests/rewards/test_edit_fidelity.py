@@ -66,8 +66,36 @@ def test_paths_and_missing_truth(tmp_path):
     assert torch.isnan(only.components["edit_preserve"][0]) and float(only.scores[0]) == pytest.approx(1.0)
 
 
+def test_strict_counts_right_pixels_in_each_region():
+    """Strict is 1 when >= 80% of the edited pixels are within 0.25 of the target and >= 98% of the others within
+    0.25 of the source. On 10 x 10 images with a 5 x 5 recoloured square (25 edited pixels; with dilation 0, 75 kept):
+    5 wrong edited pixels (80% right) pass, 6 fail; 1 changed kept pixel (98.7% right) passes, 2 (97.3%) fail."""
+    source, target = torch.zeros(3, 10, 10), torch.zeros(3, 10, 10)
+    source[:, :5, :5], target[:, :5, :5] = RED[:, None, None], BLUE[:, None, None]
+    truth = {"source_image": source, "target_image": target}
+
+    def with_errors(region_wrong, kept_wrong):
+        out = target.clone()
+        out.view(3, -1)[:, [r * 10 + c for r in range(5) for c in range(5)][:region_wrong]] = RED[:, None]
+        out[:, 9, :kept_wrong] = 1.0  # white: 1 away from the black source
+        return out
+
+    outputs = [with_errors(0, 0), with_errors(5, 0), with_errors(6, 0), with_errors(0, 1), with_errors(0, 2), source]
+    result = score(outputs, [truth] * len(outputs))
+    torch.testing.assert_close(result.components["strict"], torch.tensor([1.0, 1.0, 0.0, 1.0, 0.0, 0.0]))
+    near = target + 0.24  # every pixel within the tolerance: strict, although the graded score is below 1
+    result = score([near, near], [truth, truth])
+    assert result.components["strict"].tolist() == [1.0, 1.0] and float(result.scores[0]) < 0.8
+    assert score([near], [truth], strict_tolerance=0.2).components["strict"].tolist() == [0.0]
+    assert torch.isnan(score([target], [{}]).components["strict"][0])
+
+
 def test_config_errors_name_the_option():
     with pytest.raises(ValueError, match="change_weight"):
         EditFidelityConfig(change_weight=1.5)
     with pytest.raises(ValueError, match="threshold"):
         EditFidelityConfig(threshold=0.0)
+    with pytest.raises(ValueError, match="strict_tolerance"):
+        EditFidelityConfig(strict_tolerance=0.0)
+    with pytest.raises(ValueError, match="strict_preserve_share"):
+        EditFidelityConfig(strict_preserve_share=1.5)
