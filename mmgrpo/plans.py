@@ -12,7 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import ClassVar, Union
 
-FLOW_PLAN_FEATURES = frozenset({"merge", "branch", "init_same_noise", "unit_selection", "dpm", "likelihood", "sample_noise", "tree", "old_mean"})
+FLOW_PLAN_FEATURES = frozenset({"merge", "branch", "init_same_noise", "unit_selection", "dpm", "likelihood", "sample_noise",
+                                "tree", "old_mean", "dpm_post"})
 # plan feature -> the `Score` fields a pipeline's scoring method fills only for a plan that uses the feature (its
 # ``provides`` lists them; an algorithm reading one must ask for the feature, which the checks before loading verify)
 FEATURE_SCORE_FIELDS = {"old_mean": frozenset({"old_mean"})}
@@ -75,6 +76,10 @@ class FlowPlan:
         branch_factor (`int`): children per node at a split point.
         tree_split_noise_scale (`float`): the standard normal noise of a split step is multiplied by it, while the
             recorded log-probability keeps the transition's unscaled std (as BranchGRPO's code).
+        dpm_post_ratio (`float`): feature ``"dpm_post"`` (MixGRPO-Flash) when > 0: the ODE after the last SDE step
+            ``b`` is DPM-Solver++ on ``max(int(max((S - b) * ratio, 1)), 2)`` compressed noise levels ending at 0; see
+            [`mmgrpo.samplers.flow_dpm.sample_post_dpm`]. A plan without SDE steps samples as without it.
+        dpm_solver_type (`str`): the 2nd order DPM-Solver++ update of ``"dpm_post"``: ``"midpoint"`` or ``"heun"``.
     """
 
     family: ClassVar[str] = "flow"
@@ -100,6 +105,8 @@ class FlowPlan:
     tree_split_points: list[int] = field(default_factory=list)
     branch_factor: int = 2
     tree_split_noise_scale: float = 1.0
+    dpm_post_ratio: float = 0.0
+    dpm_solver_type: str = "midpoint"
 
     def __post_init__(self):
         trained = self.trained_steps
@@ -126,6 +133,7 @@ class FlowPlan:
             raise ValueError(f"units_per_sample {self.units_per_sample} must be in 0..{len(self.train_units)}.")
         self._check_merges()
         self._check_tree()
+        self._check_dpm_post()
         if self.branch and (not self.sde_steps or len(set(self.sde_steps)) != len(self.sde_steps)):
             raise ValueError(f"A branching plan needs distinct sde_steps (one per branch), got {self.sde_steps}.")
         if self.init_same_noise and (self.branch or self.tree_split_points):
@@ -160,6 +168,19 @@ class FlowPlan:
                 self.scoring != "trajectory" or self.units_per_sample or self.record_mean:
             raise ValueError("A tree plan (tree_split_points) combines with no other flow plan feature.")
 
+    def _check_dpm_post(self) -> None:
+        if not 0 <= self.dpm_post_ratio <= 1 or self.dpm_solver_type not in ("midpoint", "heun"):
+            raise ValueError(f"FlowPlan.dpm_post_ratio must be in [0, 1] and dpm_solver_type 'midpoint' or 'heun', got "
+                             f"{self.dpm_post_ratio} and {self.dpm_solver_type!r}.")
+        if not self.dpm_post_ratio:
+            return
+        if self.sde_steps and max(self.sde_steps) > self.num_steps - 2:
+            raise ValueError(f"FlowPlan.dpm_post_ratio: the DPM-Solver++ part needs an ODE step after the last SDE step "
+                             f"(sde_steps={self.sde_steps}, num_steps={self.num_steps}).")
+        if self.branch or self.merge or self.merge_entropy is not None or self.solver != "flow" or \
+                self.scoring != "trajectory" or self.units_per_sample or self.tree_split_points:
+            raise ValueError("FlowPlan.dpm_post_ratio combines only with init_same_noise and record_mean.")
+
     @property
     def tree_leaves(self) -> int:
         """Leaves of a tree plan's group, ``branch_factor ** len(tree_split_points)`` (1 without a tree)."""
@@ -169,8 +190,8 @@ class FlowPlan:
         """The opt-in features this plan uses, a subset of [`FLOW_PLAN_FEATURES`]: ``"merge"`` (fixed or
         entropy-adaptive merged SDE steps), ``"branch"`` (group branches from one anchor), ``"unit_selection"``
         (per-sample trained units), ``"dpm"`` (the DPM-Solver++ rollout) and ``"likelihood"`` (scoring by
-        [`mmgrpo.samplers.flow_likelihood.plan_likelihood`]) and ``"tree"`` (BranchGRPO's tree rollout); a policy must
-        list them all in its ``plan_features``."""
+        [`mmgrpo.samplers.flow_likelihood.plan_likelihood`]), ``"tree"`` (BranchGRPO's tree rollout) and ``"dpm_post"``
+        (DPM-Solver++ after the SDE steps); a policy must list them all in its ``plan_features``."""
         used = {
             "merge": bool(self.merge) or self.merge_entropy is not None,
             "branch": self.branch,
@@ -181,6 +202,7 @@ class FlowPlan:
             "sample_noise": self.likelihood_noise == "sample",
             "old_mean": self.record_mean,
             "tree": bool(self.tree_split_points),
+            "dpm_post": self.dpm_post_ratio > 0,
         }
         return {name for name, on in used.items() if on}
 

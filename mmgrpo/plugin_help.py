@@ -59,6 +59,8 @@ def _type_name(tp) -> str:
         return tp
     if typing.get_origin(tp) is typing.Literal:
         return " | ".join(repr(v) for v in typing.get_args(tp))
+    if typing.get_origin(tp) is typing.Union:  # Optional[Literal[...]] and the like: each member spelled out
+        return " | ".join("None" if arg is type(None) else _type_name(arg) for arg in typing.get_args(tp))
     return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
 
 

@@ -14,10 +14,11 @@ from ._options import AdvantageOptions, ClipOptions, SDEOptions
 
 
 def per_step_plan(num_steps: int, steps: list[int], sde: SDEOptions, init_same_noise: bool,
-                  generator: torch.Generator | None, units_per_sample: int = 0) -> FlowPlan:
+                  generator: torch.Generator | None, units_per_sample: int = 0, **features) -> FlowPlan:
     """SDE (`sde`'s) on `steps`, ODE elsewhere, each SDE step one trained unit (each sample training
     `units_per_sample` of them, drawn per sample; 0: all), the members of a group starting from one initial noise with
-    `init_same_noise`; the seed drawn from `generator`."""
+    `init_same_noise`; the seed drawn from `generator`; `features`: further [`FlowPlan`] fields (MixGRPO-Flash's
+    ``dpm_post_ratio``)."""
     return FlowPlan(
         num_steps=num_steps,
         sde_steps=steps,
@@ -27,6 +28,7 @@ def per_step_plan(num_steps: int, steps: list[int], sde: SDEOptions, init_same_n
         units_per_sample=units_per_sample,
         init_same_noise=init_same_noise,
         seed=int(torch.randint(0, 2**62, (1,), generator=generator)),
+        **features,
     )
 
 

@@ -23,11 +23,26 @@ The window position is the algorithm's state: the trainer calls ``after_step`` o
 ``traits.after_step``), and the count is checkpointed (``traits.has_state``), so a resumed run keeps its window.
 Evaluation samples with the ODE and moves nothing.
 
+MixGRPO-Flash (``dpm_algorithm_type: dpmsolver++``, the authors' ``--dpm_algorithm_type dpmsolver++
+--dpm_apply_strategy post``): the steps up to the window's last step `b` are as above; the ODE after it is
+DPM-Solver++ (2nd order multistep, `dpm_solver_type` ``midpoint`` in their scripts, final step 1st order) on a
+compressed schedule of ``K = int(max((S - b) * dpm_post_compress_ratio, 1))`` noise levels, ``shift(linspace(t_{b+1},
+0, K))`` with ``t_{b+1} = 1 - (b + 1) / S`` (``K - 1`` DPM steps instead of ``S - b - 1`` Euler steps; 25 steps,
+window at 0: 7 instead of 21). The history of the first DPM step is the ``x0_hat`` of step `b` (with ``sde_type:
+dance`` the authors' code keeps none: 1st order). Only window steps are trained, so the loss is unchanged. Their
+scripts: MixGRPO-Flash, ratio 0.4 and ``iters_per_group`` 20; MixGRPO-Flash*, ratio 0.2 and ``prog_overlap_step`` 0
+(the window stays at steps 0 .. 3). See [`mmgrpo.samplers.flow_dpm`].
+
 Differences from the authors' code: ``sample_strategy: random`` draws each iteration's start from the plan's generator
 (uniform in ``0 .. M - window_size``; theirs: NumPy's unseeded generator, the first iteration at 0); their ``decay``
-and ``exp_decay`` strategies, ``advantage_rerange_strategy``, ``trimmed_ratio`` and MixGRPO-Flash (DPM-Solver++ on the
-ODE steps after the window) are not implemented. When the start reaches `M` the window is empty: that iteration
-samples with the ODE only and trains nothing (the authors' loop would fail there; their runs stop before it).
+and ``exp_decay`` strategies, ``advantage_rerange_strategy`` and ``trimmed_ratio`` are not implemented. When the start
+reaches `M` the window is empty: that iteration samples with the ODE only and trains nothing (the authors' loop would
+fail there; their runs stop before it). MixGRPO-Flash: diffusers' `DPMSolverMultistepScheduler` computes the DPM
+steps (the same 2nd order updates as the authors' own solver); the time shift of the compressed levels is the one
+through the pipeline's ``sigma_{b+1}`` (exactly the authors' levels where the pipeline's sigmas are a time shift of
+``linspace(1, 0, S + 1)``, as SD3's, FLUX's and Wan's); ``K`` is at least 2 (at ``K = 1`` the authors' schedule would
+stop above sigma 0); their ``dpm_solver_order`` 1 and 3, ``dpmsolver`` (not ++) and ``dpm_apply_strategy: all`` are
+not implemented.
 """
 
 from __future__ import annotations
@@ -40,7 +55,7 @@ import torch
 from ..losses import masked_mean
 from ..plans import FlowPlan
 from ..types import AlgorithmTraits, LossOutput, Score
-from ..validation import check_fields, check_range, embedded
+from ..validation import ConfigError, check_fields, check_range, embedded
 from ._limits import KL_BETA_LIMIT, STEP_LIMIT, UPDATES_LIMIT
 from . import _options
 from ._flow_common import fastvideo_surrogate, per_step_plan
@@ -58,7 +73,8 @@ class MixGRPOConfig:
             docstring) or ``"random"`` (a start drawn uniformly in ``0 .. num_steps - 2 - window_size`` each iteration).
         iters_per_group (`int`): rollout iterations the window stays in place (``"progressive"``; 25).
         prog_overlap (`bool`): the window moves by `prog_overlap_step` (their script) or, false, by `window_size`.
-        prog_overlap_step (`int`): the move of an overlapping window (1).
+        prog_overlap_step (`int`): the move of an overlapping window (1; 0 keeps it in place, the authors'
+            MixGRPO-Flash* script).
         roll_back (`bool`): past the last start the window returns to step 0 (their script); false: it stays there.
         init_same_noise (`bool`): the members of a group start from one initial noise (their script).
         old_kl_coeff (`float`): weight of the authors' ``kl_coeff`` term, ``0.5 * (log pi_theta - log pi_old)^2`` per
@@ -72,6 +88,12 @@ class MixGRPOConfig:
         adv_clip_max (`float`, *optional*): advantages are clamped to ``[-adv_clip_max, adv_clip_max]`` (5), in the
             loss as the authors do (so also the advantages a `composite` reward gives as they are).
         kl_beta (`float`): weight of the exact transition KL to the reference (0: no reference forward).
+        dpm_algorithm_type (`str`, *optional*): ``"dpmsolver++"``: MixGRPO-Flash, DPM-Solver++ on a compressed schedule
+            for the ODE steps after the window (the authors' ``--dpm_algorithm_type dpmsolver++`` with
+            ``--dpm_apply_strategy post``); unset (their ``null``, the MixGRPO script): Euler ODE steps.
+        dpm_post_compress_ratio (`float`): the ODE part after the window's last step `b` gets ``int(max((num_steps -
+            b) * ratio, 1))`` noise levels (at least 2) down to 0 (0.4: MixGRPO-Flash; 0.2: MixGRPO-Flash*).
+        dpm_solver_type (`str`): the 2nd order update, ``"midpoint"`` (the authors' scripts) or ``"heun"``.
     """
 
     window_size: int = 4
@@ -86,15 +108,24 @@ class MixGRPOConfig:
     advantage: AdvantageOptions = embedded(AdvantageOptions, **FASTVIDEO_ADVANTAGES)
     kl: KLOptions = embedded(KLOptions, kl_beta=0.0)
     sde: SDEOptions = embedded(SDEOptions, noise_level=0.7, sde_type="sde")
+    dpm_algorithm_type: Literal["dpmsolver++"] | None = None
+    dpm_post_compress_ratio: float = 0.4
+    dpm_solver_type: Literal["midpoint", "heun"] = "midpoint"
 
     def __post_init__(self):
         check_fields(self)
         check_range("window_size", self.window_size, 1, STEP_LIMIT, fix="the authors use 4 of 25 steps")
         check_range("iters_per_group", self.iters_per_group, 1, UPDATES_LIMIT,
                     fix="rollout iterations per window position; the authors use 25")
-        check_range("prog_overlap_step", self.prog_overlap_step, 1, STEP_LIMIT, fix="the authors move by 1 step")
+        check_range("prog_overlap_step", self.prog_overlap_step, 0, STEP_LIMIT,
+                    fix="the authors move by 1 step (0 in MixGRPO-Flash*: the window stays)")
         check_range("old_kl_coeff", self.old_kl_coeff, 0, KL_BETA_LIMIT,
                     fix="0 turns the term off (the authors' script)")
+        check_range("dpm_post_compress_ratio", self.dpm_post_compress_ratio, 0, 1, low_open=True,
+                    fix="the share of the ODE steps after the window kept for DPM-Solver++: 0.4 (Flash), 0.2 (Flash*)")
+        if self.dpm_algorithm_type is not None and self.sample_strategy != "progressive":
+            raise ConfigError("dpm_algorithm_type (MixGRPO-Flash) needs sample_strategy: progressive, as the authors' "
+                              "dpm_apply_strategy post; unset dpm_algorithm_type or use progressive.")
 
 
 def progressive_start(iterations: int, num_steps: int, config: MixGRPOConfig) -> int:
@@ -146,9 +177,13 @@ class MixGRPO:
         return list(range(start, min(start + c.window_size, last)))
 
     def schedule(self, num_steps: int, generator: torch.Generator | None = None) -> FlowPlan:
-        """SDE on the window (each step a trained unit), ODE elsewhere; the window does not move here."""
+        """SDE on the window (each step a trained unit), ODE elsewhere (DPM-Solver++ after the window with
+        MixGRPO-Flash); the window does not move here."""
+        c = self.config
         steps = self.window(num_steps, generator)
-        return per_step_plan(num_steps, steps, self.config.sde, self.config.init_same_noise, generator)
+        flash = c.dpm_post_compress_ratio if c.dpm_algorithm_type == "dpmsolver++" else 0.0  # MixGRPO-Flash
+        return per_step_plan(num_steps, steps, c.sde, c.init_same_noise, generator, dpm_post_ratio=flash,
+                             dpm_solver_type=c.dpm_solver_type)
 
     def after_step(self) -> None:
         """One rollout iteration done: the window's clock advances (the authors' ``update_iteration``)."""

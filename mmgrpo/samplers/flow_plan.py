@@ -1,10 +1,11 @@
 """Everything that interprets a flow-matching sampling plan, for the flow adapters (`sd3`, `flux`, `wan`), which wire
 their model in as small callables (see `pipelines/_flow_policy.py`) and own no sampling loop:
 
-- [`run_plan`] (``sample``): plain plans go to [`sample_flow`] (SDE on the plan's SDE steps, ODE elsewhere); merged
-  SDE steps and group branches from one shared ODE anchor (E-GRPO), per-sample trained units (Chunk-GRPO,
-  [`select_units`]) and the deterministic DPM-Solver++ rollout (DGPO) are handled here; BranchGRPO's tree rollouts
-  in [`mmgrpo.samplers.flow_tree`].
+- [`run_plan`] (``sample``): plain plans go to [`~mmgrpo.samplers.flow_loop.sample_flow`] (SDE on the plan's SDE
+  steps, ODE elsewhere); merged SDE steps and group branches from one shared ODE anchor (E-GRPO) and per-sample
+  trained units (Chunk-GRPO, [`select_units`]) are handled here; the DPM-Solver++ rollouts (DGPO's, and
+  MixGRPO-Flash's after the SDE window) in [`mmgrpo.samplers.flow_dpm`]; BranchGRPO's tree rollouts in
+  [`mmgrpo.samplers.flow_tree`].
 - [`replay_plan`] (``log_prob``): replays only the transitions a sample trains; a step taken from a group's shared
   anchor is forwarded once per group, not once per sample.
 - [`~mmgrpo.samplers.flow_likelihood.plan_likelihood`] (``likelihood``, its own module): minus the flow-matching
@@ -21,7 +22,9 @@ from typing import Callable
 import torch
 
 from mmgrpo.plans import FLOW_PLAN_FEATURES, FlowPlan
-from mmgrpo.samplers.flow_record import path_recorded, path_state, record_path_step, recorded, recorded_means
+from mmgrpo.samplers.flow_dpm import sample_dpm, sample_post_dpm
+from mmgrpo.samplers.flow_loop import sample_flow
+from mmgrpo.samplers.flow_record import path_recorded, path_state, record_path_step, recorded_means
 from mmgrpo.samplers.flow_sde import entropy_merge_span, flow_sde_step
 from mmgrpo.samplers.flow_tree import sample_tree
 from mmgrpo.seeding import mix_seed
@@ -38,12 +41,8 @@ SCORE_FIELDS = {
 # velocity(latents [r, ...], sigma [], rows [r] or None for all samples) -> velocity [r, ...] in float32; `rows` pick
 # the samples' conditioning (text embeddings...)
 Velocity = Callable[[torch.Tensor, torch.Tensor, "torch.Tensor | None"], torch.Tensor]
-# velocity(latents [n, ...], step index i) -> velocity [n, ...] in float32 at the step's noise level (plain loop)
-StepVelocity = Callable[[torch.Tensor, int], torch.Tensor]
 # noise(count, generator) -> standard normal initial latents [count, ...] in the adapter's latent layout
 Noise = Callable[[int, "torch.Generator | None"], torch.Tensor]
-
-
 
 
 def group_noise(noise: Noise, group_ids: torch.Tensor, seed: int, salt: int) -> torch.Tensor:
@@ -104,52 +103,6 @@ def select_units(
     return mask  # [n, S]
 
 
-def sample_flow(
-    velocity: StepVelocity,
-    latents: torch.Tensor,
-    sigmas: torch.Tensor,
-    plan: FlowPlan,
-    generator: torch.Generator | None = None,
-) -> tuple[dict, torch.Tensor, torch.Tensor]:
-    """Runs a flow sampler from pure noise following `plan`: SDE on `plan.sde_steps`, ODE elsewhere.
-
-    Args:
-        velocity (`Callable`): ``velocity(latents, i)``, the (guided) model velocity at step `i`.
-        latents (`torch.FloatTensor` of shape `[N, ...]`): the initial noise (at ``sigmas[0]``).
-        sigmas (`torch.FloatTensor` of shape `[S + 1]`): the noise levels, ending at 0.
-        plan ([`FlowPlan`]): which steps are stochastic and which are trained.
-        generator (`torch.Generator`, *optional*): draws the SDE noise (on the CPU, then moved to the latents' device).
-
-    Returns:
-        `tuple`: the replay state (``latents`` `[N, S + 1, ...]` and the ``shared_*`` step parameters), the
-        log-probabilities `[N, S]` of the steps taken (on the CPU) and the trained-step mask `[N, S]`.
-    """
-    n = latents.shape[0]
-    noise_levels = torch.tensor([plan.noise_level if i in plan.sde_steps else 0.0 for i in range(plan.num_steps)])
-    states, log_probs, means = [latents], [], []  # means: feature "old_mean", those of the trained steps
-    for i in range(plan.num_steps):
-        v = velocity(latents, i)
-        noise = torch.randn(latents.shape, generator=generator).to(latents.device) if noise_levels[i] > 0 else None
-        step = flow_sde_step(
-            v, latents, sigmas[i], sigmas[i + 1], noise_level=float(noise_levels[i]), sde_type=plan.sde_type,
-            sigma_at_one=sigmas[1], noise=noise,
-        )
-        latents = step.prev_sample
-        states.append(latents)
-        log_probs.append(step.log_prob)
-        means += [step.mean] if plan.record_mean and i in plan.trained_steps else []
-    mask = torch.zeros(n, plan.num_steps, dtype=torch.bool)
-    mask[:, [s for unit in plan.train_units for s in unit]] = True
-    trajectory = {
-        "latents": torch.stack(states, dim=1),  # [N, S + 1, ...]
-        "shared_sigmas": sigmas,  # [S + 1]
-        "shared_noise_levels": noise_levels,  # [S]
-        "shared_sde_type": plan.sde_type,
-        **recorded(plan, means),  # feature "old_mean": old_means [N, T, ...]
-    }
-    return trajectory, torch.stack(log_probs, dim=1).cpu(), mask  # [N, S], [N, S]
-
-
 def run_plan(
     velocity: Velocity,
     noise: Noise,
@@ -180,7 +133,9 @@ def run_plan(
     if plan.tree_split_points:  # BranchGRPO's tree: one root per group, shared prefixes once per node
         trajectory, log_probs, mask = sample_tree(velocity, noise, sigmas, plan, group_ids, member_ids)
     elif plan.solver == "dpm":
-        trajectory, log_probs, mask = _sample_dpm(velocity, noise(n, generator), plan)
+        trajectory, log_probs, mask = sample_dpm(velocity, noise(n, generator), plan)
+    elif plan.dpm_post_ratio and plan.sde_steps:  # MixGRPO-Flash: DPM-Solver++ after the last SDE step
+        trajectory, log_probs, mask = sample_post_dpm(velocity, noise(n, generator), sigmas, plan, generator)
     elif plan.branch or plan.merge or plan.merge_entropy is not None:
         trajectory, log_probs, mask = _sample_paths(velocity, noise, sigmas, plan, group_ids, member_ids, generator)
         if plan.branch:
@@ -292,34 +247,6 @@ def _walk(velocity, x, rows, path, sigmas, plan, generator, state, first_v=None)
         state["ends"][rows, i] = end
         state["levels"][rows, i] = level
         record_path_step(state, rows, i, level, step.mean)
-
-
-@torch.no_grad()
-def _sample_dpm(velocity, x, plan):
-    """Deterministic DPM-Solver++ (2nd order multistep) for flow matching, as DGPO samples."""
-    from diffusers import DPMSolverMultistepScheduler
-
-    scheduler = DPMSolverMultistepScheduler(
-        prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=plan.flow_shift, solver_order=2,
-        algorithm_type="dpmsolver++", final_sigmas_type="zero", lower_order_final=True,
-    )
-    scheduler.set_timesteps(plan.num_steps, device="cpu")
-    sigmas = scheduler.sigmas.float().clone()  # [S + 1]
-    states = [x]
-    for i, timestep in enumerate(scheduler.timesteps):
-        v = velocity(x, sigmas[i], None)
-        x = scheduler.step(v, timestep, x.float(), return_dict=False)[0]
-        states.append(x)
-    n = x.shape[0]
-    mask = torch.zeros(n, plan.num_steps, dtype=torch.bool)
-    mask[:, plan.trained_steps] = True
-    trajectory = {
-        "latents": torch.stack(states, dim=1),  # [N, S + 1, ...]
-        "shared_sigmas": sigmas,  # [S + 1]
-        "shared_noise_levels": torch.zeros(plan.num_steps),  # [S]
-        "shared_sde_type": "ode",
-    }
-    return trajectory, torch.zeros(n, plan.num_steps), mask
 
 
 def replay_plan(

@@ -88,15 +88,36 @@ def test_state_round_trips_and_defaults_are_the_authors_script():
 
 
 def test_config_checks():
-    for bad in ({"window_size": 0}, {"iters_per_group": 0}, {"prog_overlap_step": 0}, {"old_kl_coeff": -1.0}):
+    for bad in ({"window_size": 0}, {"iters_per_group": 0}, {"prog_overlap_step": -1}, {"old_kl_coeff": -1.0},
+                {"dpm_post_compress_ratio": 0.0}, {"dpm_post_compress_ratio": 1.5}):
         with pytest.raises(ConfigError, match=next(iter(bad))):
             mix(**bad)
+    with pytest.raises(ValueError, match="dpm_algorithm_type"):
+        mix(dpm_algorithm_type="dpmsolver")  # only DPM-Solver++ (the authors' Flash scripts)
+    with pytest.raises(ConfigError, match="needs sample_strategy: progressive"):
+        mix(dpm_algorithm_type="dpmsolver++", sample_strategy="random")  # the authors assert it for "post"
+    with pytest.raises(ValueError, match="dpm_solver_type"):
+        mix(dpm_solver_type="euler")
     with pytest.raises(ValueError, match="sample_strategy"):
         mix(sample_strategy="decay")
     with pytest.raises(ValueError, match="group_size"):
         mix(group_size=4)  # the authors' name for the window is ours for the group: refused, not guessed
     with pytest.raises(ValueError, match="at least 3 steps"):
         mix().schedule(2, None)
+
+
+def test_flash_plans_dpm_after_the_window_and_flash_star_keeps_the_window():
+    """MixGRPO-Flash (ratio 0.4, 20 iterations per position) and Flash* (ratio 0.2, prog_overlap_step 0: the window
+    stays at steps 0 .. 3), as the authors' two scripts; without dpm_algorithm_type the plan has no DPM part."""
+    assert mix().schedule(25, None).dpm_post_ratio == 0 and "dpm_post" not in mix().schedule(25, None).features()
+    flash = mix(dpm_algorithm_type="dpmsolver++", iters_per_group=20)
+    plan = flash.schedule(25, None)
+    assert (plan.dpm_post_ratio, plan.dpm_solver_type, plan.sde_steps) == (0.4, "midpoint", [0, 1, 2, 3])
+    assert plan.features() == {"dpm_post", "init_same_noise"}
+    star = mix(dpm_algorithm_type="dpmsolver++", dpm_post_compress_ratio=0.2, prog_overlap_step=0, iters_per_group=20)
+    for _ in range(300):
+        star.after_step()
+    assert star.schedule(25, None).sde_steps == [0, 1, 2, 3] and star.schedule(25, None).dpm_post_ratio == 0.2
 
 
 def test_old_kl_coeff_adds_the_authors_k2_term():
@@ -112,11 +133,11 @@ def test_old_kl_coeff_adds_the_authors_k2_term():
         1, 1), torch.tensor([9.0])).loss.item() == pytest.approx(-5.0)  # advantages clamped to 5 in the loss
 
 
-@pytest.mark.parametrize("sde_type", ["sde", "dance"])
-def test_window_is_sde_elsewhere_ode_ratio_one_and_zero_advantage_zero_gradient(tiny_sd3_dir, sde_type):
+@pytest.mark.parametrize(("sde_type", "flash"), [("sde", None), ("dance", None), ("sde", "dpmsolver++")])
+def test_window_is_sde_elsewhere_ode_ratio_one_and_zero_advantage_zero_gradient(tiny_sd3_dir, sde_type, flash):
     policy = SD3Policy(SD3Config(pretrained=tiny_sd3_dir, resolution=32, num_steps=5, guidance_scale=1.0, lora_rank=4,
                                  max_sequence_length=16))
-    algorithm = mix(window_size=2, iters_per_group=1, sde_type=sde_type, noise_level=0.5)
+    algorithm = mix(window_size=2, iters_per_group=1, sde_type=sde_type, noise_level=0.5, dpm_algorithm_type=flash)
     algorithm.after_step()  # the window moved to [1, 2]
     plan = algorithm.schedule(5, torch.Generator().manual_seed(0))
     assert plan.sde_steps == [1, 2]
@@ -126,6 +147,8 @@ def test_window_is_sde_elsewhere_ode_ratio_one_and_zero_advantage_zero_gradient(
     assert rollout.mask[:, [1, 2]].all() and not rollout.mask[:, [0, 3, 4]].any()
     start = rollout.trajectory["latents"][:, 0]
     assert torch.equal(start[0], start[1]) and not torch.equal(start[0], start[2])  # init_same_noise
+    levels = rollout.trajectory["shared_sigmas"]  # Flash: 5 - 2 = 3 steps after the window, 2 levels: one DPM step
+    assert (levels[4] == 0) == (flash is not None) and levels[3] > 0
     for unit in plan.train_units:
         new = policy.log_prob(rollout, unit)
         out = algorithm.loss(new, rollout.old_log_probs[:, unit], torch.zeros(4))

@@ -84,6 +84,7 @@ def test_dance_mix_branch_recipes(monkeypatch):
     mix = load("flux1_dev_mix_grpo", monkeypatch).algorithm.options
     assert (mix.window_size, mix.iters_per_group, mix.prog_overlap_step, mix.roll_back) == (4, 25, 1, True)
     assert (mix.sde.sde_type, mix.sde.noise_level, mix.clip.clip_low, mix.old_kl_coeff) == ("sde", 0.7, 1e-4, 0.0)
+    assert mix.dpm_algorithm_type is None  # the MixGRPO script's dpm_algorithm_type "null" (no Flash)
     branch_cfg = load("flux1_dev_branch_grpo", monkeypatch)
     branch = branch_cfg.algorithm.options
     assert (branch.tree_split_points, branch.branch_factor, branch.tree_split_noise_scale) == ([0, 3, 6, 9], 2, 4.0)
