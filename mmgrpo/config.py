@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from . import registry
+from . import peer_names, registry
 from .config_yaml import parse_yaml, read_yaml
 from .sections import STEPS_LIMIT, CheckpointConfig, EvalConfig, SFTConfig, TrainConfig
 from .tracking import TrackingConfig
@@ -178,7 +178,8 @@ def from_dict(raw: dict) -> ExperimentConfig:
         raise ConfigError(f"A config must be a mapping at top level, got {type(raw).__name__}.")
     unknown = sorted(set(raw) - TOP_LEVEL, key=str)
     if unknown:
-        raise ConfigError(f"Unknown config key {unknown[0]}. Valid top-level keys: {', '.join(sorted(TOP_LEVEL))}.")
+        raise ConfigError(f"Unknown config key {unknown[0]}.{peer_names.hint(str(unknown[0]))} Valid top-level keys: "
+                          f"{', '.join(sorted(TOP_LEVEL))}.")
     for required in ("output_dir", "pipeline", "algorithm", "reward", "data"):
         if required not in raw:
             raise ConfigError(f"Missing required config key {required}.")

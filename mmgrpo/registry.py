@@ -57,13 +57,19 @@ def _package_dirs(kind: str) -> list[Path]:
 _SUMMARIES: dict[tuple[Path, str], tuple[tuple[int, int], str | None]] = {}  # (path, name) -> (version, summary)
 
 
-def _first_line(doc: str | None) -> str:
-    return " ".join(doc.strip().split("\n\n")[0].split()) if doc and doc.strip() else ""
+_SENTENCE = re.compile(r"(.+?[.!?][)\"']?)(?=\s+[A-Z`(\[]|$)")  # up to the first full stop before a capital
+
+
+def _first_sentence(doc: str | None) -> str:
+    """The first sentence of a docstring's first paragraph, its lines joined ("" for none)."""
+    paragraph = " ".join((doc or "").strip().split("\n\n")[0].split())
+    match = _SENTENCE.match(paragraph)
+    return match.group(1) if match else (paragraph + "." if paragraph else "")
 
 
 def _plugin_summary(path: Path, attribute: str = "PLUGIN") -> str | None:
     """The summary of a plugin's module at `path`, parsed once per version of the file (a config check asks for every
-    plugin's summary several times). `attribute` ``"PLUGIN"``: a built-in module, its docstring's first paragraph if
+    plugin's summary several times). `attribute` ``"PLUGIN"``: a built-in module, its docstring's first sentence if
     it assigns ``PLUGIN`` at top level, else None (a helper module). Another `attribute` (an entry point's): the
     docstring of the class or function of that name, else the module's."""
     stat = path.stat()
@@ -75,12 +81,11 @@ def _plugin_summary(path: Path, attribute: str = "PLUGIN") -> str | None:
     if attribute == "PLUGIN":
         defines = any(isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "PLUGIN"
                                                            for t in node.targets) for node in tree.body)
-        doc = (ast.get_docstring(tree) or "").strip()
-        summary = (doc.splitlines()[0] if doc else "") if defines else None
+        summary = _first_sentence(ast.get_docstring(tree)) if defines else None
     else:
         defs = [node for node in tree.body if isinstance(node, (ast.ClassDef, ast.FunctionDef))
                 and node.name == attribute]
-        summary = _first_line(ast.get_docstring(defs[0]) if defs else None) or _first_line(ast.get_docstring(tree))
+        summary = _first_sentence(ast.get_docstring(defs[0]) if defs else None) or _first_sentence(ast.get_docstring(tree))
     _SUMMARIES[(path, attribute)] = (version, summary)
     return summary
 

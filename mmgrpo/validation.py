@@ -24,6 +24,8 @@ import types
 import typing
 from typing import Any, Literal
 
+from . import peer_names
+
 # PyYAML (YAML 1.1) reads "3e-4" (no dot) as a string; a float field accepts it
 _FLOAT_TEXT = re.compile(r"^[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?$")
 INT_LIMIT = 2**40  # no integer option of a real run (a size, a count, a step, a seed, a token id) is larger
@@ -210,7 +212,7 @@ def check_renamed(values: dict, fields: typing.Iterable[str], prefix: str) -> No
     """Refuses a key of `values` that [`RENAMED`] lists (and `fields` lacks), an old value [`RENAMED_VALUES`] lists or
     an old-typed value [`RETYPED`] lists, with a one-line message naming the key or value to use."""
     for key, value in values.items():
-        if key in RENAMED and key not in fields:
+        if key in RENAMED and key not in fields and re.split(r"[\s:]", RENAMED[key])[0] in fields:  # else: another section's
             new = RENAMED[key].replace("and ", f"and {prefix}.")
             raise ConfigError(f"{prefix}.{key} was renamed: use {prefix}.{new}.")
         if isinstance(value, str) and (key, value) in RENAMED_VALUES:
@@ -282,7 +284,7 @@ def build_dataclass(cls: type, values: dict | None, prefix: str) -> Any:
     if unknown:
         raise ConfigError(
             f"Unknown config key {prefix}.{unknown[0]}" + (f" (and {unknown[1:]})" if len(unknown) > 1 else "")
-            + f". Valid keys of {prefix}: {', '.join(sorted(flat))}."
+            + f".{peer_names.hint(str(unknown[0]))} Valid keys of {prefix}: {', '.join(sorted(flat))}."
         )
     given = {name: coerce(value, flat[name], f"{prefix}.{name}") for name, value in values.items()}
     kwargs = {name: given[name] for name in fields if name in given}
