@@ -17,7 +17,7 @@ import torch
 
 from .types import PromptBatch, as_list
 
-RED, GREEN, YELLOW = (1.0, 0.0, 0.0), (0.0, 0.8, 0.0), (255, 220, 0)
+RED, GREEN, YELLOW = (255, 0, 0), (0, 204, 0), (255, 220, 0)
 POINT_COLOURS = {1: (0, 230, 230), 0: (230, 0, 230)}
 
 
@@ -37,20 +37,25 @@ def keep(texts: list[str], masks: list, prompts: list, batch: PromptBatch, k: in
 
 
 def _tint(base: torch.Tensor, mask: torch.Tensor | None, colour, strength: float, outline: bool) -> torch.Tensor:
-    """`base` `[3, H, W]` with `mask` (`[h, w]`, resized by nearest neighbour) tinted, or its edge drawn."""
+    """`base` `[3, H, W]` with `mask` (`[h, w]`, resized by nearest neighbour) tinted, or its edge drawn
+    (``torchvision.utils.draw_segmentation_masks``: ``base * (1 - strength) + colour * strength`` on the mask)."""
+    from torchvision.utils import draw_segmentation_masks
+
     if mask is None or mask.dim() != 2:
         return base
     m = torch.nn.functional.interpolate(mask.float()[None, None], size=base.shape[-2:], mode="nearest")[0, 0] > 0.5
     if outline:  # pixels of the mask with a neighbour outside it
         padded = torch.nn.functional.pad(m[None, None].float(), (1, 1, 1, 1))
         m = m & (torch.nn.functional.max_pool2d(1 - padded, 3, stride=1)[0, 0] > 0)
-    colour = torch.tensor(colour)[:, None, None]
-    return torch.where(m[None], base * (1 - strength) + colour * strength, base)
+    return draw_segmentation_masks(base, m, alpha=strength, colors=colour)
 
 
 def panel(row: dict) -> torch.Tensor:
-    """One overlay `[3, H, W]` in [0, 1] at the input image's size (the mask's size, on grey, without an image)."""
+    """One overlay `[3, H, W]` in [0, 1] at the input image's size (the mask's size, on grey, without an image):
+    boxes by ``torchvision.utils.draw_bounding_boxes``; points as PIL discs of radius 1.5 around their exact
+    (fractional) centres (torchvision's ``draw_keypoints`` would move them to whole pixels)."""
     from PIL import Image, ImageDraw
+    from torchvision.utils import draw_bounding_boxes
 
     from .visualize import as_pil
 
@@ -61,14 +66,19 @@ def panel(row: dict) -> torch.Tensor:
     base = torch.from_numpy(np.asarray(picture, dtype=np.float32) / 255).permute(2, 0, 1)  # [3, H, W]
     base = _tint(base, row["mask"], RED, 0.5, outline=False)
     base = _tint(base, row["truth"], GREEN, 1.0, outline=True)
-    drawn = Image.fromarray((base.permute(1, 2, 0).numpy() * 255).round().astype(np.uint8))
-    draw = ImageDraw.Draw(drawn)
+    drawn = (base * 255).round().to(torch.uint8)  # [3, H, W]
     prompt = row["prompt"] or {"boxes": [], "points": [], "labels": []}
-    for box, points, labels in zip(prompt["boxes"], prompt["points"], prompt["labels"]):
-        draw.rectangle([box[0], box[1], max(box[0], box[2] - 1), max(box[1], box[3] - 1)], outline=YELLOW)
+    count = min(len(prompt["boxes"]), len(prompt["points"]), len(prompt["labels"]))  # objects: a box, its points
+    if count:  # a box's right and bottom edges on its last pixels, never left of its left edge
+        boxes = torch.tensor([[b[0], b[1], max(b[0], b[2] - 1), max(b[1], b[3] - 1)] for b in prompt["boxes"][:count]],
+                             dtype=torch.float64)  # [K, 4]
+        drawn = draw_bounding_boxes(drawn, boxes, colors=YELLOW)
+    image = Image.fromarray(drawn.permute(1, 2, 0).numpy().copy())
+    draw = ImageDraw.Draw(image)
+    for points, labels in zip(prompt["points"][:count], prompt["labels"][:count]):
         for (x, y), label in zip(points, labels):
             draw.ellipse([x - 1.5, y - 1.5, x + 1.5, y + 1.5], fill=POINT_COLOURS.get(label, YELLOW))
-    return torch.from_numpy(np.asarray(drawn, dtype=np.float32) / 255).permute(2, 0, 1)
+    return torch.from_numpy(np.asarray(image, dtype=np.float32) / 255).permute(2, 0, 1)
 
 
 def write(rows: list[dict], prompts: list[str], folder: Path, step: int, rewards: list[float]) -> list[Path]:

@@ -62,3 +62,34 @@ def test_attach_masks_false_declares_and_returns_no_artifacts(tiny_sam2_dir):
     batch = PromptBatch(["segment it"], metadata=[{"mask": truth}], conditions={"images": [Image.new("RGB", (80, 60))]})
     result = reward({"texts": ['<answer>{"bbox": [20, 10, 50, 30]}</answer>']}, batch)
     assert reward.artifacts == frozenset() and result.artifacts == {}
+
+
+def _panel_by_hand(image: Image.Image, pred: torch.Tensor, truth: torch.Tensor, prompt: dict) -> torch.Tensor:
+    """The overlay as mmgrpo drew it before it used torchvision's drawing utilities: the red tint and the green edge
+    blended by hand in float, rounded to bytes, then the box and the point discs drawn with PIL."""
+    from PIL import ImageDraw
+
+    base = torch.from_numpy(np.asarray(image, dtype=np.float32) / 255).permute(2, 0, 1)  # [3, H, W]
+    base = torch.where(pred[None], base * 0.5 + torch.tensor([1.0, 0.0, 0.0])[:, None, None] * 0.5, base)
+    padded = torch.nn.functional.pad(truth[None, None].float(), (1, 1, 1, 1))
+    edge = truth & (torch.nn.functional.max_pool2d(1 - padded, 3, stride=1)[0, 0] > 0)
+    base = torch.where(edge[None], base * 0.0 + torch.tensor([0.0, 0.8, 0.0])[:, None, None] * 1.0, base)
+    drawn = Image.fromarray((base.permute(1, 2, 0).numpy() * 255).round().astype(np.uint8))
+    draw = ImageDraw.Draw(drawn)
+    for box, points, labels in zip(prompt["boxes"], prompt["points"], prompt["labels"]):
+        draw.rectangle([box[0], box[1], max(box[0], box[2] - 1), max(box[1], box[3] - 1)], outline=(255, 220, 0))
+        for (x, y), label in zip(points, labels):
+            draw.ellipse([x - 1.5, y - 1.5, x + 1.5, y + 1.5], fill={1: (0, 230, 230), 0: (230, 0, 230)}[label])
+    return torch.from_numpy(np.asarray(drawn, dtype=np.float32) / 255).permute(2, 0, 1)
+
+
+def test_panel_through_torchvision_draws_the_same_pixels_as_by_hand():
+    """Random picture and masks, fractional and degenerate boxes, points at fractional places and on the border."""
+    rng = np.random.default_rng(3)
+    image = Image.fromarray((rng.random((37, 53, 3)) * 255).astype(np.uint8))
+    pred, truth = torch.from_numpy(rng.random((37, 53)) > 0.6), torch.from_numpy(rng.random((37, 53)) > 0.4)
+    prompt = {"boxes": [[3.7, 4.2, 30.9, 25.5], [10.0, 10.0, 10.5, 30.0], [0.3, 0.6, 52.9, 36.9]],
+              "points": [[[5.5, 6.7], [20.2, 30.9]], [[11.0, 12.0]], [[0.4, 36.6], [52.5, 0.0]]],
+              "labels": [[1, 0], [1], [0, 1]]}
+    out = panel({"image": image, "mask": pred, "truth": truth, "prompt": prompt, "text": ""})
+    assert torch.equal(out, _panel_by_hand(image, pred, truth, prompt))
