@@ -35,7 +35,8 @@ and segmentation rewards read with ``coords: model``.
 
 **Modules.** This file holds the policy (sampling, replay, teacher-forced rollouts); its options and their checks
 are `_qwen_vl_config.py`, the prompt and vision inputs `_qwen_vl_inputs.py`, the prefix-shared group forward
-`_qwen_vl_forward.py`, the LoRA adapter and the saved weights `_qwen_vl_weights.py`.
+`_qwen_vl_forward.py`, the decode loop (static KV cache, masks and rotary tables once per rollout, batched sampling)
+`_qwen_vl_decode.py`, the LoRA adapter and the saved weights `_qwen_vl_weights.py`.
 """
 
 from __future__ import annotations
@@ -44,9 +45,9 @@ import torch
 
 from mmgrpo.hub import DTYPES, resolve_pretrained
 from mmgrpo.reference import ReferenceSwitch
-from mmgrpo.sharding import any_process
 from mmgrpo.pipelines._checkpointing import checkpoint_transformers
 from mmgrpo.pipelines._qwen_vl_config import FAMILIES, QwenVLConfig  # (QwenVLConfig: imported from here by tests)
+from mmgrpo.pipelines._qwen_vl_decode import LeanStep, ModelStep, TokenSampler, decode, lean_supported
 from mmgrpo.pipelines._qwen_vl_forward import GroupForward, collate_prompts, unique_rows
 from mmgrpo.pipelines._qwen_vl_inputs import PromptEncoder, vision_inputs
 from mmgrpo.pipelines._qwen_vl_weights import PEFT_PREFIX  # noqa: F401 (imported from here by tests)
@@ -165,7 +166,8 @@ class QwenVLPolicy:
     @torch.no_grad()
     def sample(self, batch: PromptBatch, plan: TokenPlan, *, generator: torch.Generator | None = None) -> Rollout:
         """Decodes up to ``plan.num_steps`` tokens per sample with a KV cache: sampled (temperature, top-p, top-k)
-        unless the plan is greedy. The prompt and images of a group are forwarded once. With
+        unless the plan is greedy, one uniform per sample and step drawn from `generator` (see
+        `_qwen_vl_decode.py`). The prompt and images of a group are forwarded once. With
         ``plan.ground_truth_member``, member 0 of each group decodes its ``metadata["completion"]`` instead of drawing
         (TempSamp-R1's off-policy member; its log-probs are the policy's on those tokens).
 
@@ -181,26 +183,15 @@ class QwenVLPolicy:
         module = self.switch.module
         prefix = collate_prompts(unique, self.pad_id, self.device)
         logits, cache, prompt_mask, start = module.prefix(prefix, inverse)  # [N, V], cache of N rows
-        tokens = torch.full((n, steps), self.pad_id, dtype=torch.long)
-        log_probs = torch.zeros(n, steps)
-        mask = torch.zeros(n, steps, dtype=torch.bool)
-        alive = torch.ones(n, dtype=torch.bool)
-        stop = torch.tensor(self.stop_ids)
-        attention = prompt_mask
-        for t in range(steps):
-            logp = module.log_softmax(logits, self.config.temperature).cpu()  # [N, V]
-            chosen = self._choose(logp, greedy=plan.greedy, generator=generator)  # [N]
-            chosen = torch.where(forced[:, t] >= 0, forced[:, t], chosen)  # teacher-forced rows: the ground truth
-            chosen = torch.where(alive, chosen, torch.full_like(chosen, self.pad_id))
-            tokens[:, t] = chosen
-            log_probs[:, t] = torch.where(alive, logp.gather(1, chosen[:, None]).squeeze(1), torch.zeros(n))
-            mask[:, t] = alive
-            alive = alive & ~torch.isin(chosen, stop)
-            if not any_process(bool(alive.any()), module) or t == steps - 1:  # sharded: every process steps alike
-                break
-            attention = torch.cat([attention, attention.new_ones(n, 1)], dim=1)  # [N, P + t + 1]
-            positions = (start + t)[:, None]  # [N, 1]
-            logits = module.step(chosen[:, None].to(self.device), cache, attention, positions)[:, -1]
+        model = module.model
+        step = LeanStep(model, cache, prompt_mask, start, steps) if lean_supported(model) \
+            else ModelStep(module, cache, prompt_mask, start)
+        tokens, log_probs, mask = decode(
+            step, logits, steps, log_softmax=lambda x: module.log_softmax(x, self.config.temperature),
+            choose=TokenSampler(n, steps, greedy=plan.greedy, top_k=self.config.top_k, top_p=self.config.top_p,
+                                generator=generator, device=logits.device), forced=forced,
+            stop_ids=self.stop_ids, pad_id=self.pad_id, module=module,
+        )  # [N, S] each
         texts = self.processor.tokenizer.batch_decode(
             [row[m].tolist() for row, m in zip(tokens, mask)], skip_special_tokens=True
         )
@@ -242,21 +233,6 @@ class QwenVLPolicy:
                                  f"tokens, more than the {plan.num_steps} of pipeline.max_new_tokens: raise it.")
             forced[row, : len(target)] = torch.tensor(target)
         return forced
-
-    def _choose(self, logp: torch.Tensor, greedy: bool, generator: torch.Generator | None) -> torch.Tensor:
-        """Next tokens `[N]` from log-probs `[N, V]`: argmax, or a draw after top-k / top-p truncation."""
-        if greedy:
-            return logp.argmax(dim=-1)
-        probs = logp.exp()
-        if self.config.top_k > 0:
-            kth = probs.topk(min(self.config.top_k, probs.shape[-1]), dim=-1).values[:, -1:]
-            probs = torch.where(probs >= kth, probs, torch.zeros_like(probs))
-        if self.config.top_p < 1.0:
-            sorted_probs, order = probs.sort(dim=-1, descending=True)
-            cumulative = sorted_probs.cumsum(dim=-1)
-            drop = cumulative - sorted_probs > self.config.top_p * cumulative[:, -1:]  # keeps at least the top token
-            probs = probs.scatter(-1, order, sorted_probs.masked_fill(drop, 0.0))
-        return torch.multinomial(probs, 1, generator=generator).squeeze(1)
 
     # ---------------------------------------------------------------------------------------------------- replay
     def log_prob(self, rollout: Rollout, steps: list[int]) -> Score:

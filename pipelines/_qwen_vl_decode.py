@@ -1,0 +1,205 @@
+"""The decode loop of the Qwen-VL adapter (`qwen_vl`): one token per sample and step after the prefix-shared prompt
+forward ([`GroupForward.prefix`]), with what transformers' forward redoes at every call done once per rollout.
+
+[`LeanStep`] (the default) runs a decode step as the language model's own modules: the token embedding, each decoder
+layer, the final norm and the LM head. Once per rollout it
+
+- copies the prompts' keys and values (expanded to the `N` samples) into a transformers ``StaticCache`` of
+  ``P + S - 1`` positions, preallocated, which each step writes in place (no growing ``torch.cat``);
+- builds every step's attention mask with transformers' own ``create_causal_mask`` (the prompt's padding, causality;
+  the format the attention implementation wants), one `[N, 1, S - 1, P + S - 1]` tensor sliced per step;
+- computes every step's rotary cos / sin with the model's rotary embedding, on the positions a step would give it
+  (completion token ``j`` at text position ``max(prompt positions) + 1 + j`` on the three M-RoPE axes).
+
+A hybrid model (Qwen3.5's linear-attention layers) keeps the prefix's dynamic cache (its recurrent states are updated
+in place anyway); its full-attention layers get the same precomputed masks, cut to the keys seen so far, and its
+linear-attention layers no mask (transformers passes none in single-token decoding).
+
+[`ModelStep`] forwards each step through the whole model (the mask and rotary rebuilt by transformers, a growing
+cache): the loop's path when the model is sharded (FSDP2 gathers the parameters outside the decoder layers in the
+model's own forward) or uses an attention implementation other than ``sdpa`` / ``eager`` (flash attention reads 2-D
+masks), and the reference the lean step is tested against.
+
+[`decode`] is the loop itself: the log-softmax of the tempered policy (vision tokens excluded), the draw, the record
+of tokens and log-probs into preallocated `[N, S]` tensors and the end-of-turn test, batched over the samples.
+
+Not a plugin: the name starts with an underscore and it defines no ``PLUGIN``.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from mmgrpo.sharding import any_process, is_sharded
+
+LEAN_ATTENTION = ("sdpa", "eager")  # attention implementations that take a 4-D mask (what LeanStep precomputes)
+LEAN_LAYERS = ("full_attention", "linear_attention")  # decoder layer types LeanStep drives
+
+
+def layer_kinds(model) -> list[str]:
+    """The kind of each decoder layer of `model`'s language model (transformers' reading of its config, as its caches
+    are built)."""
+    from transformers.cache_utils import get_layer_types_and_kwargs
+
+    config = model.model.language_model.config
+    return get_layer_types_and_kwargs(config)[0][: config.num_hidden_layers]
+
+
+def lean_supported(model) -> bool:
+    """Whether [`LeanStep`] can drive `model`: not sharded, a 4-D-mask attention implementation, and decoder layers of
+    the kinds it knows."""
+    return (model.config._attn_implementation in LEAN_ATTENTION and all(k in LEAN_LAYERS for k in layer_kinds(model))
+            and not any(is_sharded(p) for p in model.parameters()))
+
+
+class ModelStep:
+    """A decode step through the model's forward (the prompt's cache grows by one position per step).
+
+    Args:
+        module ([`GroupForward`]): the group forward whose ``step`` runs the model.
+        cache: the prefix's cache, expanded to the `N` samples.
+        prompt_mask (`torch.LongTensor` of shape `[N, P]`), start (`torch.LongTensor` of shape `[N]`): the prompts'
+            attention mask and each sample's first completion position.
+    """
+
+    def __init__(self, module, cache, prompt_mask: torch.Tensor, start: torch.Tensor):
+        self.module, self.cache, self.attention, self.start = module, cache, prompt_mask, start
+
+    def __call__(self, tokens: torch.Tensor, t: int) -> torch.Tensor:
+        """Forwards completion token `t` of every sample, `tokens` `[N]`; returns the next logits `[N, V]`."""
+        self.attention = torch.cat([self.attention, self.attention.new_ones(len(tokens), 1)], dim=1)  # [N, P + t + 1]
+        positions = (self.start + t)[:, None]  # [N, 1]
+        return self.module.step(tokens[:, None], self.cache, self.attention, positions)[:, -1]
+
+
+class LeanStep:
+    """A decode step as the language model's modules, with the cache, masks and rotary tables set up once per rollout
+    (see the module docstring).
+
+    Args:
+        model: the Qwen-VL ``...ForConditionalGeneration`` ([`lean_supported`]).
+        cache: the prefix's dynamic cache, expanded to the `N` samples (copied into a static cache unless the model has
+            linear-attention layers).
+        prompt_mask (`torch.LongTensor` of shape `[N, P]`), start (`torch.LongTensor` of shape `[N]`): as for
+            [`ModelStep`].
+        steps (`int`): the completion tokens to decode, `S` (tokens ``0 .. S - 2`` are forwarded).
+    """
+
+    def __init__(self, model, cache, prompt_mask: torch.Tensor, start: torch.Tensor, steps: int):
+        from transformers.cache_utils import StaticCache
+        from transformers.masking_utils import create_causal_mask
+
+        text = model.model.language_model
+        self.head, self.embed, self.norm = model.lm_head, text.embed_tokens, text.norm
+        self.layers = list(text.layers[: text.config.num_hidden_layers])
+        self.kinds = layer_kinds(model)
+        n, prompt = prompt_mask.shape
+        fed = max(steps - 1, 1)
+        self.static = all(kind == "full_attention" for kind in self.kinds)
+        if self.static:  # the prompt's keys and values written once into preallocated buffers of P + S - 1 positions
+            static = StaticCache(config=model.config, max_cache_len=prompt + fed)
+            for index, layer in enumerate(cache.layers):
+                static.update(layer.keys, layer.values, index)
+            cache = static
+        self.cache, self.prompt = cache, prompt
+        dtype = self.embed.weight.dtype
+        shape = torch.zeros((), dtype=dtype, device=prompt_mask.device).expand(n, fed, text.config.hidden_size)
+        attention = torch.cat([prompt_mask, prompt_mask.new_ones(n, fed)], dim=1)  # [N, P + S - 1]
+        self.masks = create_causal_mask(config=text.config, inputs_embeds=shape, attention_mask=attention, cache=cache,
+                                        allow_is_causal_skip=False)  # [N, 1, S - 1, P + S - 1]
+        positions = start[:, None] + torch.arange(fed, device=start.device)  # [N, S - 1]
+        cos, sin = text.rotary_emb(shape, positions[None].expand(3, -1, -1))  # [N, S - 1, D] each
+        self.rotary = [(cos[:, t : t + 1], sin[:, t : t + 1]) for t in range(fed)]
+
+    def __call__(self, tokens: torch.Tensor, t: int) -> torch.Tensor:
+        """Forwards completion token `t` of every sample, `tokens` `[N]`; returns the next logits `[N, V]`."""
+        keys = self.masks.shape[-1] if self.static else self.prompt + t + 1  # the dynamic cache holds P + t + 1
+        mask = self.masks[:, :, t : t + 1, :keys]  # [N, 1, 1, keys]
+        hidden = self.embed(tokens[:, None])  # [N, 1, H]
+        for layer, kind in zip(self.layers, self.kinds):
+            hidden = layer(hidden, attention_mask=mask if kind == "full_attention" else None, position_ids=None,
+                           cache=self.cache, use_cache=True, position_embeddings=self.rotary[t])
+        return self.head(self.norm(hidden)[:, -1])  # [N, V]
+
+
+class TokenSampler:
+    """The next tokens of every sample from the policy's log-probs, on their device: argmax (greedy), or a draw after
+    top-k / top-p truncation by the inverse of the cumulative distribution, with one uniform per sample and step drawn
+    from `generator` once per rollout (`[S, N]`; no host round trip and no `[N, V]` of random numbers per step).
+
+    Args:
+        n (`int`), steps (`int`): samples and steps.
+        greedy (`bool`): argmax instead of a draw.
+        top_k (`int`): keep the `top_k` most likely tokens (0: all).
+        top_p (`float`): keep the smallest set of most likely tokens whose mass reaches `top_p` (1: all).
+        generator (`torch.Generator`, *optional*): the CPU generator of the uniforms.
+        device: where the log-probs are.
+    """
+
+    def __init__(self, n: int, steps: int, *, greedy: bool, top_k: int, top_p: float,
+                 generator: torch.Generator | None, device):
+        self.greedy, self.top_k, self.top_p = greedy, top_k, top_p
+        # float32 uniforms in [0, 1), widened: u * total stays below the total mass in float64
+        self.uniform = None if greedy else torch.rand(steps, n, generator=generator).to(device, torch.float64)
+
+    def __call__(self, logp: torch.Tensor, t: int) -> torch.Tensor:
+        """Tokens `[N]` from log-probs `[N, V]` at step `t`."""
+        if self.greedy:
+            return logp.argmax(dim=-1)
+        probs = logp.exp()  # [N, V]
+        if self.top_k > 0:
+            kth = probs.topk(min(self.top_k, probs.shape[-1]), dim=-1).values[:, -1:]
+            probs = torch.where(probs >= kth, probs, torch.zeros_like(probs))
+        if self.top_p < 1.0:
+            sorted_probs, order = probs.sort(dim=-1, descending=True)
+            cumulative = sorted_probs.cumsum(dim=-1)
+            drop = cumulative - sorted_probs > self.top_p * cumulative[:, -1:]  # keeps at least the top token
+            probs = probs.scatter(-1, order, sorted_probs.masked_fill(drop, 0.0))
+        cdf = probs.double().cumsum(dim=-1)  # [N, V]
+        # the first token whose cumulative mass exceeds u * total: never one of probability 0
+        return torch.searchsorted(cdf, self.uniform[t, :, None] * cdf[:, -1:], right=True).squeeze(1)
+
+
+def decode(step: Callable[[torch.Tensor, int], torch.Tensor], logits: torch.Tensor, steps: int, *,
+           log_softmax: Callable[[torch.Tensor], torch.Tensor], choose: TokenSampler, forced: torch.Tensor,
+           stop_ids: list[int], pad_id: int, module) -> tuple[torch.Tensor, ...]:
+    """Decodes up to `steps` tokens per sample, on the model's device.
+
+    Args:
+        step: forwards token `t` of every sample (`[N]`) and returns the next logits `[N, V]` ([`LeanStep`],
+            [`ModelStep`]).
+        logits (`torch.FloatTensor` of shape `[N, V]`): the logits after the prompt.
+        log_softmax: the policy's log-probs `[N, V]` from logits (temperature, vision tokens excluded).
+        choose ([`TokenSampler`]): the next tokens `[N]` from the log-probs `[N, V]` and the step.
+        forced (`torch.LongTensor` of shape `[N, S]`): teacher-forced tokens, -1 where the row draws.
+        module: the module sampled through (a sharded one makes every process step alike).
+
+    Returns:
+        `tuple`: tokens `[N, S]` (the pad token after the end), log-probs `[N, S]` (0 there) and the mask `[N, S]`
+        (completion tokens up to and including the end-of-turn token), on the CPU.
+    """
+    n, device = logits.shape[0], logits.device
+    tokens = torch.full((n, steps), pad_id, dtype=torch.long, device=device)
+    log_probs = torch.zeros(n, steps, device=device)
+    mask = torch.zeros(n, steps, dtype=torch.bool, device=device)
+    is_stop = torch.zeros(logits.shape[-1], dtype=torch.bool, device=device)  # [V]: the end-of-turn tokens
+    is_stop[stop_ids] = True
+    teacher = forced.to(device) if bool((forced >= 0).any()) else None
+    alive = torch.ones(n, dtype=torch.bool, device=device)
+    for t in range(steps):
+        logp = log_softmax(logits)  # [N, V] float32
+        chosen = choose(logp, t)  # [N]
+        if teacher is not None:  # teacher-forced rows: the ground truth
+            chosen = torch.where(teacher[:, t] >= 0, teacher[:, t], chosen)
+        tokens[:, t] = chosen
+        log_probs[:, t] = logp.gather(1, chosen[:, None]).squeeze(1)
+        mask[:, t] = alive
+        alive = alive & ~is_stop[chosen]
+        if t == steps - 1 or not any_process(bool(alive.any()), module):  # sharded: every process steps alike
+            break
+        logits = step(chosen, t)
+    tokens.masked_fill_(~mask, pad_id)
+    log_probs.masked_fill_(~mask, 0.0)
+    return tokens.cpu(), log_probs.cpu(), mask.cpu()
