@@ -1,7 +1,9 @@
 """Experiment trackers through accelerate's tracking API: TensorBoard by default; Weights & Biases, MLflow, trackio,
 Comet, Aim, ClearML, DVCLive or SwanLab when installed (none is needed to train). The config is logged as
 hyper-parameters, metrics at every logged step, and evaluation samples as images (and tables where the tracker has
-them). ``metrics.jsonl`` is written whatever the trackers ([`mmgrpo.metrics_log.MetricsLog`]).
+them). ``metrics.jsonl`` is written whatever the trackers ([`mmgrpo.metrics_log.MetricsLog`]); the trackers get its
+finite numbers under names every one of them accepts ([`mmgrpo.tracker_names`]: ``eval/accuracy/malformed`` is logged
+as ``eval/accuracy.malformed``, since MLflow cannot keep a metric that is also the folder of another).
 
 TensorBoard's events go to ``<output_dir>/tensorboard/<project>``; after a resume, events an interrupted run wrote past
 the checkpoint are hidden (TensorBoard's ``purge_step``), so no step shows twice.
@@ -14,6 +16,7 @@ import importlib.util
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from .tracker_names import tracker_metrics, tracker_name
 from .validation import ConfigError, check_fields, check_text
 
 # tracker name -> the package it needs (the name accelerate's `log_with` takes)
@@ -97,10 +100,10 @@ class Trackers:
         accelerator.init_trackers(self.settings.project, config=hyperparameters(config), init_kwargs=init_kwargs)
 
     def log(self, step: int, metrics: dict) -> None:
-        """Scalars of one step (non-numbers are left out)."""
+        """Scalars of one step: finite numbers only, under names every tracker accepts (see
+        [`mmgrpo.tracker_names`])."""
         if self.enabled:
-            values = {k: v for k, v in metrics.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
-            self.accelerator.log(values, step=step)
+            self.accelerator.log(tracker_metrics(metrics), step=step)
 
     def log_samples(self, paths: list[Path], step: int) -> None:
         """An evaluation's sample files: PNG pictures as images to trackers that take images, JSONL tables as tables to
@@ -119,11 +122,11 @@ class Trackers:
                     with Image.open(path) as image:
                         pixels = np.asarray(image.convert("RGB"))[None]  # [1, H, W, 3]
                     options = {"dataformats": "NHWC"} if tracker.name == "tensorboard" else {}
-                    tracker.log_images({f"samples/{_tag(path, step)}": pixels}, step=step, **options)
+                    tracker.log_images({tracker_name(f"samples/{_tag(path, step)}"): pixels}, step=step, **options)
                 elif path.suffix == ".jsonl" and hasattr(tracker, "log_table"):
                     rows = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line]
                     columns = sorted({key for row in rows for key in row})
-                    tracker.log_table(f"samples/{_tag(path, step)}", columns=columns,
+                    tracker.log_table(tracker_name(f"samples/{_tag(path, step)}"), columns=columns,
                                       data=[[str(row.get(c, "")) for c in columns] for row in rows], step=step)
 
     def close(self) -> None:
