@@ -100,17 +100,21 @@ def export_transformers(policy, model_cls, location: str, path: str | Path, merg
             (path / LORA_FOLDER).mkdir(parents=True, exist_ok=True)
             for name in ("adapter_config.json", "adapter_model.safetensors"):
                 shutil.copy2(Path(trained) / name, path / LORA_FOLDER / name)
-            name_base(path, model_cls, location if is_hub_id(location) else str(path.resolve()))
+            if is_hub_id(location):
+                name_base(path, model_cls, location, load_kwargs.get("revision"))
+            else:
+                name_base(path, model_cls, str(path.resolve()))
     processor.save_pretrained(path)
 
 
-def name_base(path: Path, model_cls, base: str) -> None:
+def name_base(path: Path, model_cls, base: str, revision: str | None = None) -> None:
     """Names, in ``lora/adapter_config.json`` of an export at `path`, the base model's class (peft's ``auto_mapping``,
-    which ``AutoPeftModel`` reads when there is no task type) and where the base is: `base`, its hub id, or the
-    exported folder itself, which holds the base (a local or shipped ``mmgrpo:`` base is bundled)."""
+    which ``AutoPeftModel`` reads when there is no task type) and where the base is: `base`, its hub id (at the
+    configured `revision`), or the exported folder itself, which holds the base (a local or shipped ``mmgrpo:`` base
+    is bundled)."""
     file = Path(path) / LORA_FOLDER / "adapter_config.json"
     record = json.loads(file.read_text(encoding="utf-8"))
-    record["base_model_name_or_path"] = base
+    record["base_model_name_or_path"], record["revision"] = base, revision
     if record.get("task_type") is None:
         record["auto_mapping"] = {"base_model_class": model_cls.__name__, "parent_library": model_cls.__module__}
     file.write_text(json.dumps(record, indent=2, sort_keys=True) + "\n", encoding="utf-8")

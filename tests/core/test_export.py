@@ -121,6 +121,21 @@ def test_vlm_lora_export_of_a_shipped_base_loads_with_auto_peft_model_and_its_ca
     assert 'folder = snapshot_download("someone/tiny-vlm")' in pushed["README.md"].decode()
 
 
+def test_an_adapter_on_a_hub_base_names_its_id_revision_and_class(tmp_path):
+    from transformers import Qwen2VLForConditionalGeneration
+
+    from mmgrpo.export import name_base
+
+    (tmp_path / LORA_FOLDER).mkdir()
+    (tmp_path / LORA_FOLDER / "adapter_config.json").write_text(json.dumps({"base_model_name_or_path": "/x",
+                                                                            "task_type": None, "r": 4}))
+    name_base(tmp_path, Qwen2VLForConditionalGeneration, "Qwen/Qwen2-VL-2B-Instruct", "abc123")
+    record = json.loads((tmp_path / LORA_FOLDER / "adapter_config.json").read_text())
+    assert (record["base_model_name_or_path"], record["revision"], record["r"]) == ("Qwen/Qwen2-VL-2B-Instruct", "abc123", 4)
+    assert record["auto_mapping"] == {"base_model_class": "Qwen2VLForConditionalGeneration",
+                                      "parent_library": "transformers.models.qwen2_vl.modeling_qwen2_vl"}
+
+
 def test_a_hub_base_is_the_cards_base_model():
     config = {"pipeline": {"name": "sd3", "pretrained": "stabilityai/stable-diffusion-3.5-medium"},
               "algorithm": {"name": "flow_grpo"}, "reward": {"name": "pickscore"}, "data": {"name": "prompt_file"}}
