@@ -68,11 +68,12 @@ def group_normalize(
 
 
 def reward_advantages(algorithm, result, group_ids: torch.Tensor, member_ids: torch.Tensor | None = None,
-                      plan=None) -> torch.Tensor:
+                      plan=None, log_probs: torch.Tensor | None = None) -> torch.Tensor:
     """The advantages of a gathered reward `result` ([`~mmgrpo.types.RewardResult`], after its group stage):
     ``algorithm.advantages(result.scores, group_ids)`` `[N]`, or, for an algorithm declaring
-    ``traits.step_advantages``, ``algorithm.step_advantages(result.scores, group_ids, member_ids, plan)`` `[N, S]`
-    (`member_ids` `[N]`: each sample's index in its group; `plan` the step's sampling plan). When the result declares
+    ``traits.step_advantages``, ``algorithm.step_advantages(result.scores, group_ids, member_ids, plan, log_probs)``
+    `[N, S]` (`member_ids` `[N]`: each sample's index in its group; `plan` the step's sampling plan; `log_probs`
+    `[N, S]`: the rollout's recorded ``old_log_probs`` of the same samples, or None). When the result declares
     ``scores_are_advantages`` (its group stage ended in the advantage step, e.g. TRL's ``normalize_then_sum``), its
     scores as they are, NaN as 0 (such a sample is not scored, see the trainer's skip rules)."""
     scores = result.scores.float()  # [N]
@@ -84,7 +85,7 @@ def reward_advantages(algorithm, result, group_ids: torch.Tensor, member_ids: to
     if algorithm.traits.step_advantages:
         if member_ids is None or plan is None:
             raise ValueError("An algorithm with per-step advantages needs the samples' member ids and the plan.")
-        return algorithm.step_advantages(scores, group_ids, member_ids, plan)  # [N, S]
+        return algorithm.step_advantages(scores, group_ids, member_ids, plan, log_probs)  # [N, S]
     return algorithm.advantages(scores, group_ids)  # [N]
 
 

@@ -132,7 +132,8 @@ class Trainer:
         contiguous = cfg.train.group_placement == "contiguous"
         placed = self.local_advantages if contiguous else self.global_advantages
         members = local.member_ids if contiguous else batch.member_ids  # those of the samples the advantages read
-        whole, all_groups, advantages = placed(self.reward(rollout.outputs, local), rollout.group_ids, members, plan)
+        whole, all_groups, advantages = placed(self.reward(rollout.outputs, local), rollout.group_ids, members, plan,
+                                               rollout.old_log_probs)
         all_scores = whole.scores.float()  # [N] after the reward's group stage
         if self.stream.adaptive:  # group_variance sampling reads back each prompt's group rewards (batch order)
             self.stream.observe(all_scores, batch.group_ids - (self.step - 1) * cfg.train.prompts_per_step)
@@ -155,16 +156,18 @@ class Trainer:
         return gather_rewards(self.accelerator, result, group_ids, self.group_stage)
 
     def global_advantages(self, result: RewardResult, group_ids: torch.Tensor, member_ids: torch.Tensor | None = None,
-                          plan: SamplingPlan | None = None):
+                          plan: SamplingPlan | None = None, log_probs: torch.Tensor | None = None):
         """[`gather_rewards`] of this process's reward `result` and `group_ids` `[n]`, then ``algorithm.advantages``
-        on the whole batch (``step_advantages`` with the whole batch's `member_ids` `[N]` and the `plan`, where the
-        algorithm declares them). Returns ``(result [N] after the group stage, groups [N], advantages [N] or
-        [N, S])``."""
+        on the whole batch (``step_advantages`` with the whole batch's `member_ids` `[N]`, the `plan` and the gathered
+        `log_probs` `[N, S]` (this process's rollout's `[n, S]`), where the algorithm declares them). Returns
+        ``(result [N] after the group stage, groups [N], advantages [N] or [N, S])``."""
         whole, all_groups = self.gather_rewards(result, group_ids)
-        return whole, all_groups, reward_advantages(self.algorithm, whole, all_groups, member_ids, plan)
+        if self.algorithm.traits.step_advantages and log_probs is not None:
+            log_probs = self.accelerator.gather(log_probs.to(self.accelerator.device)).cpu()  # [N, S], rank order
+        return whole, all_groups, reward_advantages(self.algorithm, whole, all_groups, member_ids, plan, log_probs)
 
     def local_advantages(self, result: RewardResult, group_ids: torch.Tensor, member_ids: torch.Tensor | None = None,
-                         plan: SamplingPlan | None = None):
+                         plan: SamplingPlan | None = None, log_probs: torch.Tensor | None = None):
         """``train.group_placement: contiguous``: this process holds whole groups, so the reward's group stage and
         ``algorithm.advantages`` run on its own samples (`member_ids` `[n]` are theirs); then the final scores,
         components, groups and advantages are gathered. Returns what [`global_advantages`] returns."""
@@ -173,7 +176,7 @@ class Trainer:
         if result.scores_are_advantages and self.world > 1:  # preflight refuses it: a batch statistic, per process
             raise ValueError("train.group_placement: contiguous cannot run a reward whose scores are the batch's "
                              "advantages (composite normalize_then_sum): use spread.")
-        advantages = reward_advantages(self.algorithm, result, group_ids, member_ids, plan)  # [n] or [n, S]
+        advantages = reward_advantages(self.algorithm, result, group_ids, member_ids, plan, log_probs)  # [n] or [n, S]
 
         def gather(values: torch.Tensor) -> torch.Tensor:  # [n, ...] on every process -> [N, ...], rank order
             return self.accelerator.gather(values.to(self.accelerator.device)).cpu()

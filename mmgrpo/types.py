@@ -263,10 +263,12 @@ class AlgorithmTraits:
             holding whole groups can compute them alone (``train.group_placement: contiguous``); `False` when they
             read the whole batch (a batch standard deviation: ``scale_rewards: batch``).
         step_advantages (`bool`): the advantage depends on the step (BranchGRPO's depth-wise advantages): the algorithm
-            has ``step_advantages(scores, group_ids, member_ids, plan) -> [N, S]``, each sample's advantage at each of
-            the plan's `S` steps (`member_ids` `[N]`: each sample's index in its group, ``PromptBatch.member_ids``),
+            has ``step_advantages(scores, group_ids, member_ids, plan, log_probs) -> [N, S]``, each sample's advantage
+            at each of the plan's `S` steps (`member_ids` `[N]`: each sample's index in its group,
+            ``PromptBatch.member_ids``; `log_probs` `[N, S]`: the rollout's ``old_log_probs`` of the same samples),
             which the trainer calls instead of ``advantages`` and slices: ``loss`` gets the scored unit's columns,
-            `[n, k]`. A sample has signal when any of its entries is non-zero.
+            `[n, k]`, NaN where the algorithm leaves a transition untrained (BranchGRPO's width pruning). A sample has
+            signal when any of its entries is non-zero.
         ground_truth_member (`bool`): member 0 of each group is not sampled but teacher-forced on its prompt's ground
             truth (TempSamp-R1's off-policy member; its plans' ``ground_truth_member``, which the checks before any
             model loads compare with this): the trainer also logs ``reward/sampled_mean``, the mean reward of the

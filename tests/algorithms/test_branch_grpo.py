@@ -32,16 +32,20 @@ class Node:
         return [self] if not self.children else [leaf for c in self.children for leaf in c.leaves()]
 
 
-def _authors_tree(rewards, splits, num_steps):
-    """The authors' tree of one prompt (a child per step, two at a split), rewards fused up, depth-wise advantages
-    (torch's unbiased std, 0 below 1e-6, + 1e-8); returns each leaf's path of nodes below the root."""
+def _authors_tree(rewards, splits, num_steps, edge_log_probs=None):
+    """The authors' tree of one prompt (a child per step, two at a split), rewards fused up (the mean of the leaves,
+    or with `edge_log_probs` their ``tree_prob_weighted`` rule: from the deepest level up, a node with several children
+    takes ``sum softmax(child.log_prob) * child.reward``, one child passes its reward), depth-wise advantages (torch's
+    unbiased std, 0 below 1e-6, + 1e-8); returns each leaf's path of nodes below the root."""
     root, current = Node(0), None
     current = [root]
+    draws = iter(edge_log_probs or [])
     for i in range(num_steps):
         nxt = []
         for node in current:
             for _ in range(2 if i in splits else 1):
                 node.children.append(Node(node.depth + 1))
+                node.children[-1].step, node.children[-1].log_prob = i, next(draws, 0.0)  # the edge into it
                 nxt.append(node.children[-1])
         current = nxt
     for leaf, r in zip(root.leaves(), rewards):
@@ -51,10 +55,17 @@ def _authors_tree(rewards, splits, num_steps):
         node = stack.pop()
         by_depth.setdefault(node.depth, []).append(node)
         stack.extend(node.children)
-    for nodes in by_depth.values():
-        for node in nodes:
-            if node.children:
+    for depth in sorted(by_depth, reverse=True):  # the authors fuse from the deepest level up ...
+        for node in by_depth[depth]:
+            if node.children and edge_log_probs is not None:
+                if len(node.children) == 1:
+                    node.reward = node.children[0].reward
+                else:
+                    weights = torch.softmax(torch.tensor([c.log_prob for c in node.children]), dim=0)
+                    node.reward = torch.sum(weights * torch.stack([c.reward for c in node.children]))
+            elif node.children:
                 node.reward = torch.stack([leaf.reward for leaf in node.leaves()]).mean()
+    for nodes in by_depth.values():  # ... then normalise each depth
         values = torch.stack([node.reward for node in nodes])
         if len(nodes) <= 1 or values.std() < 1e-6:
             adv = torch.zeros_like(values)
@@ -101,6 +112,83 @@ def test_depth_wise_advantages_follow_the_authors_rule_on_a_hand_made_tree():
     torch.testing.assert_close(reward_advantages(algorithm, result, groups, members, plan), adv)
     with pytest.raises(ValueError, match="member ids and the plan"):
         reward_advantages(algorithm, result, groups)
+
+
+def test_probability_weighted_fusion_follows_the_authors_rule():
+    """``tree_prob_weighted``: each split node's reward is the softmax of its children's edge log-probs times their
+    rewards (the authors' ``compute_node_rewards_from_leaves``), here with per-edge log-probs drawn at random."""
+    algorithm = _algorithm(tree_split_points=[0, 2], tree_prob_weighted=True)
+    plan = _tree_plan(algorithm, 4)
+    g = torch.Generator().manual_seed(3)
+    trees = [[1.0, 0.0, 0.25, 0.75], [2.0, 2.0, 0.0, 10.0]]
+    scores, log_probs = torch.tensor([r for t in trees for r in t]), torch.zeros(8, 4)
+    expected = torch.zeros(8, 4)
+    for t, rewards in enumerate(trees):
+        edges = (torch.randn(16, generator=g) * 2).tolist()  # more than the tree's 12 edges
+        paths = _authors_tree(rewards, {0, 2}, 4, edges)
+        for m, path in enumerate(paths):
+            log_probs[4 * t + m] = torch.tensor([node.log_prob for node in path])  # each step's recorded log-prob
+            expected[4 * t + m] = torch.tensor([node.advantage for node in path])
+    groups, members = torch.tensor([0] * 4 + [1] * 4), torch.arange(4).repeat(2)
+    adv = algorithm.step_advantages(scores, groups, members, plan, log_probs)
+    torch.testing.assert_close(adv, expected, rtol=1e-5, atol=1e-6)
+    uniform = _algorithm(tree_split_points=[0, 2]).step_advantages(scores, groups, members, plan)
+    assert not torch.allclose(adv[:, :2], uniform[:, :2])  # the upper levels differ from the mean fusion
+    torch.testing.assert_close(adv[:, 2:], uniform[:, 2:])  # the leaves' level is the same
+    with pytest.raises(ValueError, match="log-probs"):
+        algorithm.step_advantages(scores, groups, members, plan)
+    nan = algorithm.step_advantages(torch.tensor([1.0, float("nan"), 0.0, 1.0]), torch.tensor([0] * 4),
+                                    torch.arange(4), plan, log_probs[:4])
+    assert torch.isfinite(nan).all()  # a child without reward is left out of the softmax
+
+
+def _authors_width_pruning(paths, last_split, mode, ratio, depth_pruned=()):
+    """The authors' width pruning on one tree: transitions collected depth first (parent step, child advantage), those
+    whose parent step is after the last split point kept by mode 1 (per last-split branch, the best
+    ``max(1, int(n * ratio))``, Python's stable sort) or mode 2 (all, sorted, the best ``k // 2`` and worst
+    ``k - k // 2`` of ``k = max(2, int(n * ratio))``). Returns the kept (leaf, step) pairs."""
+    last = [(m, node.step, node.advantage) for m, path in enumerate(paths) for node in path
+            if node.step > last_split and node.step + 1 not in depth_pruned]
+    if mode == 1:
+        kept = []
+        for m in range(len(paths)):
+            group = sorted([e for e in last if e[0] == m], key=lambda e: e[2], reverse=True)
+            kept += group[: max(1, int(len(group) * ratio))]
+    else:
+        ordered = sorted(last, key=lambda e: e[2], reverse=True)
+        keep = max(2, int(len(ordered) * ratio))
+        kept = ordered[: keep // 2] + ordered[len(ordered) - (keep - keep // 2):]
+    return {(m, i) for m, i, _ in kept}
+
+
+@pytest.mark.parametrize(("mode", "ratio", "depth_pruning"), [(2, 0.5, []), (2, 0.4, []), (1, 0.5, []),
+                                                              (1, 0.7, [5]), (2, 0.3, [6])])
+def test_width_pruning_keeps_the_authors_transitions(mode, ratio, depth_pruning):
+    algorithm = _algorithm(tree_split_points=[0, 2], width_pruning_mode=mode, width_pruning_ratio=ratio,
+                           depth_pruning=depth_pruning)
+    plan = _tree_plan(algorithm, 6)  # after the last split (step 2): steps 3, 4, 5 of each of the 4 leaves
+    trees = [[1.0, 0.0, 0.25, 0.75], [0.5, 3.0, 0.0, 1.0]]
+    scores, groups = torch.tensor([r for t in trees for r in t]), torch.tensor([7] * 4 + [2] * 4)
+    members = torch.tensor([0, 1, 2, 3, 3, 1, 0, 2])  # any order: the rule reads the members
+    scores = scores[torch.tensor([0, 1, 2, 3, 4, 5, 6, 7])]
+    adv = algorithm.step_advantages(scores, groups, members, plan)  # [8, 6]
+    plain = _algorithm(tree_split_points=[0, 2], depth_pruning=depth_pruning).step_advantages(scores, groups, members,
+                                                                                              plan)
+    for t, rows in enumerate((range(0, 4), range(4, 8))):
+        by_member = {int(members[r]): r for r in rows}
+        rewards = [float(scores[by_member[m]]) for m in range(4)]
+        kept = _authors_width_pruning(_authors_tree(rewards, {0, 2}, 6), 2, mode, ratio, depth_pruning)
+        for m, r in by_member.items():
+            for i in range(6):
+                trained = i + 1 not in depth_pruning
+                pruned = trained and i > 2 and (m, i) not in kept
+                assert bool(torch.isnan(adv[r, i])) == pruned, (t, m, i)
+                if not pruned:
+                    assert adv[r, i] == plain[r, i]
+    assert torch.isnan(adv).any()
+    mask = torch.ones(8, 6, dtype=torch.bool)
+    out = algorithm.loss(Score(log_prob=torch.zeros(8, 6), mask=mask), torch.zeros(8, 6), adv)
+    assert out.entries == float(torch.isfinite(adv).sum()) and torch.isfinite(out.loss)
 
 
 def test_nan_leaves_are_left_out_and_wrong_groups_refused():
@@ -172,6 +260,9 @@ def test_depth_pruning_masks():
     ({"tree_split_noise_scale": 0.0}, "tree_split_noise_scale must be > 0"),
     ({"depth_pruning": [0]}, "depth_pruning must be >= 1"),
     ({"tree_split_points": list(range(13))}, "leaves per group is above"),
+    ({"width_pruning_mode": 3}, "width_pruning_mode must be <= 2"),
+    ({"width_pruning_ratio": 0.0}, "width_pruning_ratio must be > 0"),
+    ({"width_pruning_ratio": 1.5}, "width_pruning_ratio must be <= 1"),
 ])
 def test_config_validation_errors(options, message):
     with pytest.raises(ConfigError, match=message):
@@ -188,9 +279,11 @@ def test_plan_and_group_size_errors():
         check_plan(config_mod.load(CONFIG, ["train.group_size=4"]))
 
 
-def test_a_tree_spread_over_two_processes_trains_as_on_one(tmp_path, tiny_sd3_dir):
+@pytest.mark.parametrize("options", [{}, {"tree_prob_weighted": True, "width_pruning_mode": 2}])
+def test_a_tree_spread_over_two_processes_trains_as_on_one(tmp_path, tiny_sd3_dir, options):
     """Node-keyed noise: the leaves of one tree on two processes share their prefixes exactly, the per-step
-    advantages are computed on the gathered batch, and the step equals the one-process step."""
+    advantages (with the probability-weighted fusion of the gathered log-probs and width pruning too) are computed on
+    the gathered batch, and the step equals the one-process step."""
     import json
     import os
     import subprocess
@@ -201,8 +294,8 @@ def test_a_tree_spread_over_two_processes_trains_as_on_one(tmp_path, tiny_sd3_di
     env = dict(os.environ, ACCELERATE_USE_CPU="true", OMP_NUM_THREADS="1")
     for launch in ([sys.executable, str(worker)],
                    [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(worker)]):
-        proc = subprocess.run([*launch, tiny_sd3_dir, str(tmp_path)], capture_output=True, text=True, timeout=600,
-                              env=env)
+        proc = subprocess.run([*launch, tiny_sd3_dir, str(tmp_path), json.dumps(options)], capture_output=True,
+                              text=True, timeout=600, env=env)
         assert proc.returncode == 0, proc.stderr[-4000:]
     one, two = (json.loads((tmp_path / f"result_{w}.json").read_text()) for w in (1, 2))
     assert two["world"] == 2

@@ -2,7 +2,7 @@
 SD3 pipeline with one prompt whose tree of 4 leaves is spread over the processes (2 leaves each under torchrun).
 Rank 0 writes the tree's leaf latents (gathered) and the step's metrics.
 
-Usage: ``tree_worker.py TINY_SD3_DIR OUT_DIR``.
+Usage: ``tree_worker.py TINY_SD3_DIR OUT_DIR [ALGORITHM_OPTIONS_JSON]``.
 """
 
 import json
@@ -16,14 +16,14 @@ from mmgrpo.trainer import Trainer
 from mmgrpo.types import PromptBatch
 
 
-def run(tiny_sd3_dir: str, out_dir: str) -> dict:
+def run(tiny_sd3_dir: str, out_dir: str, options: dict) -> dict:
     prompts = f"{out_dir}/prompts.txt"
     raw = {
         "output_dir": f"{out_dir}/run",
         "seed": 0,
         "pipeline": {"name": "sd3", "pretrained": tiny_sd3_dir, "resolution": 32, "num_steps": 3,
                      "guidance_scale": 1.0, "lora_rank": 4, "max_sequence_length": 16},
-        "algorithm": {"name": "branch_grpo", "tree_split_points": [0, 1]},
+        "algorithm": {"name": "branch_grpo", "tree_split_points": [0, 1], **options},
         "reward": {"name": "jpeg"},
         "data": {"name": "prompt_file", "train_file": prompts, "eval_file": prompts},
         "train": {"max_steps": 1, "prompts_per_step": 1, "group_size": 4, "minibatch_size": 4, "learning_rate": 1e-2},
@@ -41,8 +41,8 @@ def run(tiny_sd3_dir: str, out_dir: str) -> dict:
     return {"latents": latents.tolist(), "metrics": metrics, "world": trainer.world, "rank": trainer.rank}
 
 
-def main(tiny_sd3_dir: str, out_dir: str) -> None:
-    result = run(tiny_sd3_dir, out_dir)
+def main(tiny_sd3_dir: str, out_dir: str, options: dict) -> None:
+    result = run(tiny_sd3_dir, out_dir, options)
     if result["rank"] == 0:
         with open(f"{out_dir}/result_{result['world']}.json", "w") as f:
             json.dump(result, f)
@@ -53,4 +53,4 @@ def main(tiny_sd3_dir: str, out_dir: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2])
+    main(sys.argv[1], sys.argv[2], json.loads(sys.argv[3]) if len(sys.argv) > 3 else {})

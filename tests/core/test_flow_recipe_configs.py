@@ -90,3 +90,4 @@ def test_dance_mix_branch_recipes(monkeypatch):
     assert (branch.tree_split_points, branch.branch_factor, branch.tree_split_noise_scale) == ([0, 3, 6, 9], 2, 4.0)
     assert branch.branch_factor ** len(branch.tree_split_points) == branch_cfg.train.group_size == 16
     assert (branch.sde.sde_type, branch.sde.noise_level, branch.clip.clip_low) == ("dance", 0.3, 1e-3)
+    assert (branch.width_pruning_mode, branch.width_pruning_ratio, branch.tree_prob_weighted) == (0, 0.5, False)
