@@ -15,6 +15,7 @@ import torch
 
 from . import registry
 from .config import PLUGIN_KINDS, ExperimentConfig
+from .eval_rewards import check_eval_rewards
 from .memory_check import check_memory
 from .plans import FEATURE_SCORE_FIELDS, FlowPlan, SamplingPlan
 from .validation import ConfigError
@@ -293,6 +294,7 @@ def preflight(config: ExperimentConfig, split: str | None = None) -> None:
     this machine's memory ([`~mmgrpo.memory_check.check_memory`])."""
     check_output_dir(config)
     check_modalities(config)
+    check_eval_rewards(config)
     check_reward_advantages(config)
     check_plan(config)
     if split is None:

@@ -137,6 +137,9 @@ class EvalConfig:
             ``score`` for the reward itself; not ``prompt``, ``n`` or ``reward``, the other columns of
             ``eval/step_*.json``.
         seed (`int`): noise seed of evaluation samples (the same every evaluation).
+        rewards (`dict[str, dict]`): other rewards that score the same held-out samples, by name: ``{name:
+            {name: <registered reward, defaults to the name>, **its options}}``, each logged as ``eval/<name>/score``
+            and ``eval/<name>/<component>`` (see `mmgrpo.eval_rewards`); empty: the trained reward only.
     """
 
     every: int = 10
@@ -145,6 +148,7 @@ class EvalConfig:
     grid_size: int = 16
     metric: str = "score"
     seed: int = 1234
+    rewards: dict[str, dict] = field(default_factory=dict)
 
     def __post_init__(self):
         check_fields(self)
@@ -160,6 +164,9 @@ class EvalConfig:
                 f"eval.metric {self.metric!r} is a column name of eval/step_*.json: name a reward component, or "
                 f"'score' for the reward itself."
             )
+        from .eval_rewards import eval_reward_specs
+
+        eval_reward_specs(self.rewards)  # each entry's reward and options, checked now
 
 
 @dataclass
@@ -170,17 +177,26 @@ class CheckpointConfig:
         every (`int`): save every this many steps (0: only at the end).
         keep_last (`int`): complete checkpoints kept.
         resume_from (`str`, *optional*): ``"latest"`` (in this output_dir) or a checkpoint folder.
+        keep_best (`str`, *optional*): also keep the checkpoint whose evaluation scored best on this metric, as
+            ``metrics.jsonl`` names it (``eval/score``, ``eval/<eval.rewards name>/score``...), in
+            ``checkpoints/best/`` (see `mmgrpo.best_checkpoint`); unset keeps none.
+        keep_best_mode (`str`): ``"max"`` (higher is better) or ``"min"``.
     """
 
     every: int = 0
     keep_last: int = 2
     resume_from: str | None = None
+    keep_best: str | None = None
+    keep_best_mode: Literal["max", "min"] = "max"
 
     def __post_init__(self):
         check_fields(self)
         check_range("checkpoint.every", self.every, 0, STEPS_LIMIT, fix="0 saves only at the end")
         check_range("checkpoint.keep_last", self.keep_last, 1, 10**6, fix="the newest checkpoint is always kept")
         check_text("checkpoint.resume_from", self.resume_from)
+        if self.keep_best is not None and (not self.keep_best.startswith("eval/") or not self.keep_best[5:].strip()):
+            raise ConfigError(f"checkpoint.keep_best must name an evaluation metric as metrics.jsonl does, e.g. "
+                              f"eval/score or eval/<eval.rewards name>/score, got {self.keep_best!r}.")
 
 
 @dataclass

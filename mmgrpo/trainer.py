@@ -42,10 +42,13 @@ from . import checkpoint, sharding
 from .advantages import groups_with_signal, kept_samples, reward_advantages
 from .components import build_components, score_unit
 from .config import ExperimentConfig
+from .best_checkpoint import BestCheckpoint
+from .eval_rewards import held_out_scorer
 from .evaluation import evaluate_held_out, finite_mean, gather_rewards, reward_metrics
 from .metrics_log import MetricsLog, read_records
 from .optim import build_optimizer
 from .prompt_stream import PromptStream
+from .rollout_correction import correct_rollout
 from .plans import SamplingPlan
 from .run_loop import make_accelerator, run_steps, sum_over_processes, timed_step
 from .seeding import mix_seed
@@ -84,6 +87,7 @@ class Trainer:
         set_seed(config.seed)  # LoRA initialisation and anything else drawn from global RNGs
         self.policy, self.algorithm, self.reward, self.data = build_components(config)
         self.group_stage = self.reward.group_stage  # the reward's stage after the gather, or None (see RewardFn)
+        self.eval_reward = held_out_scorer(self.reward, config.eval)  # with eval.rewards' rewards, if any
         sharding.check_group_placement(config.train, self.world, self.algorithm.traits)
         self.eval_items = self.data.eval_items()
         # the whole weights of a checkpoint to resume, on every process, before sharding splits them
@@ -101,9 +105,11 @@ class Trainer:
         self.eval_mark = 0.0  # train_seconds at the last evaluation
         if resume:
             self._resume(resume)
+        self.best = BestCheckpoint(config.checkpoint.keep_best if record_config else None,
+                                   config.checkpoint.keep_best_mode, self.output_dir / "checkpoints", self.step)
         # trackers start once the resumed step is known (TensorBoard then hides what a stopped run wrote after it); an
         # evaluation of an existing run (record_config=False) starts none
-        self.log.trackers = Trackers(acc, config, self.step) if record_config and acc.is_main_process else None
+        self.log.trackers = Trackers(acc, config, self.step, resume) if record_config and acc.is_main_process else None
 
     # ------------------------------------------------------------------------------------------------- the loop
     def train(self) -> dict:
@@ -129,6 +135,7 @@ class Trainer:
         plan = self.algorithm.schedule(self.policy.num_steps, torch.Generator().manual_seed(mix_seed(cfg.seed, self.step)))
         generator = torch.Generator().manual_seed(mix_seed(cfg.seed, self.step, self.rank, 1))
         rollout = self.policy.sample(local, plan, generator=generator)
+        rollout, corrected = correct_rollout(rollout, self.policy, self.algorithm, plan.train_units, cfg.train.minibatch_size)
         contiguous = cfg.train.group_placement == "contiguous"
         placed = self.local_advantages if contiguous else self.global_advantages
         members = local.member_ids if contiguous else batch.member_ids  # those of the samples the advantages read
@@ -145,7 +152,7 @@ class Trainer:
         metrics.update(self._update(rollout, plan, local_adv, with_signal, generator, rewarded))
         metrics["lr"] = self.lr_scheduler.get_last_lr()[0]
         metrics["samples_seen"] = self.step * len(all_scores)
-        metrics.update(refreshed)  # the VAS refresh before this step's batch, if any (vas/*)
+        metrics.update({**refreshed, **corrected})  # the VAS refresh before this batch (vas/*), rollout_corr/*
         if self.algorithm.traits.after_step:
             self.algorithm.after_step()  # one rollout iteration done (MixGRPO's window), updates taken or not
         return metrics
@@ -332,16 +339,22 @@ class Trainer:
         means (after the reward's group stage, on every process's items), the scores per prompt (``eval/step_*.json``)
         and the samples, written by the writers of the pipeline's output modalities ([`mmgrpo.sample_writers`]); see
         [`~mmgrpo.evaluation.evaluate_held_out`]."""
-        return evaluate_held_out(self.policy, self.reward, self.eval_items, self.config.eval, self.accelerator,
-                                 self.output_dir, step, self.log.trackers, batch_size)
+        metrics = evaluate_held_out(self.policy, self.eval_reward, self.eval_items, self.config.eval, self.accelerator,
+                                    self.output_dir, step, self.log.trackers, batch_size)
+        self.best.observe(metrics, step, self.save)  # checkpoint.keep_best: a better evaluation saves a checkpoint
+        return metrics
 
     # ------------------------------------------------------------------------------------------- checkpoints
-    def save(self) -> Path:
+    def save(self, root: Path | None = None, extra: dict | None = None) -> Path:
+        """Saves a checkpoint of this step under ``checkpoints/`` (or as the only one in `root`, with `extra` in its
+        ``trainer_state.json``: the best checkpoint)."""
         state = {"data_position": self.stream.position, "skipped_updates": self.skipped_updates,
-                 "train_seconds": self.train_seconds, "prompt_stream": self.stream.state_dict()}
+                 "train_seconds": self.train_seconds, "prompt_stream": self.stream.state_dict(), **(extra or {}),
+                 **self.log.tracker_state()}  # the trackers' run ids, continued on resume
         return checkpoint.save(
-            self.accelerator, self.output_dir / "checkpoints", self.step, self.policy, self.optimizer,
-            self.lr_scheduler, state, self.config.checkpoint.keep_last, algorithm=self.algorithm, modules=self.wrapped,
+            self.accelerator, root or self.output_dir / "checkpoints", self.step, self.policy, self.optimizer,
+            self.lr_scheduler, state, 1 if root else self.config.checkpoint.keep_last, algorithm=self.algorithm,
+            modules=self.wrapped,
         )
 
     def _resume(self, path: Path) -> None:
@@ -364,6 +377,7 @@ class Trainer:
         summary = {"steps": self.step, "skipped_updates": self.skipped_updates, "train_seconds": round(self.train_seconds, 3)}
         if stopped_by:
             summary["stopped_by"] = stopped_by
+        summary.update(self.best.summary())  # checkpoint.keep_best's checkpoint, if any
         metrics_file = self.output_dir / "metrics.jsonl"
         if self.accelerator.is_main_process and metrics_file.is_file():
             metric = self.config.eval.metric
