@@ -85,6 +85,10 @@ class MetricsLog:
             os.fsync(f.fileno())
         os.replace(tmp, self.path)
 
+    def tracker_state(self) -> dict:
+        """What a checkpoint keeps so that a resumed run continues the trackers' runs (empty without trackers)."""
+        return self.trackers.state() if self.trackers is not None else {}
+
     def close(self) -> None:
         if self.trackers is not None:
             self.trackers.close()

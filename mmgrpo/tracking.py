@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -36,6 +37,9 @@ class TrackingConfig:
             (checked before any model loads). An empty list writes ``metrics.jsonl`` only.
         project (`str`): the project (experiment) the trackers file the run under.
         run_name (`str`, *optional*): the run's name in trackers that name runs (default: the output folder's name).
+        entity (`str`, *optional*): the team or user the run is filed under: W&B's ``entity``, Comet's ``workspace``
+            (default: the tracker's own, e.g. your W&B default entity).
+        tags (`list[str]`): tags of the run: W&B's ``tags``, MLflow tags (each set to ``"true"``).
         log_samples (`bool`): log each evaluation's sample pictures (image grids, frame strips, overlays) as images,
             and its text table where the tracker has tables.
     """
@@ -43,12 +47,17 @@ class TrackingConfig:
     log_with: list[str] = field(default_factory=lambda: ["tensorboard"])
     project: str = "mmgrpo"
     run_name: str | None = None
+    entity: str | None = None
+    tags: list[str] = field(default_factory=list)
     log_samples: bool = True
 
     def __post_init__(self):
         check_fields(self)
         check_text("tracking.project", self.project)
         check_text("tracking.run_name", self.run_name)
+        check_text("tracking.entity", self.entity)
+        for tag in self.tags:
+            check_text("tracking.tags", tag)
         for name in self.log_with:
             if name not in TRACKERS:
                 raise ConfigError(f"tracking.log_with: unknown tracker {name!r}; choose from {sorted(TRACKERS)}.")
@@ -80,24 +89,33 @@ def hyperparameters(config) -> dict:
 class Trackers:
     """The run's trackers (on the main process; accelerate logs nothing elsewhere).
 
+    A resumed run continues the trackers' runs of the checkpoint it resumes ([`init_options`]): the run's ids are kept
+    in every checkpoint's ``trainer_state.json`` (``tracker_runs``, see [`state`]).
+
     Args:
         accelerator: the run's `Accelerator`, built with ``log_with`` (see [`accelerator_options`]).
         config: the [`ExperimentConfig`].
         resumed_step (`int`): the checkpoint's step when resuming (0 otherwise).
+        resumed_from (`Path`, *optional*): the checkpoint resumed, whose ``tracker_runs`` are continued.
     """
 
-    def __init__(self, accelerator, config, resumed_step: int = 0):
+    def __init__(self, accelerator, config, resumed_step: int = 0, resumed_from: Path | None = None):
         self.accelerator = accelerator
         self.settings = config.tracking
         self.enabled = bool(self.settings.log_with)
+        self.runs = resumed_runs(resumed_from) or {"id": uuid.uuid4().hex}
         if not self.enabled:
             return
         run_name = self.settings.run_name or Path(config.output_dir).name
-        init_kwargs = {"wandb": {"name": run_name}, "mlflow": {"run_name": run_name}, "trackio": {"name": run_name},
-                       "swanlab": {"experiment_name": run_name}}
-        if resumed_step:
-            init_kwargs["tensorboard"] = {"purge_step": resumed_step + 1}
+        init_kwargs = init_options(self.settings, run_name, self.runs, resumed_step)
         accelerator.init_trackers(self.settings.project, config=hyperparameters(config), init_kwargs=init_kwargs)
+        if "mlflow" in self.settings.log_with:  # MLflow chooses its run ids: read it back to continue the run
+            self.runs["mlflow"] = accelerator.get_tracker("mlflow", unwrap=True).info.run_id
+
+    def state(self) -> dict:
+        """What a checkpoint keeps so that a resumed run continues these trackers' runs: ``{"tracker_runs": {"id":
+        our run id, "mlflow": MLflow's run id (when logging to MLflow)}}``."""
+        return {"tracker_runs": dict(self.runs)}
 
     def log(self, step: int, metrics: dict) -> None:
         """Scalars of one step: finite numbers only, under names every tracker accepts (see
@@ -135,6 +153,37 @@ class Trackers:
         if self.enabled:
             for tracker in self.accelerator.trackers:
                 tracker.finish()
+
+
+def resumed_runs(checkpoint_dir: Path | None) -> dict | None:
+    """The ``tracker_runs`` a checkpoint recorded (None: no checkpoint, or one written before they were kept)."""
+    if checkpoint_dir is None:
+        return None
+    from .checkpoint import read_metadata
+
+    runs = (read_metadata(checkpoint_dir) or {}).get("tracker_runs")
+    return dict(runs) if isinstance(runs, dict) and isinstance(runs.get("id"), str) else None
+
+
+def init_options(settings: TrackingConfig, run_name: str, runs: dict, resumed_step: int = 0) -> dict:
+    """Each tracker's ``init_kwargs``: the run's name, entity and tags (`settings`), and the ids that make a resumed
+    run continue its trackers' runs instead of starting new ones (`runs`: see [`Trackers.state`]): W&B's ``id`` with
+    ``resume="allow"``, MLflow's ``run_id``, Comet's ``experiment_key``, trackio's run name with ``resume="allow"``;
+    TensorBoard's ``purge_step`` hides what an interrupted run wrote after the checkpoint. Aim, ClearML, DVCLive and
+    SwanLab start a new run on resume."""
+    entity, tags = settings.entity, list(settings.tags)
+    options = {
+        "wandb": {"name": run_name, "id": runs["id"], "resume": "allow",
+                  **({"entity": entity} if entity else {}), **({"tags": tags} if tags else {})},
+        "mlflow": {"run_name": run_name, **({"run_id": runs["mlflow"]} if runs.get("mlflow") else {}),
+                   **({"tags": {tag: "true" for tag in tags}} if tags else {})},
+        "comet_ml": {"experiment_key": runs["id"], **({"workspace": entity} if entity else {})},
+        "trackio": {"name": run_name, "resume": "allow"},
+        "swanlab": {"experiment_name": run_name},
+    }
+    if resumed_step:
+        options["tensorboard"] = {"purge_step": resumed_step + 1}
+    return options
 
 
 def _tag(path: Path, step: int) -> str:
