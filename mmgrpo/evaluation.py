@@ -37,12 +37,16 @@ def sample_and_score(policy, reward, items: list, plan: SamplingPlan, generator:
     stage runs after the gather) and hands each batch, with its reward artifacts, to `writers`. Each item is its own
     group, numbered from `first_group`. Returns the reward result (``scores`` `[n]`, ``components`` each `[n]`, plus
     ``completion_tokens`` `[n]` for policies that write text, ``features`` `[n, ...]` or `None`, on the CPU, in the
-    reward's dtypes) and the prompts (`n`). `progress` shows a progress bar over the samples."""
+    reward's dtypes) and the prompts (`n`). `progress` shows a progress bar over the samples on a terminal (none in a
+    log file)."""
+    import sys
+
     from tqdm.auto import tqdm
 
     scores, components, features, prompts = [], {}, [], []
     # a bar closed on errors too: a run's last line is its error, not a half-drawn bar
-    with tqdm(total=len(items), desc="eval", unit="sample", disable=not progress, leave=False) as bar:
+    with tqdm(total=len(items), desc="eval", unit="sample", disable=not (progress and sys.stderr.isatty()),
+              leave=False) as bar:
         for start in range(0, len(items), batch_size):
             batch = items_to_batch(items[start : start + batch_size])
             batch.group_ids = torch.arange(len(batch)) + first_group + start

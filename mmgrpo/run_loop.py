@@ -15,10 +15,10 @@ from pathlib import Path
 from typing import Protocol
 
 import torch
-from tqdm.auto import tqdm
 
 from . import sharding
 from .evaluation import evaluation_due
+from .progress import StepProgress
 from .stop_signals import StopSignals
 from .tracking import accelerator_options
 
@@ -93,8 +93,8 @@ def run_steps(run: LoopRun, desc: str, postfix: tuple[str, str]) -> str | None:
     with StopSignals(announce=main, at_once=True) as stop:  # at once until the first step has finished
         if run.step == 0 and evaluating:
             run.log.write(0, run.evaluate(0))
-        bar = tqdm(range(run.step, cfg.train.max_steps), disable=not main, desc=desc)
-        for _ in bar:
+        bar = StepProgress(run.step, cfg.train.max_steps, cfg.train.max_seconds, run.train_seconds, desc, main)
+        for _ in range(run.step, cfg.train.max_steps):
             run.step += 1
             metrics = timed_step(run)
             stop.at_once = False
@@ -106,7 +106,7 @@ def run_steps(run: LoopRun, desc: str, postfix: tuple[str, str]) -> str | None:
                 run.eval_mark = run.train_seconds
             if run.step % cfg.log_every == 0 or last or any(k.startswith("eval/") for k in metrics):
                 run.log.write(run.step, metrics)
-            bar.set_postfix({postfix[0]: f"{metrics[postfix[1]]:.4g}"})
+            bar.update(run.step, run.train_seconds, {postfix[0]: f"{metrics[postfix[1]]:.4g}"}, last)
             if cfg.checkpoint.every and run.step % cfg.checkpoint.every == 0:
                 run.save()
             if out_of_time:
@@ -114,4 +114,5 @@ def run_steps(run: LoopRun, desc: str, postfix: tuple[str, str]) -> str | None:
             if sum_over_processes(run.accelerator, float(stop.received is not None)) > 0:  # every process stops
                 stopped_by = stop.name or "SIGTERM"  # the signal may have reached another process only
                 break
+        bar.close()
     return stopped_by
