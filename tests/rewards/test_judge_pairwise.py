@@ -3,6 +3,7 @@ rates, position bias cancelled by judging both orders, the authors' one-order ru
 failures."""
 
 import itertools
+import json
 import math
 
 import pytest
@@ -116,3 +117,32 @@ def test_win_rates_formula():
     # 0: 1 + 0.5 of 2; 1: 0 + 0.5 + 1 of 3; 2: 0 of 1 (the failed one left out); 3: alone
     torch.testing.assert_close(rates, torch.tensor([0.75, 0.5, 0.0, 0.5]), rtol=0, atol=1e-7)
     assert math.isnan(win_rates(2, [(0, 1, None)], torch.ones(2, dtype=torch.bool))[0])
+
+
+def test_trains_inside_composite_on_groups_judged_where_sampled(tmp_path, tiny_sd3_dir, judge_server):
+    from mmgrpo import config as config_mod
+    from mmgrpo.trainer import Trainer
+
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("a red circle\na blue square\n")
+    raw = {
+        "output_dir": str(tmp_path / "run"), "seed": 3,
+        "pipeline": {"name": "sd3", "pretrained": tiny_sd3_dir, "resolution": 32, "num_steps": 3,
+                     "guidance_scale": 1.0, "lora_rank": 4, "max_sequence_length": 16},
+        "algorithm": {"name": "flow_grpo", "clip_low": 0.2},
+        "reward": {"name": "composite", "normalize": "group_normalize_then_sum", "rewards": {
+            "judge_pairwise": {"weight": 0.4, "url": judge_server.url, "template": "PAIR {prompt}", "timeout": 5.0},
+            "jpeg": {"weight": 0.6}}},
+        "data": {"name": "prompt_file", "train_file": str(prompts), "eval_file": str(prompts)},
+        "train": {"max_steps": 2, "prompts_per_step": 2, "group_size": 3, "minibatch_size": 6,
+                  "learning_rate": 1e-3, "group_placement": "contiguous"},
+        "eval": {"every": 0},
+    }
+    Trainer(config_mod.from_dict(raw)).train()
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in records if "reward/judge_pairwise" in r]
+    assert len(steps) == 2
+    for record in steps:
+        assert record["reward/judge_pairwise/judge_calls"] == 6.0  # 2 * C(3, 2) per group
+        assert record["reward/judge_pairwise"] == pytest.approx(0.5)  # win rates average 1/2 in every group
+        assert record["reward/judge_pairwise/failed"] == 0.0
