@@ -80,7 +80,7 @@ def test_stalls_and_trickles_end_within_the_timeout(judge_server):
     reward = _reward(judge_server, timeout=0.3, retries=1)
     start = time.monotonic()
     result = reward({"images": red_images([1.0, 1.0, 1.0])}, PromptBatch(["[stall]", "[trickle]", "fine"]))
-    assert time.monotonic() - start < 3.0  # 2 attempts of 0.3 s each (+ a trickle's last read), never a stall
+    assert time.monotonic() - start < 6.0  # 2 attempts of 0.3 s each (+ a trickle's last read); a stall is 30 s
     assert torch.isnan(result.scores[:2]).all() and result.scores[2] == pytest.approx(1.0)
     assert result.components["failed"].tolist() == [1.0, 1.0, 0.0]
 
@@ -149,4 +149,14 @@ def test_parsers_take_linear_time_on_adversarial_answers(fragment, repeats):
     start = time.perf_counter()
     parse_score(text, "Final Score:", 1, 5)
     parse_preference(text, "answer", "Image 1 is better", "Image 2 is better")
+    assert time.perf_counter() - start < 1.0
+
+
+@pytest.mark.parametrize("unit", ["Final Score:", "Final Score: x", "<answer>", "<answer>Image 1</answr>", "9" * 40])
+def test_one_megabyte_answers_parse_in_linear_time(unit):
+    text = unit * (2**20 // len(unit))
+    start = time.perf_counter()
+    assert parse_score(text, "Final Score:", 1, 5) is None
+    parse_preference(text, "answer", "Image 1 is better", "Image 2 is better")
+    yes_probability({"choices": [{"message": {"content": text}}]})
     assert time.perf_counter() - start < 1.0
