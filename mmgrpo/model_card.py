@@ -59,15 +59,30 @@ def pipeline_tag(cls: str, library: str) -> str:
     return "image-text-to-text" if "ConditionalGeneration" in cls or "ImageTextToText" in cls else "text-generation"
 
 
+def _call_arguments(cls: str) -> set[str]:
+    """The keyword arguments the diffusers pipeline class `cls` takes when called (all sampling options when it is
+    not a diffusers class)."""
+    import inspect
+
+    import diffusers
+
+    pipeline_cls = getattr(diffusers, cls, None)  # a library lookup by name, as `loading_call`
+    if not isinstance(pipeline_cls, type):
+        return {"num_inference_steps", "guidance_scale", "height", "width", "num_frames", "max_sequence_length"}
+    return set(inspect.signature(pipeline_cls.__call__).parameters)
+
+
 def _diffusers_example(cls: str, extra: str, options: dict, lora: bool, prompt: str, tag: str) -> list[str]:
     """Lines that load the exported pipeline and generate one sample with the run's sampling options."""
     size = options.get("resolution")
     call = [f"{json.dumps(prompt)}"]
     if tag == "image-to-image":
         call.append("image=Image.new(\"RGB\", (512, 512), \"white\")")  # replace with your input image
+    accepted = _call_arguments(cls)
     for ours, theirs in (("num_steps", "num_inference_steps"), ("guidance_scale", "guidance_scale"),
-                         ("height", "height"), ("width", "width"), ("num_frames", "num_frames")):
-        if options.get(ours) is not None:
+                         ("height", "height"), ("width", "width"), ("num_frames", "num_frames"),
+                         ("max_sequence_length", "max_sequence_length")):
+        if options.get(ours) is not None and theirs in accepted:
             call.append(f"{theirs}={options[ours]!r}")
     if size is not None and "height" not in options:
         call += [f"height={size!r}", f"width={size!r}"]
