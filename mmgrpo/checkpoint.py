@@ -227,8 +227,8 @@ def _write_json(path: Path, record: dict) -> None:
 
 
 def resolve(resume_from: str, root: str | Path) -> Path:
-    """``"latest"`` -> newest complete checkpoint under `root`; otherwise the given folder, checked."""
-    if resume_from == "latest":
+    """``"latest"`` (or ``"auto"``) -> newest complete checkpoint under `root`; otherwise the given folder, checked."""
+    if resume_from in ("latest", "auto"):
         found = complete_checkpoints(root)
         if not found:
             raise FileNotFoundError(f"checkpoint.resume_from=latest but {root} holds no complete checkpoint.")
@@ -327,7 +327,7 @@ def preload(resume_from: str | None, root: str | Path, policy) -> Path | None:
     """The checkpoint that `resume_from` names (see [`resolve`]; `None` when it is unset), after checking its format
     and loading its weights into `policy`, which is not prepared yet: every process loads them whole, before
     sharding splits them, so a checkpoint resumes at any number of processes. [`load`] then restores the rest."""
-    if not resume_from:
+    if not resume_from or resume_from == "auto" and not complete_checkpoints(root):  # auto: a fresh start
         return None
     path = resolve(resume_from, root)
     load_weights(path, policy, check=True)

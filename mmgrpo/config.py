@@ -77,6 +77,8 @@ def check_resume(resume_from: str, output_dir: str) -> None:
     """Refuses a `checkpoint.resume_from` that names no complete checkpoint (``latest``: none under `output_dir`)."""
     from . import checkpoint  # torch: only when resuming
 
+    if resume_from == "auto":  # the latest complete checkpoint if any, else a fresh start: nothing to refuse
+        return
     try:
         checkpoint.resolve(resume_from, Path(output_dir) / "checkpoints")
     except (OSError, ValueError) as err:

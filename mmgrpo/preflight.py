@@ -276,9 +276,10 @@ def check_checkpoint(config: ExperimentConfig, resuming: bool) -> None:
     files are all present and readable; checked before any model loads. An evaluation reads only the weights."""
     from . import checkpoint
 
-    if not config.checkpoint.resume_from:
+    root, resume_from = Path(config.output_dir) / "checkpoints", config.checkpoint.resume_from
+    if not resume_from or resume_from == "auto" and not checkpoint.complete_checkpoints(root):  # auto: fresh start
         return
-    path = checkpoint.resolve(config.checkpoint.resume_from, Path(config.output_dir) / "checkpoints")
+    path = checkpoint.resolve(resume_from, root)
     try:
         if resuming:
             checkpoint.check_format(path)

@@ -19,7 +19,7 @@ import torch
 from . import sharding
 from .evaluation import evaluation_due
 from .progress import StepProgress
-from .stop_signals import StopSignals
+from .stop_signals import StopSignals, stop_signals
 from .tracking import accelerator_options
 
 
@@ -90,7 +90,8 @@ def run_steps(run: LoopRun, desc: str, postfix: tuple[str, str]) -> str | None:
     cfg, main = run.config, run.accelerator.is_main_process
     evaluating = bool(cfg.eval.every or cfg.eval.every_seconds)
     stopped_by = None
-    with StopSignals(announce=main, at_once=True) as stop:  # at once until the first step has finished
+    signals = stop_signals(cfg.checkpoint.warning_signal)  # SIGINT, SIGTERM and a scheduler's early warning
+    with StopSignals(main, True, signals, cfg.checkpoint.stop_deadline) as stop:  # at once until the first step ends
         if run.step == 0 and evaluating:
             run.log.write(0, run.evaluate(0))
         bar = StepProgress(run.step, cfg.train.max_steps, cfg.train.max_seconds, run.train_seconds, desc, main)

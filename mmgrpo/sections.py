@@ -176,11 +176,19 @@ class CheckpointConfig:
     Args:
         every (`int`): save every this many steps (0: only at the end).
         keep_last (`int`): complete checkpoints kept.
-        resume_from (`str`, *optional*): ``"latest"`` (in this output_dir) or a checkpoint folder.
+        resume_from (`str`, *optional*): ``"latest"`` (in this output_dir), ``"auto"`` (the latest complete checkpoint
+            in this output_dir if there is one, else a fresh start: the same command starts a run and continues it
+            after every requeue) or a checkpoint folder.
         keep_best (`str`, *optional*): also keep the checkpoint whose evaluation scored best on this metric, as
             ``metrics.jsonl`` names it (``eval/score``, ``eval/<eval.rewards name>/score``...), in
             ``checkpoints/best/`` (see `mmgrpo.best_checkpoint`); unset keeps none.
         keep_best_mode (`str`): ``"max"`` (higher is better) or ``"min"``.
+        warning_signal (`str`, *optional*): a signal that, like SIGTERM, finishes the step, saves a checkpoint and
+            exits with 128 + its number: the early warning a cluster scheduler sends before the time limit
+            (``"SIGUSR1"`` for SLURM's ``--signal=USR1@300``); see [`mmgrpo.stop_signals`].
+        stop_deadline (`float`): seconds after the first stop signal within which the current step must finish;
+            past them the run stops at once, as at a second signal (that step's work is lost, the last checkpoint
+            kept). 0 (the default): the step always finishes.
     """
 
     every: int = 0
@@ -188,15 +196,30 @@ class CheckpointConfig:
     resume_from: str | None = None
     keep_best: str | None = None
     keep_best_mode: Literal["max", "min"] = "max"
+    warning_signal: str | None = None
+    stop_deadline: float = 0.0
 
     def __post_init__(self):
         check_fields(self)
         check_range("checkpoint.every", self.every, 0, STEPS_LIMIT, fix="0 saves only at the end")
+        check_range("checkpoint.stop_deadline", self.stop_deadline, 0, SECONDS_LIMIT, fix="0: the step always finishes")
+        check_warning_signal(self.warning_signal)
         check_range("checkpoint.keep_last", self.keep_last, 1, 10**6, fix="the newest checkpoint is always kept")
         check_text("checkpoint.resume_from", self.resume_from)
         if self.keep_best is not None and (not self.keep_best.startswith("eval/") or not self.keep_best[5:].strip()):
             raise ConfigError(f"checkpoint.keep_best must name an evaluation metric as metrics.jsonl does, e.g. "
                               f"eval/score or eval/<eval.rewards name>/score, got {self.keep_best!r}.")
+
+
+WARNING_SIGNALS = ("SIGUSR1", "SIGUSR2", "SIGHUP", "SIGQUIT", "SIGXCPU", "SIGALRM")  # early warnings a scheduler sends
+
+
+def check_warning_signal(name: str | None) -> None:
+    """`name` (``"SIGUSR1"`` or ``"USR1"``) is a signal a scheduler can send as an early warning."""
+    if name is not None and (name.upper() if name.upper().startswith("SIG") else f"SIG{name.upper()}") \
+            not in WARNING_SIGNALS:
+        raise ConfigError(f"checkpoint.warning_signal must be one of {', '.join(WARNING_SIGNALS)} (SLURM's "
+                          f"--signal=USR1@300 sends SIGUSR1), got {name!r}; SIGINT and SIGTERM are handled anyway.")
 
 
 @dataclass

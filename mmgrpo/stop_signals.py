@@ -8,6 +8,12 @@ status 143, no checkpoint written. A stop at once must not wait for the code tha
 handlers only between bytecodes, so a long native call (a huge allocation, a tensor operation) would delay them. A
 watcher thread, woken through `signal.set_wakeup_fd` as the signal arrives, ends the process itself (``os._exit``
 with the same status and line) when the main thread has not stopped within ``GRACE_SECONDS``.
+
+On a cluster, ``checkpoint.warning_signal`` adds the early warning a scheduler sends before the time limit (SLURM's
+``--signal=USR1@300``: SIGUSR1 five minutes before), handled as SIGTERM: the step finishes, a checkpoint is saved and
+the process exits with 128 + its number (138), which the job script can requeue on. ``checkpoint.stop_deadline`` bounds
+how long the step may still take after the first signal: past it, the run stops at once as at a second signal (no
+checkpoint for that step; the last one is kept), so a long step never runs into the scheduler's kill.
 """
 
 from __future__ import annotations
@@ -22,6 +28,15 @@ SIGNALS = (signal.SIGINT, signal.SIGTERM)
 GRACE_SECONDS = 2.0  # how long the watcher lets the main thread stop by itself before ending the process
 
 
+def stop_signals(warning_signal: str | None) -> tuple[int, ...]:
+    """SIGINT, SIGTERM and the configured early-warning signal (``"SIGUSR1"``, ``"USR1"``...), if any."""
+    if not warning_signal:
+        return SIGNALS
+    name = warning_signal.upper()
+    extra = signal.Signals[name if name.startswith("SIG") else f"SIG{name}"]
+    return SIGNALS if extra in SIGNALS else (*SIGNALS, extra)
+
+
 class StopSignals:
     """A context that turns SIGINT / SIGTERM into a stop request (see the module docstring).
 
@@ -31,14 +46,21 @@ class StopSignals:
         announce (`bool`): print the one-line notices (the main process of a multi-process run).
         at_once (`bool`): every signal stops at once (set-up: nothing to save yet); the trainer turns it off once its
             first step has finished.
+        signals (`tuple[int, ...]`): the signals handled (default SIGINT and SIGTERM; see [`stop_signals`]).
+        deadline (`float`): seconds after the first signal within which the current step must end (the context
+            exited); past them the run stops at once, as at a second signal. 0: no deadline.
 
     Attributes:
         received (`int` or `None`): the first signal's number, once one arrived.
     """
 
-    def __init__(self, announce: bool = True, at_once: bool = False):
+    def __init__(self, announce: bool = True, at_once: bool = False, signals: tuple[int, ...] = SIGNALS,
+                 deadline: float = 0.0):
         self.announce = announce
         self.at_once = at_once
+        self.signals = tuple(signals)
+        self.deadline = deadline
+        self._timer: threading.Timer | None = None
         self.received: int | None = None
         self._previous: dict[int, object] = {}
         self._wakeup: tuple[socket.socket, socket.socket, int] | None = None
@@ -47,12 +69,14 @@ class StopSignals:
 
     def __enter__(self) -> "StopSignals":
         if threading.current_thread() is threading.main_thread():
-            for signum in SIGNALS:
+            for signum in self.signals:
                 self._previous[signum] = signal.signal(signum, self._handle)
             self._start_watcher()
         return self
 
     def __exit__(self, *exc) -> None:
+        if self._timer is not None:
+            self._timer.cancel()  # the step ended within the deadline
         for signum, handler in self._previous.items():
             signal.signal(signum, handler)
         self._previous.clear()
@@ -86,7 +110,7 @@ class StopSignals:
             if not data:
                 return
             for signum in data:
-                if signum not in SIGNALS:
+                if signum not in self.signals:
                     continue
                 seen += 1
                 stop_now = self.at_once or seen > 1
@@ -118,9 +142,20 @@ class StopSignals:
             signal.raise_signal(signum)
             return
         self.received = signum
+        if self.deadline > 0:
+            self._timer = threading.Timer(self.deadline, self._deadline_passed, args=(signum,))
+            self._timer.daemon = True
+            self._timer.start()
         if self.announce:
-            print(f"\nmmgrpo: {signal.Signals(signum).name} received: finishing this step, then saving a checkpoint "
-                  "(send it again to stop at once).", file=sys.stderr, flush=True)
+            limit = f" within {self.deadline:g} s" if self.deadline > 0 else ""
+            print(f"\nmmgrpo: {signal.Signals(signum).name} received: finishing this step{limit}, then saving a "
+                  "checkpoint (send it again to stop at once).", file=sys.stderr, flush=True)
+
+    def _deadline_passed(self, signum: int) -> None:
+        """The step did not end within `deadline` seconds of the first signal: the signal again, as from the user."""
+        self._say(f"the step did not finish within {self.deadline:g} s of {signal.Signals(signum).name}: stopping at "
+                  "once (no checkpoint for this step; the last one is kept).")
+        signal.pthread_kill(threading.main_thread().ident, signum)
 
     @property
     def name(self) -> str | None:
