@@ -93,3 +93,18 @@ def random_levels(seed: int = 0, n: int = 2, f: int = 5, size: int = 32) -> np.n
     drift = rng.integers(-40, 41, size=(n, f, size, size, 3))
     cast = rng.uniform(0.1, 1.0, size=(n, f, 1, 1, 3))
     return np.clip((base + drift) * cast, 0, 255).round().astype(np.uint8)
+
+
+@pytest.fixture(scope="session")
+def tiny_hps_checkpoint(tmp_path_factory):
+    """A tiny open_clip folder (architecture only) and, beside it, a random state dict of that model saved as the
+    HPSv2 authors save theirs (``torch.save({"state_dict": ...})``, as ``HPS_v2.1_compressed.pt``)."""
+    import open_clip
+
+    folder = tmp_path_factory.mktemp("tiny_hps")
+    (folder / "open_clip_config.json").write_text(json.dumps({"model_cfg": TINY_CLIP, "preprocess_cfg": {}}))
+    torch.manual_seed(1)
+    model = open_clip.create_model(f"local-dir:{folder}")  # random weights: the folder holds none
+    checkpoint = tmp_path_factory.mktemp("hps_weights") / "HPS_v2.1_compressed.pt"
+    torch.save({"state_dict": model.state_dict()}, checkpoint)
+    return str(folder), str(checkpoint)

@@ -19,7 +19,9 @@ from mmgrpo.plans import FEATURE_SCORE_FIELDS
 from mmgrpo.types import PromptBatch, Score
 from mmgrpo.algorithms._options import AdvantageOptions, KLOptions, KLWeight
 from mmgrpo.validation import build_dataclass, flat_dict, flat_hints, is_embedded
-from reward_fixtures import jpeg_server, tiny_aesthetic_head, tiny_clip_dir, tiny_pickscore_dir  # noqa: F401
+from reward_fixtures import (  # noqa: F401
+    jpeg_server, tiny_aesthetic_head, tiny_clip_dir, tiny_hps_checkpoint, tiny_pickscore_dir,
+)
 from builders._sam import tiny_sam2_dir  # noqa: F401
 from judge_server import judge_server  # noqa: F401
 
@@ -49,6 +51,10 @@ def _judge_server(request):
     return JudgeServer(url=request.getfixturevalue("judge_server").url, timeout=5.0, retries=0)
 
 
+def _tiny_hps(folder: str, checkpoint: str) -> dict:
+    return {"model_name": f"local-dir:{folder}", "checkpoint": checkpoint, "device": "cpu"}
+
+
 # reward name -> options needed to build it in tests (defaults otherwise); a callable gets pytest's `request`
 REWARD_OPTIONS = {
     "clip_score": _tiny_clip,
@@ -61,6 +67,7 @@ REWARD_OPTIONS = {
     "sam_mask": lambda request: {"model": request.getfixturevalue("tiny_sam2_dir"), "device": "cpu", "coords": "original"},
     "judge": lambda request: {"server": _judge_server(request)},
     "judge_pairwise": lambda request: {"server": _judge_server(request), "template": "PAIR {prompt}"},
+    "hpsv2": lambda request: _tiny_hps(*request.getfixturevalue("tiny_hps_checkpoint")),
 }
 # fit the tiny policies' 3 steps (dgpo); read the transitions' mean and std (flow_grpo's KL term)
 ALGORITHM_OPTIONS = {"dgpo": {"trunc_steps": 2, "num_train_timesteps": 2},
