@@ -52,6 +52,8 @@ def score_unit(policy, algorithm, sub, unit: list[int], device) -> tuple[Score, 
             old_score = score(sub, unit)
         old = old_score if traits.old_score else old_score.log_prob
     new = score(sub, unit)
+    if sub.is_weights is not None:  # the rollout correction's importance weights (see mmgrpo.rollout_correction)
+        new.is_weight = sub.is_weights[:, unit].to(device)
     if source == "rollout":
         old = sub.old_log_probs[:, unit].to(device)
     elif source == "current":  # the algorithm reads no old model: it is the current one, no extra forward

@@ -85,6 +85,11 @@ class Rollout:
         trajectory (`dict`): adapter-private replay state (latents per step, sigmas, prompt embeddings...).
             Algorithms never look inside it; every tensor in it has `N` as first dimension unless its key
             starts with ``shared_``.
+        engine_log_probs (`torch.FloatTensor` of shape `[N, S]`, *optional*): the log-probs an engine other than the
+            trainer's forward reported for the sampled transitions (then also `old_log_probs` until the trainer's
+            rollout correction recomputes those, see [`mmgrpo.rollout_correction`]); `None` for the local engine.
+        is_weights (`torch.FloatTensor` of shape `[N, S]`, *optional*): the rollout correction's importance weights,
+            which the token losses multiply into each transition's policy term.
     """
 
     group_ids: torch.Tensor  # [N]
@@ -92,6 +97,8 @@ class Rollout:
     old_log_probs: torch.Tensor  # [N, S]
     mask: torch.Tensor  # [N, S] bool
     trajectory: dict[str, Any] = field(default_factory=dict)
+    engine_log_probs: torch.Tensor | None = None  # [N, S]
+    is_weights: torch.Tensor | None = None  # [N, S]
 
     def __len__(self) -> int:
         return self.old_log_probs.shape[0]
@@ -112,6 +119,8 @@ class Rollout:
             old_log_probs=self.old_log_probs[index],
             mask=self.mask[index],
             trajectory={k: (v if k.startswith("shared_") else pick(v)) for k, v in self.trajectory.items()},
+            engine_log_probs=None if self.engine_log_probs is None else self.engine_log_probs[index],
+            is_weights=None if self.is_weights is None else self.is_weights[index],
         )
 
 
@@ -182,6 +191,8 @@ class Score:
         token_mask (`torch.BoolTensor` of shape `[n, k, L]`, *optional*): the tokens each scored step scores.
         old_token_log_prob (`torch.FloatTensor` of shape `[n, k, L]`, *optional*): `token_log_prob` of the sampling
             policy, recorded at sampling (no gradient).
+        is_weight (`torch.FloatTensor` of shape `[n, k]`, *optional*): the rollout correction's importance weight of
+            each entry (``Rollout.is_weights``; no gradient), set by the trainer, never by a pipeline.
     """
 
     log_prob: torch.Tensor  # [n, k]
@@ -197,6 +208,7 @@ class Score:
     token_log_prob: torch.Tensor | None = None  # [n, k, L]
     token_mask: torch.Tensor | None = None  # [n, k, L] bool
     old_token_log_prob: torch.Tensor | None = None  # [n, k, L]
+    is_weight: torch.Tensor | None = None  # [n, k]
 
     @classmethod
     def field_names(cls) -> frozenset[str]:
@@ -273,6 +285,9 @@ class AlgorithmTraits:
             truth (TempSamp-R1's off-policy member; its plans' ``ground_truth_member``, which the checks before any
             model loads compare with this): the trainer also logs ``reward/sampled_mean``, the mean reward of the
             other, sampled members.
+        rollout_correction (`RolloutCorrectionOptions`, *optional*): the algorithm's rollout correction options (see
+            [`mmgrpo.rollout_correction`]): its loss multiplies ``Score.is_weight`` into each entry's policy term. `None`:
+            it takes no rollout whose engine's log-probs differ from the trainer's.
     """
 
     reads: frozenset[str] = frozenset({"log_prob"})
@@ -288,6 +303,7 @@ class AlgorithmTraits:
     group_local_advantages: bool = True
     ground_truth_member: bool = False
     step_advantages: bool = False
+    rollout_correction: Any = None  # a RolloutCorrectionOptions: the algorithm applies rollout correction
 
     def __post_init__(self):
         if self.update_mean not in ("samples", "entries", "rollout_entries"):

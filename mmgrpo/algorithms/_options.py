@@ -1,7 +1,8 @@
 """The options every algorithm shares, one record each, checked once: the advantage estimator ([`AdvantageOptions`]),
 the ratio clip ([`ClipOptions`]), the KL weight with its schedule ([`KLOptions`], held at run time as a
 [`KLWeight`], the algorithm's declared ``kl`` member), the SDE steps of the flow algorithms ([`SDEOptions`]) and the
-per-step ratio of the flow algorithms that replay SDE transitions ([`RatioOptions`]: GRPO-Guard's RatioNorm).
+per-step ratio of the flow algorithms that replay SDE transitions ([`RatioOptions`]: GRPO-Guard's RatioNorm) and the
+correction of rollouts whose engine's log-probs differ from the trainer's ([`RolloutCorrectionOptions`]).
 
 An algorithm's ``Config`` embeds them with [`~mmgrpo.validation.embedded`], giving its own (its authors') defaults::
 
@@ -34,6 +35,8 @@ FASTVIDEO_ADVANTAGES = {"scale_rewards": "group", "adv_std": "unbiased", "adv_ep
 RewardScaling = Literal["group", "batch", "none"]
 AdvantageTransform = Literal["none", "tempsamp_soft"]
 KLSchedule = Literal["constant", "linear", "cosine"]
+RolloutCorrection = Literal["recompute", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask",
+                            "token_reject", "sequence_reject", "geometric_reject"]
 
 
 @dataclass
@@ -227,6 +230,65 @@ class KLOptions:
                     "schedule")
         check_range("kl_warmup_steps", self.kl_warmup_steps, 1, UPDATES_LIMIT,
                     fix="the number of optimizer updates over which the KL weight moves from kl_beta to kl_beta_end")
+
+
+@dataclass
+class RolloutCorrectionOptions:
+    """What a token algorithm does when the engine that sampled a rollout reports log-probs ``pi_rollout`` that differ
+    from the trainer's forward of the same weights (another kernel, another dtype; ``Rollout.engine_log_probs``). The
+    trainer first recomputes the old log-probs ``pi_old`` with its own forward, before any update of the step, and
+    uses them as the ratio's old policy; the mismatch is logged every step (``rollout_corr/*``, see
+    [`mmgrpo.rollout_correction`]). A rollout of the trainer's own forward (the local engine) needs none of this.
+
+    Args:
+        rollout_correction (`str`): with ``rho = pi_old / pi_rollout`` per token, or per sequence
+            ``exp(sum_t log rho_t)`` over its completion tokens (TRL's ``vllm_importance_sampling_mode`` values, which
+            do what TRL's do, the per-token policy loss multiplied by the weight, the KL term not):
+
+            - ``"recompute"``: the recomputed old log-probs alone, no weight.
+            - ``"token_truncate"`` / ``"sequence_truncate"``: weight ``clamp(rho, rollout_is_clip_min,
+              rollout_is_clip_max)`` (truncated importance sampling, TIS).
+            - ``"token_mask"`` / ``"sequence_mask"``: weight ``rho`` inside ``[rollout_is_clip_min,
+              rollout_is_clip_max]``, 0 outside (masked importance sampling, MIS; a zero-weight token still counts in
+              the loss's normaliser, as in TRL).
+            - ``"token_reject"`` / ``"sequence_reject"`` / ``"geometric_reject"``: verl's rejection sampling
+              (``rollout_rs: token | sequence | geometric``, no weight): tokens, or whole sequences by the product or
+              the geometric mean ``exp(mean_t log rho_t)`` of their ratios, outside ``[rollout_rs_threshold_lower,
+              rollout_rs_threshold]`` leave the trained tokens (``Rollout.mask``): they count in no normaliser.
+        rollout_is_clip_max (`float`, *optional*): TRL's ``vllm_importance_sampling_clip_max`` (3.0); unset: no upper
+            bound.
+        rollout_is_clip_min (`float`, *optional*): TRL's ``vllm_importance_sampling_clip_min``; unset: no lower bound.
+        rollout_rs_threshold (`float`): verl's ``rollout_rs_threshold``, the upper ratio bound of the reject modes
+            (> 1; verl's geometric examples use 1.0002 - 1.001).
+        rollout_rs_threshold_lower (`float`, *optional*): verl's ``rollout_rs_threshold_lower``; unset: ``1 /
+            rollout_rs_threshold``, as verl.
+    """
+
+    rollout_correction: RolloutCorrection = "recompute"
+    rollout_is_clip_max: float | None = 3.0
+    rollout_is_clip_min: float | None = None
+    rollout_rs_threshold: float = 2.0
+    rollout_rs_threshold_lower: float | None = None
+
+    def __post_init__(self):
+        check_fields(self)
+        if self.rollout_is_clip_max is not None:
+            check_range("rollout_is_clip_max", self.rollout_is_clip_max, 0, SCALE_LIMIT, low_open=True,
+                        fix="TRL's default is 3.0; leave it unset for no upper bound")
+        if self.rollout_is_clip_min is not None:
+            check_range("rollout_is_clip_min", self.rollout_is_clip_min, 0, self.rollout_is_clip_max or SCALE_LIMIT,
+                        high_open=True, fix="a lower ratio bound below rollout_is_clip_max; leave it unset for none")
+        check_range("rollout_rs_threshold", self.rollout_rs_threshold, 1, SCALE_LIMIT, low_open=True,
+                    fix="an upper ratio bound above 1 (verl: 2.0 per sequence, 1.0002 - 1.001 geometric)")
+        if self.rollout_rs_threshold_lower is not None:
+            check_range("rollout_rs_threshold_lower", self.rollout_rs_threshold_lower, 0, 1, low_open=True,
+                        high_open=True, fix="a lower ratio bound below 1; leave it unset for 1 / rollout_rs_threshold")
+
+    @property
+    def reject_bounds(self) -> tuple[float, float]:
+        """The ratio bounds ``(lower, upper)`` of the reject modes."""
+        lower = self.rollout_rs_threshold_lower
+        return (1.0 / self.rollout_rs_threshold if lower is None else lower), self.rollout_rs_threshold
 
 
 def advantages(self, scores: torch.Tensor, group_ids: torch.Tensor) -> torch.Tensor:

@@ -41,7 +41,7 @@ def schedule(self, num_steps: int, generator: torch.Generator | None = None) -> 
 def token_traits(config, kl: KLWeight, reads: frozenset[str] = TOKEN_READS, **more) -> AlgorithmTraits:
     """The traits of a token algorithm with options `config` (its embedded ``advantage`` record and
     ``ground_truth_member``) and KL weight `kl`: it reads the reference when the KL weight is ever above 0; `more`
-    adds its own (e.g. ``update_mean``)."""
+    adds its own (e.g. ``update_mean``, ``rollout_correction``)."""
     return AlgorithmTraits(reads=reads, needs_reference=kl.ever_positive,
                            group_local_advantages=config.advantage.group_local,
                            ground_truth_member=config.ground_truth_member, **more)
@@ -91,7 +91,8 @@ def clipped_token_loss(new: Score, old_log_prob: torch.Tensor, advantages: torch
                        clip: ClipOptions, beta: float, mode: Aggregation,
                        mask: torch.Tensor | None = None) -> tuple[torch.Tensor, dict]:
     """The clipped per-token surrogate aggregated by `mode`, plus `beta` times the k3 KL aggregated alike, and its
-    metrics ([`ratio_metrics`], ``kl``).
+    metrics ([`ratio_metrics`], ``kl``). With ``new.is_weight`` (the rollout correction's importance weights), each
+    token's surrogate is multiplied by its weight before the aggregation, the KL term not (TRL's rule).
 
     Args:
         new ([`Score`]): ``log_prob`` `[n, T]` with gradients and ``mask`` `[n, T]` (scored tokens).
@@ -103,6 +104,8 @@ def clipped_token_loss(new: Score, old_log_prob: torch.Tensor, advantages: torch
     mask = token_mask(new, new.log_prob) if mask is None else mask  # [n, T]
     log_ratio = new.log_prob - old_log_prob  # [n, T]
     per_token, clipped = clipped_objective(log_ratio, advantages, clip.clip_low, clip.high)
+    if new.is_weight is not None:
+        per_token = per_token * new.is_weight.detach()  # [n, T]
     policy_loss = aggregate(per_token, mask, mode)
     metrics = ratio_metrics(log_ratio, mask, clipped, policy_loss)
     return add_kl(policy_loss, metrics, new, ref, mask, beta, mode), metrics
@@ -132,4 +135,13 @@ GROUND_TRUTH_DOC = """
             "old" log-probs are the sampling policy's on those tokens, so its ratio starts at 1 (no importance weight
             for the off-policy source). Needs a pipeline that implements it (`qwen_vl`). The trainer then also logs
             ``reward/sampled_mean``, the reward of the sampled members alone.
+"""
+
+# The Args entry of the rollout correction options, appended to the Config docstring of each token algorithm that
+# embeds them (grpo, dr_grpo, dapo).
+CORRECTION_DOC = """        rollout_correction (`str`), rollout_is_clip_max (`float`), rollout_is_clip_min (`float`),
+            rollout_rs_threshold (`float`), rollout_rs_threshold_lower (`float`): what the trainer does with a rollout
+            whose engine's log-probs differ from its own forward (``"recompute"`` by default: the old log-probs
+            recomputed by the trainer; TRL's truncated / masked importance sampling per token or sequence; verl's
+            rejection): see [`~mmgrpo.algorithms._options.RolloutCorrectionOptions`]. The local engine needs none.
 """

@@ -28,8 +28,8 @@ import torch
 from ..types import LossOutput, Score
 from ..validation import check_fields, embedded
 from . import _options, _token
-from ._options import AdvantageOptions, ClipOptions, KLOptions, KLWeight
-from ._token import GROUND_TRUTH_DOC, clipped_token_loss, token_mask, token_traits
+from ._options import AdvantageOptions, ClipOptions, KLOptions, KLWeight, RolloutCorrectionOptions
+from ._token import CORRECTION_DOC, GROUND_TRUTH_DOC, clipped_token_loss, token_mask, token_traits
 
 UPDATE_MEANS = {"rollout": "rollout_entries", "update": "entries", "update_with_signal": "entries"}
 
@@ -53,11 +53,12 @@ class DAPOConfig:
     kl: KLOptions = embedded(KLOptions, kl_beta=0.0)
     advantage: AdvantageOptions = embedded(AdvantageOptions, scale_rewards="group", adv_std="unbiased", adv_eps=1e-4)
     ground_truth_member: bool = False
+    correction: RolloutCorrectionOptions = embedded(RolloutCorrectionOptions)
 
     __post_init__ = check_fields  # every check is the fields' own or the shared records'
 
 
-DAPOConfig.__doc__ += GROUND_TRUTH_DOC
+DAPOConfig.__doc__ += GROUND_TRUTH_DOC + CORRECTION_DOC
 
 
 class DAPO:
@@ -71,7 +72,8 @@ class DAPO:
     def __init__(self, config: DAPOConfig):
         self.config = config
         self.kl = KLWeight(config.kl)  # the KL weight, moving under a schedule
-        self.traits = token_traits(config, self.kl, update_mean=UPDATE_MEANS[config.token_mean])
+        self.traits = token_traits(config, self.kl, update_mean=UPDATE_MEANS[config.token_mean],
+                                   rollout_correction=config.correction)
 
     def loss(self, new: Score, old_log_prob, advantages, ref: Score | None = None) -> LossOutput:
         """Clipped token surrogate averaged over the counted tokens, their number as ``entries`` (the trainer makes

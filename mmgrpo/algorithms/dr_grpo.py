@@ -14,8 +14,8 @@ import torch
 from ..types import LossOutput, Score
 from ..validation import check_fields, embedded
 from . import _options, _token
-from ._options import AdvantageOptions, ClipOptions, KLOptions, KLWeight
-from ._token import GROUND_TRUTH_DOC, clipped_token_loss, token_traits
+from ._options import AdvantageOptions, ClipOptions, KLOptions, KLWeight, RolloutCorrectionOptions
+from ._token import CORRECTION_DOC, GROUND_TRUTH_DOC, clipped_token_loss, token_traits
 
 
 @dataclass
@@ -34,11 +34,12 @@ class DrGRPOConfig:
     kl: KLOptions = embedded(KLOptions, kl_beta=0.0)
     advantage: AdvantageOptions = embedded(AdvantageOptions, scale_rewards="none")
     ground_truth_member: bool = False
+    correction: RolloutCorrectionOptions = embedded(RolloutCorrectionOptions)
 
     __post_init__ = check_fields  # every check is the fields' own or the shared records'
 
 
-DrGRPOConfig.__doc__ += GROUND_TRUTH_DOC
+DrGRPOConfig.__doc__ += GROUND_TRUTH_DOC + CORRECTION_DOC
 
 
 class DrGRPO:
@@ -52,7 +53,7 @@ class DrGRPO:
     def __init__(self, config: DrGRPOConfig):
         self.config = config
         self.kl = KLWeight(config.kl)  # the KL weight, moving under a schedule
-        self.traits = token_traits(config, self.kl)
+        self.traits = token_traits(config, self.kl, rollout_correction=config.correction)
 
     def loss(self, new: Score, old_log_prob, advantages, ref: Score | None = None) -> LossOutput:
         """Clipped token surrogate summed over tokens / (n * T), `T` = ``new.log_prob.shape[1]`` (the policy

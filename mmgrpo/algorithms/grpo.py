@@ -15,8 +15,8 @@ import torch
 from ..types import LossOutput, Score
 from ..validation import check_fields, embedded
 from . import _options, _token
-from ._options import AdvantageOptions, ClipOptions, KLOptions, KLWeight
-from ._token import GROUND_TRUTH_DOC, clipped_token_loss, token_traits
+from ._options import AdvantageOptions, ClipOptions, KLOptions, KLWeight, RolloutCorrectionOptions
+from ._token import CORRECTION_DOC, GROUND_TRUTH_DOC, clipped_token_loss, token_traits
 
 
 @dataclass
@@ -35,11 +35,12 @@ class GRPOConfig:
     kl: KLOptions = embedded(KLOptions, kl_beta=0.04)
     advantage: AdvantageOptions = embedded(AdvantageOptions, scale_rewards="group", adv_std="unbiased", adv_eps=1e-4)
     ground_truth_member: bool = False
+    correction: RolloutCorrectionOptions = embedded(RolloutCorrectionOptions)
 
     __post_init__ = check_fields  # every check is the fields' own or the shared records'
 
 
-GRPOConfig.__doc__ += GROUND_TRUTH_DOC
+GRPOConfig.__doc__ += GROUND_TRUTH_DOC + CORRECTION_DOC
 
 
 class GRPO:
@@ -53,7 +54,7 @@ class GRPO:
     def __init__(self, config: GRPOConfig):
         self.config = config
         self.kl = KLWeight(config.kl)  # the KL weight, moving under a schedule
-        self.traits = token_traits(config, self.kl)
+        self.traits = token_traits(config, self.kl, rollout_correction=config.correction)
 
     def loss(self, new: Score, old_log_prob, advantages, ref: Score | None = None) -> LossOutput:
         """Clipped token surrogate plus ``kl_beta`` times the k3 KL, per-sequence token means, then their mean.
