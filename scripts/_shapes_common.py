@@ -1,8 +1,9 @@
-"""What the shapes base-model scripts (`train_t2i_shapes.py`, `train_t2v_shapes.py`) share: their common command-line
-options, the learning-rate schedule, the flow-matching loop around a script's own batch loss (EMA weights, selection
-evaluations that stop training inside a target range, resumable checkpoints), and the run's set-up and report.
+"""What the shapes base-model scripts (`train_t2i_shapes.py`, `train_t2v_shapes.py`, `train_edit_shapes.py`) share:
+their common command-line options, the learning-rate schedule, the flow-matching loop around a script's own batch loss
+(EMA weights, selection evaluations that stop training inside a target range, resumable checkpoints), and the run's
+set-up and report.
 
-Not a script: the two scripts import it from their folder.
+Not a script: the scripts import it from their folder.
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from ._diffusers import tiny_clip_config, tiny_vae
-from ._tokenizers import clip_tokenizer, t5_tokenizer
+from ._tokenizers import T5_WORDS, clip_tokenizer, t5_tokenizer
 
 
 @pytest.fixture(scope="session")
@@ -43,6 +43,7 @@ def tiny_flux_pipeline(
     text_layers: int = 2,
     text_max_length: int = 16,
     guidance_embeds: bool = True,
+    vocab_words: tuple[str, ...] = (),
     seed: int = 0,
 ):
     """Builds a randomly initialised, tiny `FluxPipeline` from real library classes, fully offline.
@@ -68,6 +69,8 @@ def tiny_flux_pipeline(
         text_layers (`int`, defaults to 2): layers of each text encoder.
         text_max_length (`int`, defaults to 16): CLIP token length.
         guidance_embeds (`bool`, defaults to `True`): FLUX.1-dev's distilled guidance embedding (schnell has none).
+        vocab_words (`tuple[str, ...]`, *optional*): words both tokenizers keep whole (see [`clip_tokenizer`] and
+            [`t5_tokenizer`]).
         seed (`int`, defaults to 0): seed of the weight initialisation.
 
     Returns:
@@ -78,8 +81,8 @@ def tiny_flux_pipeline(
 
     if sum(axes_dims_rope) != attention_head_dim:
         raise ValueError(f"sum(axes_dims_rope) {sum(axes_dims_rope)} must equal attention_head_dim {attention_head_dim}.")
-    tokenizer = clip_tokenizer(model_max_length=text_max_length)
-    tokenizer_2 = t5_tokenizer()
+    tokenizer = clip_tokenizer(model_max_length=text_max_length, extra_words=vocab_words)
+    tokenizer_2 = t5_tokenizer(T5_WORDS + tuple(vocab_words)) if vocab_words else t5_tokenizer()
     clip_config = tiny_clip_config(tokenizer, text_hidden_size, text_layers, text_max_length)
     t5_config = T5Config(
         vocab_size=len(tokenizer_2),

@@ -1,0 +1,66 @@
+"""The shipped image-editing base model (``mmgrpo:edit_shapes``, trained by scripts/train_edit_shapes.py) loads with
+plain `FluxKontextPipeline.from_pretrained` and through the `flux_kontext` policy as the embedded edit default
+configures it, edits held-out scenes that `edit_fidelity` can score, and is clearly imperfect (RL has room)."""
+
+import json
+from pathlib import Path
+
+from mmgrpo import config as config_mod
+from mmgrpo.hub import resolve_pretrained
+
+from builders._runs import held_out_flow_rollout
+
+ROOT = Path(__file__).resolve().parents[2]
+CONFIG = ROOT / "configs" / "tiny" / "edit_shapes.yaml"
+
+
+def shipped() -> tuple[Path, dict]:
+    path = Path(resolve_pretrained("mmgrpo:edit_shapes"))
+    return path, json.loads((path / "metrics.json").read_text(encoding="utf-8"))
+
+
+def test_shipped_metrics_record_an_imperfect_base_and_the_sampling_settings():
+    cfg = config_mod.load(CONFIG)
+    path, metrics = shipped()
+    assert 0.1 <= metrics["heldout"]["strict"] <= 0.6, metrics["heldout"]  # room to improve, but it edits
+    assert metrics["vae_reconstruction_strict"] >= 0.95  # the VAE alone loses (almost) nothing
+    sampling, options = metrics["sampling"], cfg.pipeline.options
+    assert sampling["height"] == sampling["width"] == options.resolution == cfg.data.options.size
+    assert sampling["max_sequence_length"] == options.max_sequence_length
+    assert sampling["num_inference_steps"] == options.num_steps
+    weights = sum(f.stat().st_size for f in path.rglob("*.safetensors"))
+    assert weights == metrics["weights_bytes"] < 8e6  # small enough for the repository
+
+
+def test_shipped_model_loads_in_the_stock_pipeline_and_edits_through_the_policy(monkeypatch):
+    import torch
+    from diffusers import FluxKontextPipeline
+
+    path, metrics = shipped()
+    pipe = FluxKontextPipeline.from_pretrained(path, use_safetensors=True)
+    counts = {name: sum(p.numel() for p in getattr(pipe, name).parameters()) for name in metrics["parameters"]}
+    assert counts == metrics["parameters"]
+    monkeypatch.chdir(ROOT)
+    cfg, batch, rollout, reward = held_out_flow_rollout(CONFIG, 12)
+    images = rollout.outputs["images"]  # [N, 3, H, W]
+    assert images.shape == (12, 3, cfg.pipeline.options.resolution, cfg.pipeline.options.resolution)
+    result = reward(rollout.outputs, batch)
+    # the edit keeps most of the scene (an untrained model's noise keeps nothing) and it edits some right
+    assert result.components["edit_preserve"].mean() >= 0.8, result.components["edit_preserve"]
+    assert torch.isfinite(result.scores).all()
+
+
+def test_script_defaults_build_the_shipped_architecture(monkeypatch):
+    import importlib.util
+
+    monkeypatch.syspath_prepend(str(ROOT / "scripts"))
+    spec = importlib.util.spec_from_file_location("train_edit_shapes", ROOT / "scripts" / "train_edit_shapes.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    args = script.parse_args(["--output", "unused"])
+    path, metrics = shipped()
+    assert {k: v for k, v in vars(args).items() if k != "output"} == metrics["args"]
+    pipe = script.build_pipeline(args)
+    config = json.loads((path / "transformer" / "config.json").read_text(encoding="utf-8"))
+    assert pipe.transformer.config.num_layers == config["num_layers"]
+    assert sum(p.numel() for p in pipe.transformer.parameters()) == metrics["parameters"]["transformer"]
