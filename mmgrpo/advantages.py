@@ -75,18 +75,24 @@ def reward_advantages(algorithm, result, group_ids: torch.Tensor, member_ids: to
     `[N, S]` (`member_ids` `[N]`: each sample's index in its group; `plan` the step's sampling plan; `log_probs`
     `[N, S]`: the rollout's recorded ``old_log_probs`` of the same samples, or None). When the result declares
     ``scores_are_advantages`` (its group stage ended in the advantage step, e.g. TRL's ``normalize_then_sum``), its
-    scores as they are, NaN as 0 (such a sample is not scored, see the trainer's skip rules)."""
+    scores as they are, NaN as 0 (such a sample is not scored, see the trainer's skip rules). Either way an algorithm
+    declaring ``traits.selects_samples`` then keeps its selection: ``algorithm.select_samples(advantages, group_ids)``
+    (DanceGRPO's best-of-N)."""
     scores = result.scores.float()  # [N]
     if result.scores_are_advantages:
         if algorithm is not None and algorithm.traits.step_advantages:
             raise ValueError("The reward's scores are already the advantages (composite normalize_then_sum), but the "
                              "algorithm computes an advantage per step from the rewards: use group_normalize_then_sum.")
-        return torch.where(torch.isfinite(scores), scores, torch.zeros_like(scores))
-    if algorithm.traits.step_advantages:
+        advantages = torch.where(torch.isfinite(scores), scores, torch.zeros_like(scores))  # [N]
+    elif algorithm.traits.step_advantages:
         if member_ids is None or plan is None:
             raise ValueError("An algorithm with per-step advantages needs the samples' member ids and the plan.")
         return algorithm.step_advantages(scores, group_ids, member_ids, plan, log_probs)  # [N, S]
-    return algorithm.advantages(scores, group_ids)  # [N]
+    else:
+        advantages = algorithm.advantages(scores, group_ids)  # [N]
+    if algorithm is not None and algorithm.traits.selects_samples:
+        advantages = algorithm.select_samples(advantages, group_ids)  # [N]
+    return advantages
 
 
 def sample_signal(advantages: torch.Tensor) -> torch.Tensor:

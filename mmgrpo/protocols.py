@@ -141,6 +141,8 @@ class Algorithm(Protocol):
 
     - ``after_update(policy)``, when ``traits.after_update``: called after every optimizer update taken.
     - ``after_step()``, when ``traits.after_step``: called once at the end of every training step (one rollout).
+    - ``select_samples(advantages, group_ids) -> advantages``, when ``traits.selects_samples``: keeps the samples it
+      trains, 0 for the others (DanceGRPO's best-of-N), applied to each batch's advantages.
     - ``state_dict() -> dict`` / ``load_state_dict(state)``, when ``traits.has_state``: saved in and restored from
       checkpoints.
     - ``old_policy(policy) -> ContextManager``, when ``traits.old_source`` is ``"old_model"``: the algorithm keeps its

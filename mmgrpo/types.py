@@ -281,6 +281,10 @@ class AlgorithmTraits:
             which the trainer calls instead of ``advantages`` and slices: ``loss`` gets the scored unit's columns,
             `[n, k]`, NaN where the algorithm leaves a transition untrained (BranchGRPO's width pruning). A sample has
             signal when any of its entries is non-zero.
+        selects_samples (`bool`): the algorithm has ``select_samples(advantages [N], group_ids [N]) -> [N]``, which
+            [`~mmgrpo.advantages.reward_advantages`] applies to the batch's advantages (also to a reward's own,
+            ``scores_are_advantages``): the samples it leaves out of training get advantage 0 (DanceGRPO's best-of-N);
+            with `drop_zero_advantage` they leave the batch.
         ground_truth_member (`bool`): member 0 of each group is not sampled but teacher-forced on its prompt's ground
             truth (TempSamp-R1's off-policy member; its plans' ``ground_truth_member``, which the checks before any
             model loads compare with this): the trainer also logs ``reward/sampled_mean``, the mean reward of the
@@ -303,6 +307,7 @@ class AlgorithmTraits:
     group_local_advantages: bool = True
     ground_truth_member: bool = False
     step_advantages: bool = False
+    selects_samples: bool = False
     rollout_correction: Any = None  # a RolloutCorrectionOptions: the algorithm applies rollout correction
 
     def __post_init__(self):

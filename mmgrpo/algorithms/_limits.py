@@ -14,3 +14,4 @@ DRAWS_LIMIT = 1024  # likelihood draws per rollout (each costs forwards; 1 is us
 UPDATES_LIMIT = 10**9  # optimizer updates of a schedule
 SCALE_LIMIT = 1e4  # a temperature, weight or sharpness of a loss term (papers: ~0.1 to 100)
 SHIFT_LIMIT = 100.0  # a flow-matching sigma shift (real models: 1 to ~17)
+GROUP_LIMIT = 1024  # samples of a group selected for training (train.group_size is at most 1024)

@@ -24,11 +24,22 @@ Several rewards: the authors' HunyuanVideo script normalises each reward within 
 clipped losses; MixGRPO's ``advantage_aggr`` adds the weighted per-reward advantages before the clip. The `composite`
 reward's ``normalize: advantage_aggr`` gives the latter (equal to the former wherever the ratio lies inside the clip).
 
+Best-of-N (``bestofn``, the authors' HunyuanVideo script's ``--bestofn 8`` of 24 generations): with `A` the
+advantages above (with several rewards, their weighted sum: the authors' ``vq_coef * A_vq + mq_coef * A_mq``), only
+the ``ceil(bestofn / 2)`` samples of each group with the highest `A` and the ``bestofn // 2`` with the lowest are
+trained (their ``sorted[-bestofn//2:]``, ``sorted[:bestofn//2]``), with their `A` of the whole group (not normalised
+again); the others get advantage 0 and leave the batch
+(``traits.drop_zero_advantage``). A group of exactly ``bestofn`` samples trains all (as their ``num_generations ==
+bestofn``).
+
 Differences from the authors' code: the last step is an ODE step instead of an SDE step whose output is replaced by
 its ``x0_hat`` for decoding (the same final latent: the Euler step to sigma 0 is ``x0_hat``); the last step is not
 trained in either. The shared initial noise is drawn per group from the plan's seed, the same on every process
 (theirs: one draw per process, one prompt per process). Sampling and training batch several samples (theirs: one at
-a time). Not implemented: HunyuanVideo's best-of-N selection of the trained samples, EMA of the weights.
+a time). Best-of-N selects within each group (theirs: within a process's batch, one group there) and breaks ties by
+position (a stable sort); a selected sample whose advantage is exactly 0 leaves the batch too, and a few left-out ones
+may come back with advantage 0 to fill equal minibatches ([`~mmgrpo.advantages.kept_samples`]). Not implemented: EMA
+of the weights.
 """
 
 from __future__ import annotations
@@ -41,6 +52,7 @@ from ..plans import FlowPlan
 from ..types import AlgorithmTraits, LossOutput, Score
 from ..validation import check_fields, check_range, embedded
 from . import _options
+from ._limits import GROUP_LIMIT
 from ._flow_common import fastvideo_surrogate, per_step_plan
 from ._options import FASTVIDEO_ADVANTAGES, AdvantageOptions, ClipOptions, KLOptions, KLWeight, SDEOptions
 
@@ -64,6 +76,9 @@ class DanceGRPOConfig:
             loss as the authors do (so also the advantages a `composite` reward gives as they are).
         kl_beta (`float`): weight of the exact KL of the Gaussian transitions to the reference (0: the authors' code,
             no reference forward).
+        bestofn (`int`, *optional*): the authors' best-of-N: of each group only the ``ceil(bestofn / 2)`` samples
+            with the highest advantage and the ``bestofn // 2`` with the lowest are trained (their HunyuanVideo
+            script: 8 of 24); unset (their FLUX and Wan scripts), or equal to the group size: every sample.
     """
 
     timestep_fraction: float = 0.6
@@ -72,11 +87,15 @@ class DanceGRPOConfig:
     advantage: AdvantageOptions = embedded(AdvantageOptions, **FASTVIDEO_ADVANTAGES)
     kl: KLOptions = embedded(KLOptions, kl_beta=0.0)
     sde: SDEOptions = embedded(SDEOptions, noise_level=0.3, sde_type="dance")
+    bestofn: int | None = None
 
     def __post_init__(self):
         check_fields(self)
         check_range("timestep_fraction", self.timestep_fraction, 0, 1, low_open=True,
                     fix="each sample trains int(fraction * (num_steps - 1)) steps; the authors use 0.6")
+        if self.bestofn is not None:
+            check_range("bestofn", self.bestofn, 2, GROUP_LIMIT,
+                        fix="the samples of a group trained: the best and worst bestofn // 2 (the authors: 8 of 24)")
 
 
 class DanceGRPO:
@@ -95,6 +114,8 @@ class DanceGRPO:
             needs_reference=self.kl.ever_positive,
             group_local_advantages=config.advantage.group_local,
             update_mean="entries",  # every trained (sample, step) pair weighs the same in an update
+            selects_samples=True,  # best-of-N (select_samples keeps every sample without bestofn)
+            drop_zero_advantage=config.bestofn is not None,  # the samples best-of-N leaves out leave the batch
         )
 
     def trained_per_sample(self, num_steps: int) -> int:
@@ -114,6 +135,25 @@ class DanceGRPO:
         steps = list(range(num_steps - 1))
         return per_step_plan(num_steps, steps, c.sde, c.init_same_noise, generator,
                              units_per_sample=per_sample if per_sample < len(steps) else 0)
+
+    def select_samples(self, advantages: torch.Tensor, group_ids: torch.Tensor) -> torch.Tensor:
+        """The authors' best-of-N: the advantages `[N]` of each group's ``ceil(bestofn / 2)`` highest and
+        ``bestofn // 2`` lowest samples (their ``sorted[-bestofn//2:]`` and ``sorted[:bestofn//2]`` of an ascending
+        sort, here stable), 0 for the others; all of them without `bestofn` or in a group of exactly `bestofn`."""
+        b = self.config.bestofn
+        if b is None:
+            return advantages
+        kept = torch.zeros_like(advantages)  # [N]
+        for group in torch.unique(group_ids):
+            rows = torch.nonzero(group_ids == group).flatten()
+            if len(rows) < b:
+                raise ValueError(f"algorithm.bestofn {b} is above the group of {len(rows)} samples: set "
+                                 f"train.group_size to at least {b} (the authors: 8 of 24) or lower bestofn.")
+            order = torch.argsort(advantages[rows], stable=True)  # ascending
+            top = -(-b // 2)  # their sorted[-bestofn//2:]: (-b) // 2 from the end, ceil(b / 2) samples
+            chosen = rows if len(rows) == b else rows[torch.cat([order[: b // 2], order[len(order) - top :]])]
+            kept[chosen] = advantages[chosen]
+        return kept
 
     def loss(self, new: Score, old_log_prob, advantages, ref: Score | None = None) -> LossOutput:
         """Clipped surrogate on one step, averaged over the samples that train it (their number as ``entries``), plus

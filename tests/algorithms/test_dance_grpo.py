@@ -45,6 +45,9 @@ def test_config_checks():
     with pytest.raises(ValueError, match="clip_ratio"):
         dance(clip_ratio=0.1)  # unknown key: named
     assert not dance().traits.needs_reference and dance(kl_beta=0.01).traits.needs_reference
+    for bad in (1, 0, 5000):
+        with pytest.raises(ConfigError, match="bestofn"):
+            dance(bestofn=bad)
 
 
 def authors_loss(log_prob, old_log_prob, advantages, trained, clip=1e-4, adv_clip=5.0):
@@ -173,3 +176,69 @@ def test_composite_advantage_aggr_is_the_authors_multi_reward_rule():
     result = reward.group_stage(partial, groups).scores
     assert float(result[0]) == pytest.approx(float(0.7 * a_adv + 1.4 * b_adv), rel=1e-5)
     assert float(result[1]) == pytest.approx(float(0.7 * (hps[1] - hps[:4].mean()) / (hps[:4].std() + 1e-8)), rel=1e-5)
+
+
+def authors_best_of_n(vq_rewards, mq_rewards, num_generations, bestofn, vq_coef=1.0, mq_coef=0.0):
+    """The authors' HunyuanVideo selection (``train_grpo_hunyuan.py``): per reward, groups of `num_generations`
+    normalised ``(r - mean) / (std + 1e-8)``; ``total = vq_coef * A_vq + mq_coef * A_mq``; ``argsort``; the indices
+    ``sorted[-bestofn//2:]`` and ``sorted[:bestofn//2]`` are trained (all when ``num_generations == bestofn``;
+    Python reads ``-bestofn//2`` as ``(-bestofn) // 2``). Returns the kept indices and the total scores."""
+    total = authors_advantage_aggr({"vq": vq_rewards, "mq": mq_rewards}, {"vq": vq_coef, "mq": mq_coef},
+                                   num_generations)
+    order = torch.argsort(total)
+    if num_generations == bestofn:
+        return set(range(len(total))), total
+    return set(order[-bestofn // 2 :].tolist()) | set(order[: bestofn // 2].tolist()), total
+
+
+def test_best_of_n_trains_the_authors_selection():
+    """One group of 24 (the authors' process batch), bestofn 8: the 4 highest and 4 lowest advantages are kept with
+    their values in the whole group; the others get 0 and leave the batch (Flow-GRPO's filter)."""
+    from mmgrpo.advantages import kept_samples, reward_advantages
+    from mmgrpo.types import RewardResult
+
+    g = torch.Generator().manual_seed(1)
+    vq = torch.rand(24, generator=g)
+    algorithm = dance(bestofn=8)
+    assert algorithm.traits.selects_samples and algorithm.traits.drop_zero_advantage
+    assert not dance().traits.drop_zero_advantage
+    groups = torch.zeros(24, dtype=torch.long)
+    got = reward_advantages(algorithm, RewardResult(scores=vq), groups)  # [24]
+    expected_kept, total = authors_best_of_n(vq, torch.zeros(24), 24, 8)
+    assert set(torch.nonzero(got).flatten().tolist()) == expected_kept and len(expected_kept) == 8
+    torch.testing.assert_close(got[sorted(expected_kept)], total[sorted(expected_kept)], rtol=1e-5, atol=1e-6)
+    assert kept_samples(got, 2).tolist() == sorted(expected_kept)
+    every = reward_advantages(dance(), RewardResult(scores=vq), groups)
+    torch.testing.assert_close(every, total, rtol=1e-5, atol=1e-6)  # without bestofn: every sample, same values
+    # two groups of 6 (ours selects per group), bestofn 4 and an odd 5 (the 3 highest and the 2 lowest)
+    rewards = torch.rand(12, generator=g)
+    two = torch.tensor([0] * 6 + [1] * 6)
+    for b in (4, 5):
+        got = reward_advantages(dance(bestofn=b), RewardResult(scores=rewards), two)
+        for start in (0, 6):
+            kept, total = authors_best_of_n(rewards[start : start + 6], torch.zeros(6), 6, b)
+            assert set(torch.nonzero(got[start : start + 6]).flatten().tolist()) == kept and len(kept) == b
+    assert torch.equal(reward_advantages(dance(bestofn=6), RewardResult(scores=rewards), two),
+                       reward_advantages(dance(), RewardResult(scores=rewards), two))  # bestofn == group size: all
+    with pytest.raises(ValueError, match="set train.group_size to at least 8"):
+        reward_advantages(dance(bestofn=8), RewardResult(scores=rewards), two)
+
+
+def test_best_of_n_ranks_the_summed_advantages_of_several_rewards():
+    """With the `composite` reward's ``advantage_aggr`` (scores that are already advantages), the selection ranks
+    their weighted sum, as the authors' ``vq_coef * A_vq + mq_coef * A_mq``."""
+    from mmgrpo.advantages import reward_advantages
+    from mmgrpo.rewards.composite import CompositeConfig, CompositeReward
+    from mmgrpo.types import RewardResult
+
+    g = torch.Generator().manual_seed(4)
+    vq, mq = torch.rand(24, generator=g), torch.rand(24, generator=g)
+    reward = CompositeReward(CompositeConfig(rewards={"vq": {"name": "jpeg", "weight": 1.0},
+                                                      "mq": {"name": "jpeg", "weight": 0.5}},
+                                             normalize="advantage_aggr"))
+    groups = torch.zeros(24, dtype=torch.long)
+    staged = reward.group_stage(RewardResult(scores=vq + 0.5 * mq, components={"vq": vq, "mq": mq}), groups)
+    got = reward_advantages(dance(bestofn=8), staged, groups)
+    kept, total = authors_best_of_n(vq, mq, 24, 8, vq_coef=1.0, mq_coef=0.5)
+    assert set(torch.nonzero(got).flatten().tolist()) == kept
+    torch.testing.assert_close(got[sorted(kept)], total[sorted(kept)], rtol=1e-5, atol=1e-6)

@@ -293,6 +293,7 @@ def test_algorithm_contract(name):
     assert callable(getattr(algorithm, "after_update", None)) == traits.after_update
     assert callable(getattr(algorithm, "after_step", None)) == traits.after_step
     assert callable(getattr(algorithm, "step_advantages", None)) == traits.step_advantages
+    assert callable(getattr(algorithm, "select_samples", None)) == traits.selects_samples
     assert all(callable(getattr(algorithm, m, None)) == traits.has_state for m in ("state_dict", "load_state_dict"))
     if traits.has_state:
         algorithm.load_state_dict(algorithm.state_dict())

@@ -81,6 +81,7 @@ def test_dance_mix_branch_recipes(monkeypatch):
     dance = load("flux1_dev_dance_grpo", monkeypatch).algorithm.options
     assert (dance.timestep_fraction, dance.init_same_noise, dance.clip.clip_low) == (0.6, True, 1e-4)
     assert (dance.sde.sde_type, dance.sde.noise_level, dance.advantage.adv_std) == ("dance", 0.3, "unbiased")
+    assert dance.bestofn is None  # the FLUX script trains every sample (best-of-N is HunyuanVideo's)
     mix = load("flux1_dev_mix_grpo", monkeypatch).algorithm.options
     assert (mix.window_size, mix.iters_per_group, mix.prog_overlap_step, mix.roll_back) == (4, 25, 1, True)
     assert (mix.sde.sde_type, mix.sde.noise_level, mix.clip.clip_low, mix.old_kl_coeff) == ("sde", 0.7, 1e-4, 0.0)
