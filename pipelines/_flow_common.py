@@ -1,4 +1,5 @@
-"""Pieces shared by the flow-matching adapters (`sd3`, `flux`, `wan`): the checks of their configs, classifier-free
+"""Pieces shared by the flow-matching adapters (`sd3`, `flux`, `wan`...): the checks of their configs (and of the
+image adapters' resolution against the 2x2 grouping of their latents), classifier-free
 guidance, and one trained transformer (LoRA adapter or full fine-tuning, its reference, its checkpoints). The
 pipeline wiring built on them is [`mmgrpo.pipelines._flow_policy`]; sampling, replay and likelihood follow the plan in
 [`mmgrpo.samplers.flow_plan`].
@@ -16,7 +17,7 @@ import torch
 
 from mmgrpo.reference import ReferenceSwitch
 from mmgrpo.hub import resolve_pretrained
-from mmgrpo.model_limits import GUIDANCE_LIMIT, attention_width, check_lora, read_json
+from mmgrpo.model_limits import GUIDANCE_LIMIT, RESOLUTION_LIMIT, attention_width, check_lora, read_json
 from mmgrpo.validation import check_fields, check_range
 
 LORA_WEIGHTS = "pytorch_lora_weights.safetensors"
@@ -39,6 +40,26 @@ def check_flow_config(config, max_tokens: int) -> tuple[str, dict]:
     if config.eval_num_steps is not None:
         check_range("eval_num_steps", config.eval_num_steps, 1, 1000, fix="leave it out to use num_steps")
     return location, transformer
+
+
+def check_resolution(config, grouping: str, fix: str) -> None:
+    """The config check of the image adapters whose latents are grouped 2x2 into tokens (`grouping`: ``packing`` or
+    ``patches``): ``resolution`` a positive multiple of 16 (8x VAE), at most ``RESOLUTION_LIMIT``; `fix` says up to
+    what size the model is trained."""
+    if config.resolution <= 0 or config.resolution % 16:
+        raise ValueError(f"resolution must be a positive multiple of 16 (8x VAE, 2x2 {grouping}): {config.resolution}.")
+    check_range("resolution", config.resolution, 16, RESOLUTION_LIMIT, fix=fix)
+
+
+def check_packing(pipe, config, grouping: str) -> None:
+    """The loaded pipeline's check of the same: ``pipeline.resolution`` a multiple of twice the VAE's downsampling
+    (``pipe.vae_scale_factor``, read from the model), so the latents split into 2x2 groups (`grouping`)."""
+    multiple = 2 * pipe.vae_scale_factor
+    if config.resolution % multiple:
+        raise ValueError(
+            f"pipeline.resolution {config.resolution} is not a multiple of {multiple} (2x2 {grouping} of the "
+            f"{pipe.vae_scale_factor}x-downsampled latents of {config.pretrained}); choose a multiple of {multiple}."
+        )
 
 
 def image_bytes(resolution: int) -> int:

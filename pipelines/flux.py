@@ -17,12 +17,12 @@ from typing import Literal
 import numpy as np
 import torch
 
-from mmgrpo.model_limits import RESOLUTION_LIMIT
-from mmgrpo.pipelines._flow_common import check_flow_config, decode_images, image_bytes
+from mmgrpo.pipelines._flow_common import (
+    check_flow_config, check_packing, check_resolution, decode_images, image_bytes,
+)
 from mmgrpo.pipelines import _flow_policy as flow_policy
 from mmgrpo.pipelines._flow_policy import load_flow_pipeline
 from mmgrpo.samplers.flow_plan import PLAN_FEATURES, SCORE_FIELDS
-from mmgrpo.validation import check_range
 
 
 @dataclass
@@ -68,9 +68,7 @@ class FluxConfig:
 
     def __post_init__(self):
         check_flow_config(self, max_tokens=512)  # FLUX's T5 limit
-        if self.resolution <= 0 or self.resolution % 16:
-            raise ValueError(f"resolution must be a positive multiple of 16 (8x VAE, 2x2 packing): {self.resolution}.")
-        check_range("resolution", self.resolution, 16, RESOLUTION_LIMIT, fix="FLUX.1 is trained up to ~2048")
+        check_resolution(self, "packing", fix="FLUX.1 is trained up to ~2048")
         if self.guidance_scale < 0:
             raise ValueError(f"guidance_scale must be >= 0 (FLUX.1-dev uses 3.5), got {self.guidance_scale}.")
 
@@ -99,13 +97,7 @@ class FluxPolicy:
         self.config = config
         self.flow = load_flow_pipeline(FluxPipeline, config)
         self.pipe = self.flow.pipe
-        multiple = 2 * self.pipe.vae_scale_factor
-        if config.resolution % multiple:
-            raise ValueError(
-                f"pipeline.resolution {config.resolution} is not a multiple of {multiple} (2x2 packing of the "
-                f"{self.pipe.vae_scale_factor}x-downsampled latents of {config.pretrained}); "
-                f"choose a multiple of {multiple}."
-            )
+        check_packing(self.pipe, config, "packing")
         self.trainable = self.flow.experts[0]
         self.transformer = self.trainable.module  # the unwrapped module (checkpoints, adapters)
         self.device = torch.device("cpu")

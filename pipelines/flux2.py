@@ -21,8 +21,8 @@ import numpy as np
 import torch
 
 from mmgrpo.hub import resolve_pretrained
-from mmgrpo.model_limits import RESOLUTION_LIMIT, read_json
-from mmgrpo.pipelines._flow_common import check_flow_config, image_bytes
+from mmgrpo.model_limits import read_json
+from mmgrpo.pipelines._flow_common import check_flow_config, check_packing, check_resolution, image_bytes
 from mmgrpo.pipelines import _flow_policy as flow_policy
 from mmgrpo.pipelines._flow_policy import load_flow_pipeline
 from mmgrpo.samplers.flow_plan import PLAN_FEATURES, SCORE_FIELDS
@@ -78,9 +78,7 @@ class Flux2Config:
 
     def __post_init__(self):
         location, _ = check_flow_config(self, max_tokens=512)  # the stock pipelines' tokenizer_max_length
-        if self.resolution <= 0 or self.resolution % 16:
-            raise ValueError(f"resolution must be a positive multiple of 16 (8x VAE, 2x2 patches): {self.resolution}.")
-        check_range("resolution", self.resolution, 16, RESOLUTION_LIMIT, fix="FLUX.2 is trained up to ~2048")
+        check_resolution(self, "patches", fix="FLUX.2 is trained up to ~2048")
         check_range("guidance_scale", self.guidance_scale, 0.0, fix="FLUX.2 uses 4 ([dev] distilled, [klein] CFG)")
         for layer in self.text_encoder_out_layers or []:
             check_range("text_encoder_out_layers", layer, -1000, 1000, fix="hidden-state indices of the text encoder")
@@ -128,12 +126,7 @@ class Flux2Policy:
         self.klein = name == "Flux2KleinPipeline"
         self.flow = load_flow_pipeline(Flux2KleinPipeline if self.klein else Flux2Pipeline, config)
         self.pipe = self.flow.pipe
-        multiple = 2 * self.pipe.vae_scale_factor
-        if config.resolution % multiple:
-            raise ValueError(
-                f"pipeline.resolution {config.resolution} is not a multiple of {multiple} (2x2 patches of the "
-                f"{self.pipe.vae_scale_factor}x-downsampled latents of {config.pretrained}); choose a multiple of {multiple}."
-            )
+        check_packing(self.pipe, config, "patches")
         self.trainable = self.flow.experts[0]
         self.transformer = self.trainable.module
         self.device = torch.device("cpu")

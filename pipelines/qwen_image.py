@@ -20,8 +20,7 @@ from typing import Literal
 import numpy as np
 import torch
 
-from mmgrpo.model_limits import RESOLUTION_LIMIT
-from mmgrpo.pipelines._flow_common import check_flow_config, image_bytes
+from mmgrpo.pipelines._flow_common import check_flow_config, check_packing, check_resolution, image_bytes
 from mmgrpo.pipelines import _flow_policy as flow_policy
 from mmgrpo.pipelines._flow_policy import load_flow_pipeline
 from mmgrpo.samplers.flow_plan import PLAN_FEATURES, SCORE_FIELDS
@@ -78,9 +77,7 @@ class QwenImageConfig:
 
     def __post_init__(self):
         check_flow_config(self, max_tokens=1024)  # QwenImagePipeline refuses more than 1024
-        if self.resolution <= 0 or self.resolution % 16:
-            raise ValueError(f"resolution must be a positive multiple of 16 (8x VAE, 2x2 packing): {self.resolution}.")
-        check_range("resolution", self.resolution, 16, RESOLUTION_LIMIT, fix="Qwen-Image is trained up to ~1664")
+        check_resolution(self, "packing", fix="Qwen-Image is trained up to ~1664")
         check_range("true_cfg_scale", self.true_cfg_scale, 1.0, 100.0, fix="1 turns true CFG off; Qwen-Image uses 4")
 
     def output_size(self) -> tuple[int, str]:
@@ -108,12 +105,7 @@ class QwenImagePolicy:
         self.config = config
         self.flow = load_flow_pipeline(QwenImagePipeline, config)
         self.pipe = self.flow.pipe
-        multiple = 2 * self.pipe.vae_scale_factor
-        if config.resolution % multiple:
-            raise ValueError(
-                f"pipeline.resolution {config.resolution} is not a multiple of {multiple} (2x2 packing of the "
-                f"{self.pipe.vae_scale_factor}x-downsampled latents of {config.pretrained}); choose a multiple of {multiple}."
-            )
+        check_packing(self.pipe, config, "packing")
         self.trainable = self.flow.experts[0]
         self.transformer = self.trainable.module
         self.device = torch.device("cpu")

@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from mmgrpo.pipelines._edit_images import CAPABILITY, batch_images, image_key, to_pil, to_pixels
 from mmgrpo.hub import resolve_pretrained
 from mmgrpo.model_limits import read_json
+from mmgrpo.pipelines._flow_common import check_packing
 from mmgrpo.pipelines._flow_policy import load_flow_pipeline
 from mmgrpo.pipelines.qwen_image import QwenImageConfig, QwenImagePolicy, rescaled_cfg
 from mmgrpo.types import PromptBatch
@@ -96,10 +97,7 @@ class QwenImageEditPolicy(QwenImagePolicy):
         self.plus = config.pipeline_name() == "QwenImageEditPlusPipeline"  # several input images per prompt
         self.flow = load_flow_pipeline(QwenImageEditPlusPipeline if self.plus else QwenImageEditPipeline, config)
         self.pipe = self.flow.pipe
-        multiple = 2 * self.pipe.vae_scale_factor
-        if config.resolution % multiple:
-            raise ValueError(f"pipeline.resolution {config.resolution} is not a multiple of {multiple} (2x2 packing of "
-                             f"the {self.pipe.vae_scale_factor}x-downsampled latents); choose a multiple of {multiple}.")
+        check_packing(self.pipe, config, "packing")
         self.trainable = self.flow.experts[0]
         self.transformer = self.trainable.module
         self.device = torch.device("cpu")

@@ -19,8 +19,9 @@ from typing import Literal
 
 import torch
 
-from mmgrpo.model_limits import RESOLUTION_LIMIT
-from mmgrpo.pipelines._flow_common import check_flow_config, decode_images, image_bytes
+from mmgrpo.pipelines._flow_common import (
+    check_flow_config, check_packing, check_resolution, decode_images, image_bytes,
+)
 from mmgrpo.pipelines import _flow_policy as flow_policy
 from mmgrpo.pipelines._flow_policy import load_flow_pipeline
 from mmgrpo.samplers.flow_plan import PLAN_FEATURES, SCORE_FIELDS
@@ -73,9 +74,7 @@ class ZImageConfig:
 
     def __post_init__(self):
         check_flow_config(self, max_tokens=1024)  # the transformer's caption positions (axes_lens[0] = 1024)
-        if self.resolution <= 0 or self.resolution % 16:
-            raise ValueError(f"resolution must be a positive multiple of 16 (8x VAE, 2x2 patches): {self.resolution}.")
-        check_range("resolution", self.resolution, 16, RESOLUTION_LIMIT, fix="Z-Image is trained up to ~2048")
+        check_resolution(self, "patches", fix="Z-Image is trained up to ~2048")
         check_range("guidance_scale", self.guidance_scale, 0.0, fix="0 turns CFG off (Z-Image-Turbo), the base uses ~4")
         check_range("cfg_normalization", self.cfg_normalization, 0.0, 100.0, fix="0 turns it off")
         check_range("cfg_truncation", self.cfg_truncation, 0.0, 1.0, fix="1 keeps CFG at every step")
@@ -110,12 +109,7 @@ class ZImagePolicy:
         self.config = config
         self.flow = load_flow_pipeline(ZImagePipeline, config)
         self.pipe = self.flow.pipe
-        multiple = 2 * self.pipe.vae_scale_factor
-        if config.resolution % multiple:
-            raise ValueError(
-                f"pipeline.resolution {config.resolution} is not a multiple of {multiple} (2x2 patches of the "
-                f"{self.pipe.vae_scale_factor}x-downsampled latents of {config.pretrained}); choose a multiple of {multiple}."
-            )
+        check_packing(self.pipe, config, "patches")
         self.trainable = self.flow.experts[0]
         self.transformer = self.trainable.module
         self.device = torch.device("cpu")
