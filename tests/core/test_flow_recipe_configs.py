@@ -29,6 +29,8 @@ RECIPES = {
     "flux1_dev_dance_grpo": ("dance_grpo", "black-forest-labs/FLUX.1-dev", (720, 16, 3.5), (0, None), (16, 12, 3),
                              1e-5),
     "flux1_dev_mix_grpo": ("mix_grpo", "black-forest-labs/FLUX.1-dev", (720, 25, 3.5), (0, None), (32, 12, 4), 1e-5),
+    "flux1_dev_mix_grpo_flash": ("mix_grpo", "black-forest-labs/FLUX.1-dev", (720, 25, 3.5), (0, None), (32, 12, 4),
+                                 1e-5),
     "flux1_dev_branch_grpo": ("branch_grpo", "black-forest-labs/FLUX.1-dev", (720, 20, 3.5), (0, None),
                               (16, 16, 16), 1e-5),
 }
@@ -86,6 +88,11 @@ def test_dance_mix_branch_recipes(monkeypatch):
     assert (mix.window_size, mix.iters_per_group, mix.prog_overlap_step, mix.roll_back) == (4, 25, 1, True)
     assert (mix.sde.sde_type, mix.sde.noise_level, mix.clip.clip_low, mix.old_kl_coeff) == ("sde", 0.7, 1e-4, 0.0)
     assert mix.dpm_algorithm_type is None  # the MixGRPO script's dpm_algorithm_type "null" (no Flash)
+    flash = load("flux1_dev_mix_grpo_flash", monkeypatch).algorithm.options  # the _Flash.sh script: these two differ
+    assert (flash.dpm_algorithm_type, flash.iters_per_group) == ("dpmsolver++", 20)
+    assert (flash.dpm_post_compress_ratio, flash.dpm_solver_type, flash.window_size, flash.prog_overlap_step) == (
+        0.4, "midpoint", 4, 1)
+    assert (flash.sde.sde_type, flash.sde.noise_level, flash.clip.clip_low) == ("sde", 0.7, 1e-4)
     branch_cfg = load("flux1_dev_branch_grpo", monkeypatch)
     branch = branch_cfg.algorithm.options
     assert (branch.tree_split_points, branch.branch_factor, branch.tree_split_noise_scale) == ([0, 3, 6, 9], 2, 4.0)
