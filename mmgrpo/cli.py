@@ -214,6 +214,9 @@ def main(argv: list[str] | None = None) -> int:
         print("ok")
         return 0
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    from .progress import quiet_library_bars
+
+    quiet_library_bars()  # no loading bars in a log file (ours print plain lines there)
     from .checkpoint import LegacyCheckpointError
     from .errors import RunError
     from .trainer import train

@@ -87,3 +87,19 @@ class StepProgress:
         eta = "" if left is None or last else f", about {_clock(left)} of training left"
         print(f"{self.desc}: step {step}/{step if last else total} {values} ({_clock(train_seconds)} of training"
               f"{eta})", file=self.stream, flush=True)
+
+
+def quiet_library_bars(stream=None) -> bool:
+    """Turns off the loading and download bars of diffusers, transformers and huggingface_hub when `stream` (default:
+    standard error) is not a terminal, so a log file holds no carriage-return updates from them either. Returns
+    whether it did."""
+    if (stream or sys.stderr).isatty():
+        return False
+    import diffusers.utils.logging
+    import huggingface_hub.utils
+    import transformers.utils.logging
+
+    diffusers.utils.logging.disable_progress_bar()
+    transformers.utils.logging.disable_progress_bar()
+    huggingface_hub.utils.disable_progress_bars()
+    return True

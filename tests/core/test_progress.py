@@ -69,3 +69,22 @@ def test_other_processes_show_nothing():
     progress.update(1, 1.0, {"reward": "1"}, True)
     progress.close()
     assert log.getvalue() == ""
+
+
+def test_library_bars_are_quiet_in_a_log_file():
+    import diffusers.utils.logging
+    import huggingface_hub.utils
+    import transformers.utils.logging
+
+    from mmgrpo.progress import quiet_library_bars
+
+    assert not quiet_library_bars(Terminal())
+    try:
+        assert quiet_library_bars(io.StringIO())
+        assert not diffusers.utils.logging.is_progress_bar_enabled()
+        assert not transformers.utils.logging.is_progress_bar_enabled()
+        assert huggingface_hub.utils.are_progress_bars_disabled()
+    finally:
+        diffusers.utils.logging.enable_progress_bar()
+        transformers.utils.logging.enable_progress_bar()
+        huggingface_hub.utils.enable_progress_bars()
