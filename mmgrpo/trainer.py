@@ -44,6 +44,7 @@ from .components import build_components, score_unit
 from .config import ExperimentConfig
 from .best_checkpoint import BestCheckpoint
 from .eval_rewards import held_out_scorer
+from .engines import LocalEngine
 from .evaluation import evaluate_held_out, finite_mean, gather_rewards, reward_metrics
 from .metrics_log import MetricsLog, read_records
 from .optim import build_optimizer
@@ -86,6 +87,7 @@ class Trainer:
 
         set_seed(config.seed)  # LoRA initialisation and anything else drawn from global RNGs
         self.policy, self.algorithm, self.reward, self.data = build_components(config)
+        self.engine = LocalEngine(self.policy)  # what samples the rollouts (see mmgrpo.engines)
         self.group_stage = self.reward.group_stage  # the reward's stage after the gather, or None (see RewardFn)
         self.eval_reward = held_out_scorer(self.reward, config.eval)  # with eval.rewards' rewards, if any
         sharding.check_group_placement(config.train, self.world, self.algorithm.traits)
@@ -134,7 +136,7 @@ class Trainer:
         local = batch.select(range(self.rank * self.local_n, (self.rank + 1) * self.local_n))
         plan = self.algorithm.schedule(self.policy.num_steps, torch.Generator().manual_seed(mix_seed(cfg.seed, self.step)))
         generator = torch.Generator().manual_seed(mix_seed(cfg.seed, self.step, self.rank, 1))
-        rollout = self.policy.sample(local, plan, generator=generator)
+        rollout = self.engine.sample(local, plan, generator=generator)
         rollout, corrected = correct_rollout(rollout, self.policy, self.algorithm, plan.train_units, cfg.train.minibatch_size)
         contiguous = cfg.train.group_placement == "contiguous"
         placed = self.local_advantages if contiguous else self.global_advantages

@@ -2,7 +2,7 @@
 tokens of every mode against TRL's and verl's rules written out plainly; and, with an engine double (the same tiny
 Qwen2-VL checkpoint with its frozen base in bfloat16: a real second copy of the policy with other numerics), the
 recomputed old log-probs, the mismatch metrics and the corrected GRPO loss against an independent computation, and one
-trainer step."""
+trainer step sampled by the double as the trainer's rollout engine."""
 
 import math
 
@@ -12,6 +12,7 @@ import torch
 from mmgrpo import registry
 from mmgrpo.algorithms._options import RolloutCorrectionOptions
 from mmgrpo.components import score_unit
+from mmgrpo.engines import LocalEngine, RolloutEngine
 from mmgrpo.pipelines.qwen_vl import QwenVLConfig, QwenVLPolicy
 from mmgrpo.rollout_correction import correct_rollout, correction
 from mmgrpo.types import Score
@@ -103,12 +104,28 @@ def policies(tiny_qwen2_vl_dir):
     return trainer_policy, engine
 
 
+class EngineDouble:
+    """A rollout engine (`mmgrpo.engines.RolloutEngine`) whose numerics are not the trainer's: a second copy of the
+    policy with its frozen base in bfloat16, reporting its own log-probs."""
+
+    name = "bfloat16_double"
+
+    def __init__(self, policy):
+        self.policy = policy
+
+    def sample(self, batch, plan, *, generator=None):
+        rollout = self.policy.sample(batch, plan, generator=generator)
+        rollout.engine_log_probs = rollout.old_log_probs.clone()
+        return rollout
+
+    def sync_weights(self, policy) -> None:
+        self.policy.model.load_state_dict(policy.model.state_dict(), strict=False)
+
+
 def engine_rollout(engine, seed=0):
     """A rollout of the engine double, its log-probs reported as the engine's."""
-    rollout = engine.sample(vision_batch(2), build("grpo").schedule(engine.num_steps),
-                            generator=torch.Generator().manual_seed(seed))
-    rollout.engine_log_probs = rollout.old_log_probs.clone()
-    return rollout
+    return EngineDouble(engine).sample(vision_batch(2), build("grpo").schedule(engine.num_steps),
+                                       generator=torch.Generator().manual_seed(seed))
 
 
 def test_engine_double_corrected_grpo_loss_equals_trls_rule(policies):
@@ -189,13 +206,9 @@ def test_a_trainer_step_on_engine_rollouts_logs_the_mismatch(policies, tiny_qwen
         "data.n_eval=1", "algorithm.rollout_correction=sequence_mask",
     ])
     trainer = Trainer(config)
-
-    def sample(batch, plan, generator=None):  # the engine samples; its log-probs are reported as the engine's
-        rollout = engine.sample(batch, plan, generator=generator)
-        rollout.engine_log_probs = rollout.old_log_probs.clone()
-        return rollout
-
-    trainer.policy.sample = sample
+    assert isinstance(trainer.engine, LocalEngine) and isinstance(trainer.engine, RolloutEngine)
+    trainer.engine = EngineDouble(engine)
+    assert isinstance(trainer.engine, RolloutEngine)
     trainer.step = 1
     metrics = trainer.train_step()
     assert metrics["rollout_corr/kl"] != 0  # bfloat16 numerics
