@@ -163,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
     ):
         p_serve.add_argument(flag, type=kind, default=argparse.SUPPRESS, help=text)
     p_serve.add_argument("overrides", nargs="*")
-    for command in (p_check, p_train, p_sft, p_eval, p_serve):
+    for command in (p_check, p_train, p_sft, p_eval, p_serve, p_export):
         command.add_argument("--allow-plugins", action="store_true",
                              help="allow plugin names of the form module:attribute (your own code) in the config; "
                              "importing them runs their code, so a config file alone cannot")
@@ -182,6 +182,7 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         return 0
     if args.command == "export":
+        registry.allow_user_code(args.allow_plugins)  # a run whose pipeline is a module:attribute of the user's
         return _export(args)
     if args.command == "convert-checkpoint":
         return _convert_checkpoints(args.folders, args.trust_pickles)

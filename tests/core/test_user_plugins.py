@@ -192,6 +192,15 @@ def test_specs_get_the_declaration_checks_of_built_ins(acme, capsys, name, compl
     assert err.count("\n") == 1 and err.startswith("mmgrpo: config error: reward.name:") and complaint in err
 
 
+def test_an_algorithm_or_pipeline_spec_gets_its_kinds_checks(acme, capsys):
+    file = shapes_config(acme, {"name": "acme_bright"})[0]
+    for key, complaint in (("algorithm.name", "does not declare 'scoring'"),
+                           ("pipeline.name", "does not declare 'modalities'")):
+        assert main(["check", file, f"{key}=acme_plugins.rewards:Undeclared", "--allow-plugins"]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"mmgrpo: config error: {key}:") and complaint in err, err
+
+
 def test_a_function_reward_needs_its_modalities_and_checks_what_it_returns(acme, capsys):
     assert main(["check", *shapes_config(acme, {"name": "acme_brightness"})]) == 2  # an installed function
     assert "reward.modalities" in capsys.readouterr().err
