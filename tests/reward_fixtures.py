@@ -108,3 +108,40 @@ def tiny_hps_checkpoint(tmp_path_factory):
     checkpoint = tmp_path_factory.mktemp("hps_weights") / "HPS_v2.1_compressed.pt"
     torch.save({"state_dict": model.state_dict()}, checkpoint)
     return str(folder), str(checkpoint)
+
+
+OCR_CHARACTERS = list("abcdefghijklmnopqrstuvwxyz0123456789 ")
+
+
+@pytest.fixture(scope="session")
+def tiny_trocr_dir(tmp_path_factory):
+    """A tiny random TrOCR (`VisionEncoderDecoderModel`: ViT encoder, `TrOCRForCausalLM` decoder) with a
+    `TrOCRProcessor` (ViT image processor, character tokenizer), saved with ``save_pretrained``."""
+    from transformers import (
+        TrOCRConfig, TrOCRForCausalLM, TrOCRProcessor, ViTConfig, ViTImageProcessor, ViTModel, VisionEncoderDecoderModel,
+    )
+
+    from builders._tokenizers import CHAR_SPECIALS, char_tokenizer
+
+    tokenizer = char_tokenizer(OCR_CHARACTERS)
+    torch.manual_seed(0)
+    encoder = ViTModel(ViTConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64,
+                                 image_size=32, patch_size=8))
+    decoder = TrOCRForCausalLM(TrOCRConfig(
+        vocab_size=len(tokenizer), d_model=32, decoder_layers=1, decoder_attention_heads=2, decoder_ffn_dim=64,
+        max_position_embeddings=64, pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id, decoder_start_token_id=tokenizer.bos_token_id, cross_attention_hidden_size=32,
+    ))
+    with torch.no_grad():  # predicts characters only (specials at logit 0, the others spread): greedy decoding
+        decoder.output_projection.weight.mul_(100)  # reads a text that depends on the image, max_new_tokens long
+        decoder.output_projection.weight[:len(CHAR_SPECIALS)] = 0
+    model = VisionEncoderDecoderModel(encoder=encoder, decoder=decoder).eval()
+    model.config.decoder_start_token_id = tokenizer.bos_token_id
+    model.config.pad_token_id, model.config.eos_token_id = tokenizer.pad_token_id, tokenizer.eos_token_id
+    model.generation_config.decoder_start_token_id = tokenizer.bos_token_id
+    model.generation_config.pad_token_id, model.generation_config.eos_token_id = tokenizer.pad_token_id, tokenizer.eos_token_id
+    image_processor = ViTImageProcessor(size={"height": 32, "width": 32}, image_mean=[0.5] * 3, image_std=[0.5] * 3)
+    path = tmp_path_factory.mktemp("tiny_trocr")
+    model.save_pretrained(path)
+    TrOCRProcessor(image_processor=image_processor, tokenizer=tokenizer).save_pretrained(path)
+    return str(path)

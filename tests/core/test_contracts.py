@@ -20,7 +20,7 @@ from mmgrpo.types import PromptBatch, Score
 from mmgrpo.algorithms._options import AdvantageOptions, KLOptions, KLWeight
 from mmgrpo.validation import build_dataclass, flat_dict, flat_hints, is_embedded
 from reward_fixtures import (  # noqa: F401
-    jpeg_server, tiny_aesthetic_head, tiny_clip_dir, tiny_hps_checkpoint, tiny_pickscore_dir,
+    jpeg_server, tiny_aesthetic_head, tiny_clip_dir, tiny_hps_checkpoint, tiny_pickscore_dir, tiny_trocr_dir,
 )
 from builders._sam import tiny_sam2_dir  # noqa: F401
 from judge_server import judge_server  # noqa: F401
@@ -68,6 +68,7 @@ REWARD_OPTIONS = {
     "judge": lambda request: {"server": _judge_server(request)},
     "judge_pairwise": lambda request: {"server": _judge_server(request), "template": "PAIR {prompt}"},
     "hpsv2": lambda request: _tiny_hps(*request.getfixturevalue("tiny_hps_checkpoint")),
+    "ocr": lambda request: {"model": request.getfixturevalue("tiny_trocr_dir"), "device": "cpu", "max_new_tokens": 4},
 }
 # fit the tiny policies' 3 steps (dgpo); read the transitions' mean and std (flow_grpo's KL term)
 ALGORITHM_OPTIONS = {"dgpo": {"trunc_steps": 2, "num_train_timesteps": 2},
@@ -137,7 +138,12 @@ def _edit_batch(n):
                                                                 for _ in range(n)])
 
 
-REWARD_BATCHES = {"mini_geneval": _shapes_batch, "sam_mask": _seg_batch, "step_rar": _key_steps_batch,
+def _quoted_batch(n):
+    """Text-rendering prompts: the text to render in double quotes (the ocr reward's target)."""
+    return PromptBatch([f'a sign that says "open {i}"' for i in range(n)], metadata=[{} for _ in range(n)])
+
+
+REWARD_BATCHES = {"ocr": _quoted_batch, "mini_geneval": _shapes_batch, "sam_mask": _seg_batch, "step_rar": _key_steps_batch,
                   "moving_shapes": _moving_shapes_batch, "edit_fidelity": _edit_batch}
 
 
