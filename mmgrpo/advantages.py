@@ -96,8 +96,10 @@ def reward_advantages(algorithm, result, group_ids: torch.Tensor, member_ids: to
 
 
 def sample_signal(advantages: torch.Tensor) -> torch.Tensor:
-    """Which samples have a non-zero advantage: `[N]` or per step `[N, S]` (any step) -> `[N]` bool."""
-    return (advantages != 0).reshape(len(advantages), -1).any(dim=1)
+    """Which samples have a non-zero advantage: `[N]` or per step `[N, S]` (any step) -> `[N]` bool. A NaN step
+    advantage (a transition left untrained, BranchGRPO's width pruning) is no signal."""
+    signal = (advantages != 0) & ~torch.isnan(advantages)
+    return signal.reshape(len(advantages), -1).any(dim=1)
 
 
 def groups_with_signal(advantages: torch.Tensor, group_ids: torch.Tensor) -> torch.Tensor:

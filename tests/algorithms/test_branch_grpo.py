@@ -186,6 +186,8 @@ def test_width_pruning_keeps_the_authors_transitions(mode, ratio, depth_pruning)
                 if not pruned:
                     assert adv[r, i] == plain[r, i]
     assert torch.isnan(adv).any()
+    flat = algorithm.step_advantages(torch.ones(8), groups, members, plan)  # equal rewards: zeros, pruned NaN
+    assert torch.isnan(flat).any() and not groups_with_signal(flat, groups).any()  # a pruned entry is no signal
     mask = torch.ones(8, 6, dtype=torch.bool)
     out = algorithm.loss(Score(log_prob=torch.zeros(8, 6), mask=mask), torch.zeros(8, 6), adv)
     assert out.entries == float(torch.isfinite(adv).sum()) and torch.isfinite(out.loss)
