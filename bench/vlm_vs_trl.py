@@ -10,7 +10,10 @@ completions). Measured:
   * seconds per step: the median of the intervals between consecutive step ends, after `--warmup` step(s);
   * peak memory: the peak RSS (``getrusage(RUSAGE_SELF).ru_maxrss``) of a fresh subprocess per measurement, and how
     much of it came after the trainer was built (peak minus the RSS just before the first step);
-  * the ratios mmgrpo / TRL; and step time against G in {2, 4, 8, 16} (`--group-sizes`);
+  * the ratios mmgrpo / TRL; and step time against G in {2, 4, 8, 16} (`--group-sizes`). With ``--rounds R`` every
+    measurement is repeated R times in interleaved rounds (each round measures every G and both frameworks, their
+    order alternating between rounds), so that a load on the machine hits both alike: the step time reported is the
+    median over the rounds, the speed-up the median of the per-round ratios;
   * checks that both do the same work: vision tokens per image and prompt tokens (each framework's own encoding of the
     first question), mean completion length, mean reward, the share of groups whose rewards are all equal, the
     gradient norm and skipped updates; and images through the vision tower per step (with its forward seconds).
@@ -297,6 +300,21 @@ def ratio(a: dict, b: dict, key: str) -> float | None:
     return round(a[key] / b[key], 3) if key in a and key in b and b[key] else None
 
 
+def median_round(runs: list[dict]) -> dict:
+    """One framework's measurements of one G over the rounds: the run of median step time (the first error when no
+    run finished), with every round's step time as ``round_step_s``."""
+    done = sorted((r for r in runs if "step_s" in r), key=lambda r: r["step_s"])
+    if not done:
+        return runs[0]
+    return {**done[(len(done) - 1) // 2], "round_step_s": [r.get("step_s") for r in runs]}
+
+
+def round_speedup(ours: dict, trl: dict) -> float | None:
+    """The median over the rounds of TRL's step time / mmgrpo's, each pair from the same round."""
+    pairs = [t / o for o, t in zip(ours.get("round_step_s", []), trl.get("round_step_s", [])) if o and t]
+    return round(statistics.median(pairs), 3) if pairs else None
+
+
 def write_outputs(args, results: dict, out: Path) -> None:
     import torch
 
@@ -307,12 +325,12 @@ def write_outputs(args, results: dict, out: Path) -> None:
         for r in (ours, trl):
             if "peak_rss_mib" in r and "rss_before_steps_mib" in r:
                 r["train_increment_mib"] = r["peak_rss_mib"] - r["rss_before_steps_mib"]
-        rows.append({"G": g, "mmgrpo": ours, "trl": trl, "speedup": ratio(trl, ours, "step_s"),
+        rows.append({"G": g, "mmgrpo": ours, "trl": trl, "speedup": round_speedup(ours, trl) or ratio(trl, ours, "step_s"),
                      "time_ratio": ratio(ours, trl, "step_s"), "peak_rss_ratio": ratio(ours, trl, "peak_rss_mib"),
                      "increment_ratio": ratio(ours, trl, "train_increment_mib")})
     image_size = args.image_size
     settings = {k: getattr(args, k) for k in ("model", "config", "prompts", "max_new_tokens", "steps", "warmup",
-                                              "learning_rate", "group_sizes", "main_g")}
+                                              "learning_rate", "group_sizes", "main_g", "rounds")}
     summary = {"settings": {**settings, "image_size": image_size},
                "torch_threads": torch.get_num_threads(), "cpu_count": os.cpu_count(), "rows": rows}
     (out / "results.json").write_text(json.dumps(summary, indent=2), encoding="utf-8")
@@ -322,7 +340,9 @@ def write_outputs(args, results: dict, out: Path) -> None:
 
     lines = [f"Tiny Qwen2-VL `{args.model}`, {image_size} x {image_size} images, {args.prompts} prompts x G "
              f"completions per step, {args.max_new_tokens} completion tokens, full fine-tuning, one optimizer update per step; median of {args.steps} steps after "
-             f"{args.warmup} warm-up; {torch.get_num_threads()} torch threads, CPU. Peak RSS: fresh process per "
+             f"{args.warmup} warm-up" + (f", median over {args.rounds} interleaved rounds (speed-up: median of the "
+                                        "per-round ratios)" if args.rounds > 1 else "") +
+             f"; {torch.get_num_threads()} torch threads, CPU. Peak RSS: fresh process per "
              "measurement (\"after build\": peak minus the RSS just before the first step).", "",
              "| G | mmgrpo s/step | TRL s/step | time ratio mmgrpo / TRL | speed-up TRL / mmgrpo | mmgrpo peak RSS MiB | TRL peak RSS MiB "
              "| peak ratio | mmgrpo after build MiB | TRL after build MiB | after-build ratio |",
@@ -410,6 +430,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--main-g", type=int, default=8, help="the G of the headline comparison (the config's)")
     parser.add_argument("--frameworks", nargs="+", default=["mmgrpo", "trl"], choices=["mmgrpo", "trl"])
     parser.add_argument("--timeout", type=float, default=600, help="seconds allowed per measurement")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="interleaved rounds of every measurement (median step times and per-round ratios)")
     parser.add_argument("--worker", choices=["mmgrpo", "trl"], help=argparse.SUPPRESS)
     parser.add_argument("--group-size", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--n-train", type=int, default=None, help=argparse.SUPPRESS)
@@ -432,10 +454,12 @@ def main(argv: list[str] | None = None) -> None:
                      f"mmgrpo). Install it for the benchmark only:\n    {INSTALL}\nor run with --frameworks mmgrpo.")
         if version != TRL_VERSION:
             print(f"warning: TRL {version} is installed; this benchmark was written for {TRL_VERSION}.", file=sys.stderr)
-    results = {"mmgrpo": {}, "trl": {}}
-    for g in args.group_sizes:
-        for fw in args.frameworks:
-            results[fw][str(g)] = measure(args, fw, g)
+    runs = {"mmgrpo": {}, "trl": {}}
+    for r in range(args.rounds):  # interleaved: every G and framework per round, the framework order alternating
+        for g in args.group_sizes:
+            for fw in (args.frameworks if r % 2 == 0 else args.frameworks[::-1]):
+                runs[fw].setdefault(str(g), []).append(measure(args, fw, g))
+    results = {fw: {g: median_round(measured) for g, measured in by_g.items()} for fw, by_g in runs.items()}
     write_outputs(args, results, args.output)
 
 

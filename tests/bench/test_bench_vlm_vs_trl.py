@@ -20,7 +20,7 @@ def test_step_stats_take_the_median_after_the_warmup(bench):
 def test_report_ratios_errors_and_files(bench, tmp_path):
     args = bench.argparse.Namespace(model="mmgrpo:vlm_shapes", config="configs/tiny/vlm_count.yaml", prompts=16,
                                     max_new_tokens=20, steps=4, warmup=1, learning_rate=2e-4, group_sizes=[2, 8],
-                                    main_g=8, image_size=56)
+                                    main_g=8, image_size=56, rounds=1)
     results = {
         "mmgrpo": {"2": {"step_s": 0.5, "peak_rss_mib": 700.0, "rss_before_steps_mib": 600.0},
                    "8": {"step_s": 1.0, "peak_rss_mib": 800.0, "rss_before_steps_mib": 600.0}},
@@ -36,6 +36,16 @@ def test_report_ratios_errors_and_files(bench, tmp_path):
     assert "| **8** | 1.000 | 4.000 | 0.25 | 4.0x | 800 | 1000 | 0.8 | 200 | 400 | 0.5 |" in table
     assert "| 2 | 0.500 | error |" in table and "- trl G=2: `RuntimeError: boom`" in table
     assert (tmp_path / "step_time_vs_g.png").stat().st_size > 1000
+
+
+def test_interleaved_rounds_report_the_median_run_and_the_median_per_round_ratio(bench):
+    ours = [{"step_s": 1.0}, {"step_s": 3.0}, {"step_s": 2.0}]  # round 2 was slow for both frameworks
+    trl = [{"step_s": 4.0}, {"step_s": 6.0}, {"error": "boom"}]
+    merged = bench.median_round(ours)
+    assert merged["step_s"] == 2.0 and merged["round_step_s"] == [1.0, 3.0, 2.0]
+    # per-round ratios 4.0 and 2.0 (the round without a TRL time is left out): their median
+    assert bench.round_speedup(merged, bench.median_round(trl)) == 3.0
+    assert bench.median_round([{"error": "a"}, {"error": "b"}]) == {"error": "a"}
 
 
 def test_missing_trl_names_the_pip_command(bench, monkeypatch, tmp_path):
