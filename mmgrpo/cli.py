@@ -187,7 +187,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "convert-checkpoint":
         return _convert_checkpoints(args.folders, args.trust_pickles)
     overrides = list(args.overrides) + extra  # key=value overrides may also follow --checkpoint DIR
-    registry.allow_user_code(args.allow_plugins)  # module:attribute plugins are imported only if the command line says so
+    registry.allow_user_code(args.allow_plugins)  # module:attribute plugins: imported only if the command line says so
     if args.command == "serve-reward":
         from dataclasses import fields
 

@@ -27,7 +27,8 @@ class StepProgress:
 
     Args:
         start (`int`): the step the run starts after (a resumed run's checkpoint step).
-        max_steps (`int`), max_seconds (`float`): the run's limits (``train.max_steps``, ``train.max_seconds``; 0: none).
+        max_steps (`int`), max_seconds (`float`): the run's limits (``train.max_steps``, ``train.max_seconds``; 0:
+            none).
         start_seconds (`float`): the training time already spent (a resumed run's).
         desc (`str`): the name shown (``"train"``, ``"sft"``).
         enabled (`bool`): False on every process but the main one (nothing is shown).

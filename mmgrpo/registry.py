@@ -85,7 +85,8 @@ def _plugin_summary(path: Path, attribute: str = "PLUGIN") -> str | None:
     else:
         defs = [node for node in tree.body if isinstance(node, (ast.ClassDef, ast.FunctionDef))
                 and node.name == attribute]
-        summary = _first_sentence(ast.get_docstring(defs[0]) if defs else None) or _first_sentence(ast.get_docstring(tree))
+        summary = _first_sentence(ast.get_docstring(defs[0]) if defs else None) or \
+            _first_sentence(ast.get_docstring(tree))
     _SUMMARIES[(path, attribute)] = (version, summary)
     return summary
 

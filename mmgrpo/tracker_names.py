@@ -12,7 +12,8 @@ one that never applies would otherwise be a NaN series), under [`tracker_name`]s
 - DVCLive writes a file per metric under the metric's path, as MLflow does.
 
 So a name keeps its first ``/`` (the panel group), its later ``/`` become ``.`` (``eval/accuracy.malformed``), any
-other character outside ``[A-Za-z0-9_.-]`` becomes ``_``, and a leading ``_`` or ``.`` is dropped (a part left empty is ``metric``).
+other character outside ``[A-Za-z0-9_.-]`` becomes ``_``, and a leading ``_`` or ``.`` is dropped (a part left empty
+is ``metric``).
 """
 
 from __future__ import annotations

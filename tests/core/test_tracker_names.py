@@ -3,10 +3,10 @@ that are not finite are not sent.
 
 The metric names are the trainer's own, plus the reward components of each shipped config, found by scoring sample
 outputs of its pipeline's modalities on items of its own prompt source (a config whose reward needs weights that are
-not here, or that asks a server, is left out, and the test says how many were covered). Each tracker's naming rules are written out from its
-code: MLflow's ``_validate_metric_name`` (allowed characters, no ``..`` part, not an absolute path) and its file
-store (a metric is a file under its name, so no name may be the folder of another); W&B's reserved ``_`` prefix;
-DVCLive's file per metric (MLflow's folder rule). TensorBoard runs for real."""
+not here, or that asks a server, is left out, and the test says how many were covered). Each tracker's naming rules
+are written out from its code: MLflow's ``_validate_metric_name`` (allowed characters, no ``..`` part, not an
+absolute path) and its file store (a metric is a file under its name, so no name may be the folder of another); W&B's
+reserved ``_`` prefix; DVCLive's file per metric (MLflow's folder rule). TensorBoard runs for real."""
 
 import math
 import re
