@@ -14,7 +14,7 @@ absolute difference of pixels in [0, 1] over the channels:
 in [0, 1]; a region that is empty (nothing to change) or the whole image scores its one defined term. The strict
 component is 1 when the edit is right on pixels: at least `strict_change_share` of the region's pixels are within
 `strict_tolerance` of the target and at least `strict_preserve_share` of the preserved ones within it of the source
-(``d`` per pixel; an empty region passes its test), else 0. A prompt without source or target image scores NaN (not
+(``d`` per pixel; an empty region passes its test), else 0; ``score: strict`` makes it the score. A prompt without source or target image scores NaN (not
 applicable). Images are tensors `[3, H, W]` in [0, 1] (or uint8),
 PIL images or paths (opened with [`mmgrpo.image_files.open_image`], size-checked); masks are `[H, W]` tensors,
 PIL images (non-zero is true) or paths.
@@ -53,6 +53,8 @@ class EditFidelityConfig:
             target for the strict rule.
         strict_preserve_share (`float`, defaults to 0.98): share of the preserved region's pixels that must match the
             source for the strict rule.
+        score (`str`, defaults to ``"graded"``): the score: ``graded`` (the weighted change and preserve terms) or
+            ``strict`` (the strict rule's 0 or 1).
     """
 
     change_weight: float = 0.5
@@ -61,6 +63,7 @@ class EditFidelityConfig:
     strict_tolerance: float = 0.25
     strict_change_share: float = 0.8
     strict_preserve_share: float = 0.98
+    score: str = "graded"
 
     def __post_init__(self):
         check_fields(self)
@@ -71,6 +74,8 @@ class EditFidelityConfig:
                     "the full range")
         check_range("strict_change_share", self.strict_change_share, 0.0, 1.0, fix="a share of pixels")
         check_range("strict_preserve_share", self.strict_preserve_share, 0.0, 1.0, fix="a share of pixels")
+        if self.score not in ("graded", "strict"):
+            raise ValueError(f"reward.score must be 'graded' or 'strict', got {self.score!r}.")
 
 
 def as_image(image: Any) -> torch.Tensor:
@@ -141,7 +146,7 @@ class EditFidelityReward:
         self.config = config or EditFidelityConfig()
 
     def __call__(self, outputs: dict[str, Any], batch: PromptBatch) -> RewardResult:
-        """Returns `scores` `[N]` in [0, 1] (NaN without source / target) and components ``edit_change`` and
+        """Returns `scores` `[N]` in [0, 1] (graded or strict; NaN without source / target) and components ``edit_change`` and
         ``edit_preserve`` `[N]` (NaN where undefined) and ``strict`` `[N]` (0 or 1, NaN without source / target)."""
         cfg = self.config
         images = outputs["images"].float().clamp(0, 1).cpu()  # [N, 3, H, W]
@@ -160,6 +165,8 @@ class EditFidelityReward:
                                                          region, kept, cfg)
         weighted = cfg.change_weight * change + (1 - cfg.change_weight) * preserve
         scores = torch.where(change.isnan(), preserve, torch.where(preserve.isnan(), change, weighted))
+        if cfg.score == "strict":
+            scores = strict
         return RewardResult(scores=scores.float(), components={"edit_change": change, "edit_preserve": preserve,
                                                                    "strict": strict})
 

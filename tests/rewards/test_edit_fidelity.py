@@ -88,6 +88,8 @@ def test_strict_counts_right_pixels_in_each_region():
     assert result.components["strict"].tolist() == [1.0, 1.0] and float(result.scores[0]) < 0.8
     assert score([near], [truth], strict_tolerance=0.2).components["strict"].tolist() == [0.0]
     assert torch.isnan(score([target], [{}]).components["strict"][0])
+    strict = score(outputs, [truth] * len(outputs), score="strict")
+    torch.testing.assert_close(strict.scores, strict.components["strict"])
 
 
 def test_config_errors_name_the_option():
@@ -99,3 +101,5 @@ def test_config_errors_name_the_option():
         EditFidelityConfig(strict_tolerance=0.0)
     with pytest.raises(ValueError, match="strict_preserve_share"):
         EditFidelityConfig(strict_preserve_share=1.5)
+    with pytest.raises(ValueError, match="reward.score"):
+        EditFidelityConfig(score="partial")
