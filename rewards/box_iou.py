@@ -10,9 +10,10 @@ Conventions (one for all models):
   `coords`: ``"resized"`` (pixels of the model input, the processor's resized image: Qwen2.5-VL), ``"original"``
   (pixels of the original image), ``"norm1000"`` (0-1000 relative: Qwen2-VL, Visual-RFT) or ``"norm1"`` (0-1
   relative), and mapped to the original image before the IoU. A frame mismatch is the usual cause of an IoU stuck at 0.
-  ``"model"`` reads the frame the pipeline declares for its model in each sample's ``metadata["coords"]`` (the `qwen_vl`
-  pipeline writes ``"resized"`` for Qwen2.5-VL, ``"norm1000"`` for Qwen2-VL, Qwen3-VL and Qwen3.5): the convention
-  comes from the model, not from the config.
+  ``"model"`` (the default) reads the frame the pipeline declares for its model in each sample's
+  ``metadata["coords"]`` (the `qwen_vl` pipeline writes ``"resized"`` for Qwen2.5-VL, ``"norm1000"`` for Qwen2-VL,
+  Qwen3-VL and Qwen3.5): the convention comes from the model, not from the config; a sample without it is refused,
+  naming the fixed frames to set instead.
 - **Parsing** (inside the last ``<answer>...</answer>`` when there is one, else the whole text): every ``<box>...</box>``
   or ``<|box_start|>...<|box_end|>`` with 4 numbers (``(x1,y1),(x2,y2)``, ``[x1, y1, x2, y2]`` or ``x1 y1 x2 y2``);
   without such tags, every bracketed list of exactly 4 numbers, which covers JSON (``[{"bbox_2d": [...], "label":
@@ -90,8 +91,9 @@ class BoxIoUConfig:
     """Configuration of [`BoxIoU`] (see the module docstring for frames and parsing).
 
     Args:
-        coords (`str`, defaults to `"resized"`): the frame of the model's numbers: ``"resized"``, ``"original"``,
-            ``"norm1000"``, ``"norm1"``, or ``"model"``: the one the pipeline declares in ``metadata["coords"]``.
+        coords (`str`, defaults to `"model"`): the frame of the model's numbers: ``"model"``, the one the pipeline
+            declares for its model in ``metadata["coords"]``, or a fixed ``"resized"``, ``"original"``, ``"norm1000"``
+            or ``"norm1"`` (for outputs of a pipeline that declares none).
         threshold (`float`, *optional*): if set, a matched pair counts 1 when its IoU reaches it, else 0.
         answer_tag (`str`, *optional*, defaults to `"answer"`): read boxes inside the last ``<tag>...</tag>``
             when present (None: the whole text).
@@ -101,7 +103,7 @@ class BoxIoUConfig:
             before parsing (component ``truncated``); 0 or None: no cut (the parser is linear).
     """
 
-    coords: Literal["resized", "original", "norm1000", "norm1", "model"] = "resized"
+    coords: Literal["resized", "original", "norm1000", "norm1", "model"] = "model"
     threshold: float | None = None
     answer_tag: str | None = "answer"
     gt_key: str = "boxes"
@@ -152,8 +154,8 @@ class BoxIoU:
         if coords not in FRAMES:
             raise ValueError(
                 f"box_iou: coords='model' reads the frame the pipeline declares for its model in metadata['coords'] "
-                f"(one of {list(FRAMES)}), got {coords!r} for sample {index}: this pipeline declares none; set coords "
-                "to the frame the model writes in."
+                f"(one of {list(FRAMES)}), got {coords!r} for sample {index}: this pipeline declares none; set the "
+                "reward's coords to the frame the model writes in ('resized', 'original', 'norm1000' or 'norm1')."
             )
         return coords
 

@@ -65,8 +65,8 @@ class SamMaskConfig:
             is refused.
         processor (`str`, *optional*): where the processor is, when not beside the model.
         answer_format (`str`, defaults to `"seg_zero"`): ``"seg_zero"`` or ``"seg_r1"`` (see the module docstring).
-        coords (`str`, defaults to `"resized"`): the frame of the model's numbers, as in `box_iou` (``"model"``: the
-            frame the pipeline declares in ``metadata["coords"]``).
+        coords (`str`, defaults to `"model"`): the frame of the model's numbers, as in `box_iou` (``"model"``: the
+            frame the pipeline declares in ``metadata["coords"]``; or a fixed frame).
         s_measure_weight (`float`, defaults to 0.0): ``w`` in the score (Seg-R1: 0.3).
         gt_key (`str`, defaults to `"mask"`), image_key (`str`, defaults to `"images"`): truth and image keys.
         mask_threshold (`float`, defaults to 0.0): logits above it are foreground.
@@ -83,7 +83,7 @@ class SamMaskConfig:
     model: str
     processor: str | None = None
     answer_format: Literal["seg_zero", "seg_r1"] = "seg_zero"
-    coords: Literal["resized", "original", "norm1000", "norm1", "model"] = "resized"
+    coords: Literal["resized", "original", "norm1000", "norm1", "model"] = "model"
     s_measure_weight: float = 0.0
     gt_key: str = "mask"
     image_key: str = "images"

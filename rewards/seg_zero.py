@@ -46,8 +46,8 @@ class SegZeroConfig:
     """Configuration of [`SegZero`].
 
     Args:
-        coords (`str`, defaults to `"resized"`): the frame of the model's numbers, as in `box_iou` (``"model"``: the
-            frame the pipeline declares in ``metadata["coords"]``).
+        coords (`str`, defaults to `"model"`): the frame of the model's numbers, as in `box_iou` (``"model"``: the
+            frame the pipeline declares in ``metadata["coords"]``; or a fixed frame).
         iou_threshold (`float`, defaults to 0.5): term 3's box IoU threshold.
         l1_threshold (`float`, defaults to 10.0): term 4's mean box L1 threshold, in pixels of the original image.
         point_threshold (`float`, defaults to 100.0): term 5's point distance threshold, in pixels of the original
@@ -57,7 +57,7 @@ class SegZeroConfig:
         max_completion_chars (`int`, *optional*, defaults to 16384): the text length cap.
     """
 
-    coords: Literal["resized", "original", "norm1000", "norm1", "model"] = "resized"
+    coords: Literal["resized", "original", "norm1000", "norm1", "model"] = "model"
     iou_threshold: float = 0.5
     l1_threshold: float = 10.0
     point_threshold: float = 100.0

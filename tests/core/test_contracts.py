@@ -100,6 +100,7 @@ def _shapes_batch(n):
 def _task_batch(n):
     """Prompts with every ground truth the text, box and mask rewards read (see each reward's docstring)."""
     truth = {"answer": "42", "boxes": [[8, 8, 40, 40]], "image_size": [64, 64], "input_size": [32, 32],
+             "coords": "resized",  # the box frame a VLM pipeline declares for its model (box_iou's coords: model)
              "mask": torch.arange(256).view(16, 16) % 3 == 0, "span": [1.0, 3.0]}
     return PromptBatch(["a red circle"] * n, metadata=[dict(truth) for _ in range(n)])
 

@@ -2,6 +2,8 @@
 declaration (``metadata["coords"]``, written by `qwen_vl` from the checkpoint's family), not from the config: a box
 the model writes in its family's frame maps to the same original-image box for every convention."""
 
+import dataclasses
+
 import pytest
 
 from mmgrpo.pipelines._qwen_vl_config import FAMILIES
@@ -67,3 +69,39 @@ def test_model_frame_without_a_declaration_is_a_clear_error(value):
     meta.pop("coords") if value is None else meta.update(coords=value)
     with pytest.raises(ValueError, match=r"coords='model' reads the frame the pipeline declares.*metadata\['coords'\]"):
         BoxIoU(BoxIoUConfig(coords="model"))({"texts": ["[1, 2, 3, 4]"]}, PromptBatch(["q"], metadata=[meta]))
+
+
+def test_the_frame_comes_from_the_model_by_default():
+    """Without a `coords` option the grounding and segmentation rewards read the pipeline's declared frame; a sample
+    without one is refused in one line naming the fixed frames; a fixed frame still overrides the declaration."""
+    from mmgrpo.rewards.sam_mask import SamMaskConfig
+
+    assert BoxIoUConfig().coords == SegZeroConfig().coords == "model"
+    assert {f.name: f.default for f in dataclasses.fields(SamMaskConfig)}["coords"] == "model"
+    for frame in ("resized", "norm1000"):
+        text = "<answer>[{}, {}, {}, {}]</answer>".format(*written(frame))
+        result = BoxIoU(BoxIoUConfig())({"texts": [text]}, PromptBatch(["where?"], metadata=[metadata(frame)]))
+        assert result.scores.item() == pytest.approx(1.0)
+    undeclared = {k: v for k, v in metadata("resized").items() if k != "coords"}
+    text = "<answer>[{}, {}, {}, {}]</answer>".format(*written("resized"))
+    with pytest.raises(ValueError, match=r"^box_iou: coords='model' .* got None for sample 0: this pipeline declares "
+                                         r"none; set the reward's coords to the frame the model writes in \('resized', "
+                                         r"'original', 'norm1000' or 'norm1'\)\.$"):
+        BoxIoU(BoxIoUConfig())({"texts": [text]}, PromptBatch(["where?"], metadata=[undeclared]))
+    fixed = BoxIoU(BoxIoUConfig(coords="resized"))({"texts": [text]}, PromptBatch(["where?"], metadata=[undeclared]))
+    assert fixed.scores.item() == pytest.approx(1.0)
+    declared_other = BoxIoU(BoxIoUConfig(coords="norm1000"))({"texts": [text]},
+                                                               PromptBatch(["where?"], metadata=[metadata("resized")]))
+    assert declared_other.scores.item() < 0.5  # an explicit frame wins over the declaration
+
+
+def test_the_qwen_vl_grounding_configs_read_the_frame_from_the_model(monkeypatch):
+    from pathlib import Path
+
+    from mmgrpo import config as config_mod
+
+    root = Path(__file__).resolve().parents[2]
+    monkeypatch.chdir(root)
+    for name, reward in (("qwen2_5_vl_3b_grpo_grounding", "box_iou"), ("qwen2_5_vl_3b_seg_zero", "seg_zero")):
+        cfg = config_mod.load(root / "configs" / f"{name}.yaml")
+        assert "coords" not in cfg.reward.options.rewards[reward], name  # the default: the model's frame
