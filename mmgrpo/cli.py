@@ -124,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
     p_eval.add_argument("overrides", nargs="*")
     sub.add_parser("list", help="list registered pipelines, algorithms, rewards and prompt sources")
     p_show = sub.add_parser("show", help="a plugin's options: type, default and documentation")
-    p_show.add_argument("name", help="a name from `mmgrpo list`")
+    p_show.add_argument("name", help="a name from `mmgrpo list`, or module:attribute (with --allow-plugins)")
     p_show.add_argument("--kind", choices=sorted(registry.KINDS), help="needed when two kinds share the name")
     p_convert = sub.add_parser("convert-checkpoint", help="convert checkpoints of older mmgrpo versions (pickled "
                                "training state) to the pickle-free format, in place")
@@ -163,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
     ):
         p_serve.add_argument(flag, type=kind, default=argparse.SUPPRESS, help=text)
     p_serve.add_argument("overrides", nargs="*")
-    for command in (p_check, p_train, p_sft, p_eval, p_serve, p_export):
+    for command in (p_check, p_train, p_sft, p_eval, p_serve, p_export, p_show):
         command.add_argument("--allow-plugins", action="store_true",
                              help="allow plugin names of the form module:attribute (your own code) in the config; "
                              "importing them runs their code, so a config file alone cannot")
@@ -175,6 +175,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "list":
         return _list()
     if args.command == "show":
+        registry.allow_user_code(args.allow_plugins)  # a module:attribute name is imported only if allowed
         try:
             print(plugin_help.describe(args.name, args.kind))
         except ValueError as err:

@@ -97,19 +97,45 @@ def _options(config: type) -> list[tuple[str, str, str, str]]:
 
 
 def find(name: str, kind: str | None = None) -> tuple[str, type]:
-    """``(kind, plugin class)`` of the plugin called `name` (of `kind` when given).
+    """``(kind, plugin class)`` of the plugin called `name` (of `kind` when given): a listed name, or a
+    ``module:attribute`` spec of the user's own code while user code is allowed (``--allow-plugins``), imported and
+    checked against its kind's declarations as ``mmgrpo train`` does ([`mmgrpo.registry.get`]).
 
     Raises:
-        `ValueError`: no plugin has that name (the message lists them), or several kinds do and `kind` is unset.
+        `ValueError`: no plugin has that name (the message lists them), or several kinds do and `kind` is unset; a spec
+            while user code is not allowed, or one that is no plugin of `kind` (of any kind when unset).
     """
     kinds = [kind] if kind else list(registry.KINDS)
     matches = [k for k in kinds if name in registry.available(k)]
+    if not matches and registry.is_spec(name):
+        return _find_spec(name, kinds)
     if not matches:
         known = {k: sorted(registry.available(k)) for k in kinds}
         raise ValueError(f"no plugin {name!r}{f' of kind {kind!r}' if kind else ''}; registered: {known}")
     if len(matches) > 1:
         raise ValueError(f"{name!r} names plugins of several kinds ({', '.join(matches)}): add --kind {matches[0]} (or another)")
     return matches[0], registry.get(matches[0], name)
+
+
+def _find_spec(name: str, kinds: list[str]) -> tuple[str, type]:
+    """``(kind, plugin class)`` of ``module:attribute`` `name`: the kind among `kinds` whose declarations it passes."""
+    if not registry.resolvable(kinds[0], name):
+        raise ValueError(f"{name!r} names code of your own to import (module {name.split(':')[0]}), which runs that "
+                         "code: pass --allow-plugins to show it.")
+    found, errors = {}, {}
+    for kind in kinds:
+        try:
+            found[kind] = registry.get(kind, name)
+        except ValueError as err:
+            errors[kind] = str(err)
+    if len(found) > 1:
+        raise ValueError(f"{name!r} passes the checks of several kinds ({', '.join(found)}): add --kind "
+                         f"{next(iter(found))} (or another)")
+    if not found:
+        if len(kinds) == 1 or len(set(errors.values())) == 1:  # one kind asked, or an import error
+            raise ValueError(next(iter(errors.values())))
+        raise ValueError(f"{name!r} is no plugin of any kind: " + "; ".join(f"as a {k}: {e}" for k, e in errors.items()))
+    return next(iter(found.items()))
 
 
 def describe(name: str, kind: str | None = None) -> str:

@@ -228,3 +228,25 @@ def test_a_function_reward_trains(acme, tmp_path, tiny_sd3_dir):
     assert trainer.reward(images, [None] * 4).scores.tolist() == pytest.approx(expected.tolist())
     assert trainer.train()["steps"] == 1
     assert 0 < trainer.log.path.read_text().count("reward/mean")
+
+
+def test_show_a_module_attribute_spec_only_with_allow_plugins(acme, capsys):
+    assert main(["show", "acme_plugins.noisy:anything"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--allow-plugins" in err
+    assert not (acme / "ran.txt").exists() and "acme_plugins" not in sys.modules  # nothing imported
+    assert main(["show", "acme_plugins.rewards:BrightReward", "--allow-plugins"]) == 0, capsys.readouterr().err
+    shown = capsys.readouterr().out
+    assert shown.startswith("reward acme_plugins.rewards:BrightReward: Mean pixel brightness")
+    assert "scale: float = 1.0" in shown and "multiplies the score" in shown
+    assert main(["show", "acme_plugins.prompts:WordsPrompts", "--kind", "data", "--allow-plugins"]) == 0
+    assert "n: int = 4" in capsys.readouterr().out
+    assert main(["show", "acme_plugins.rewards:brightness", "--allow-plugins"]) == 0  # a plain function
+    shown = capsys.readouterr().out
+    assert shown.startswith("reward acme_plugins.rewards:brightness: Mean pixel brightness, as a plain function.")
+    assert "modalities: list = []" in shown and "kwargs: dict = {}" in shown
+    assert main(["show", "acme_plugins.rewards:Undeclared", "--allow-plugins"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "no plugin of any kind" in err and "does not declare 'group_stage'" in err
+    assert main(["show", "acme_plugins.rewards:Undeclared", "--kind", "reward", "--allow-plugins"]) == 2
+    assert "does not declare 'group_stage'" in capsys.readouterr().err
