@@ -145,3 +145,25 @@ def tiny_trocr_dir(tmp_path_factory):
     model.save_pretrained(path)
     TrOCRProcessor(image_processor=image_processor, tokenizer=tokenizer).save_pretrained(path)
     return str(path)
+
+
+@pytest.fixture(scope="session")
+def tiny_owlvit_dir(tmp_path_factory):
+    """A tiny random OWL-ViT zero-shot detector with its processor (offline CLIP tokenizer), saved to a folder."""
+    from transformers import OwlViTConfig, OwlViTForObjectDetection, OwlViTImageProcessor, OwlViTProcessor
+
+    from builders._tokenizers import clip_tokenizer
+
+    tokenizer = clip_tokenizer(model_max_length=16)
+    text = {"vocab_size": len(tokenizer), "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
+            "num_attention_heads": 2, "max_position_embeddings": 16, "bos_token_id": tokenizer.bos_token_id,
+            "eos_token_id": tokenizer.eos_token_id, "pad_token_id": tokenizer.pad_token_id}
+    vision = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 2,
+              "image_size": 32, "patch_size": 8}
+    torch.manual_seed(0)
+    model = OwlViTForObjectDetection(OwlViTConfig(text_config=text, vision_config=vision, projection_dim=32)).eval()
+    image_processor = OwlViTImageProcessor(size={"height": 32, "width": 32}, do_center_crop=False)
+    path = tmp_path_factory.mktemp("tiny_owlvit")
+    model.save_pretrained(path)
+    OwlViTProcessor(image_processor=image_processor, tokenizer=tokenizer).save_pretrained(path)
+    return str(path)

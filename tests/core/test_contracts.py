@@ -20,7 +20,8 @@ from mmgrpo.types import PromptBatch, Score
 from mmgrpo.algorithms._options import AdvantageOptions, KLOptions, KLWeight
 from mmgrpo.validation import build_dataclass, flat_dict, flat_hints, is_embedded
 from reward_fixtures import (  # noqa: F401
-    jpeg_server, tiny_aesthetic_head, tiny_clip_dir, tiny_hps_checkpoint, tiny_pickscore_dir, tiny_trocr_dir,
+    jpeg_server, tiny_aesthetic_head, tiny_clip_dir, tiny_hps_checkpoint, tiny_owlvit_dir, tiny_pickscore_dir,
+    tiny_trocr_dir,
 )
 from builders._sam import tiny_sam2_dir  # noqa: F401
 from judge_server import judge_server  # noqa: F401
@@ -69,6 +70,8 @@ REWARD_OPTIONS = {
     "judge_pairwise": lambda request: {"server": _judge_server(request), "template": "PAIR {prompt}"},
     "hpsv2": lambda request: _tiny_hps(*request.getfixturevalue("tiny_hps_checkpoint")),
     "ocr": lambda request: {"model": request.getfixturevalue("tiny_trocr_dir"), "device": "cpu", "max_new_tokens": 4},
+    "geneval_detector": lambda request: {"clip_model_name": _tiny_clip(request)["model_name"], "device": "cpu",
+                                         "detector": request.getfixturevalue("tiny_owlvit_dir"), "threshold": 0.2},
 }
 # fit the tiny policies' 3 steps (dgpo); read the transitions' mean and std (flow_grpo's KL term)
 ALGORITHM_OPTIONS = {"dgpo": {"trunc_steps": 2, "num_train_timesteps": 2},
@@ -144,7 +147,17 @@ def _quoted_batch(n):
     return PromptBatch([f'a sign that says "open {i}"' for i in range(n)], metadata=[{} for _ in range(n)])
 
 
-REWARD_BATCHES = {"ocr": _quoted_batch, "mini_geneval": _shapes_batch, "sam_mask": _seg_batch, "step_rar": _key_steps_batch,
+def _geneval_batch(n):
+    """GenEval prompts (its metadata format): counting, colour and position clauses."""
+    kinds = [{"tag": "counting", "include": [{"class": "cat", "count": 2}], "exclude": [{"class": "cat", "count": 3}]},
+             {"tag": "colors", "include": [{"class": "car", "count": 1, "color": "red"}]},
+             {"tag": "position", "include": [{"class": "tv", "count": 1},
+                                             {"class": "clock", "count": 1, "position": ["below", 0]}]}]
+    return PromptBatch(["a photo"] * n, metadata=[kinds[i % 3] for i in range(n)])
+
+
+REWARD_BATCHES = {"ocr": _quoted_batch, "geneval_detector": _geneval_batch,
+                  "mini_geneval": _shapes_batch, "sam_mask": _seg_batch, "step_rar": _key_steps_batch,
                   "moving_shapes": _moving_shapes_batch, "edit_fidelity": _edit_batch}
 
 
