@@ -12,8 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import ClassVar, Union
 
-FLOW_PLAN_FEATURES = frozenset({"merge", "branch", "init_same_noise", "unit_selection", "dpm", "likelihood", "sample_noise",
-                                "tree", "old_mean", "dpm_post"})
+FLOW_PLAN_FEATURES = frozenset({"merge", "branch", "init_same_noise", "unit_selection", "dpm", "likelihood",
+                                "sample_noise", "tree", "old_mean", "dpm_post"})
 # plan feature -> the `Score` fields a pipeline's scoring method fills only for a plan that uses the feature (its
 # ``provides`` lists them; an algorithm reading one must ask for the feature, which the checks before loading verify)
 FEATURE_SCORE_FIELDS = {"old_mean": frozenset({"old_mean"})}
@@ -175,8 +175,8 @@ class FlowPlan:
         if not self.dpm_post_ratio:
             return
         if self.sde_steps and max(self.sde_steps) > self.num_steps - 2:
-            raise ValueError(f"FlowPlan.dpm_post_ratio: the DPM-Solver++ part needs an ODE step after the last SDE step "
-                             f"(sde_steps={self.sde_steps}, num_steps={self.num_steps}).")
+            raise ValueError(f"FlowPlan.dpm_post_ratio: the DPM-Solver++ part needs an ODE step after the last SDE "
+                             f"step (sde_steps={self.sde_steps}, num_steps={self.num_steps}).")
         if self.branch or self.merge or self.merge_entropy is not None or self.solver != "flow" or \
                 self.scoring != "trajectory" or self.units_per_sample or self.tree_split_points:
             raise ValueError("FlowPlan.dpm_post_ratio combines only with init_same_noise and record_mean.")

@@ -263,7 +263,8 @@ def normalize_nodes(rewards: torch.Tensor, trees: torch.Tensor, options: Advanta
 
 
 def depth_advantages(scores: torch.Tensor, group_ids: torch.Tensor, member_ids: torch.Tensor, branch_factor: int,
-                     splits: int, options: AdvantageOptions, split_log_probs: torch.Tensor | None = None) -> torch.Tensor:
+                     splits: int, options: AdvantageOptions,
+                     split_log_probs: torch.Tensor | None = None) -> torch.Tensor:
     """BranchGRPO's depth-wise advantages of every leaf at every level of its tree.
 
     Args:

@@ -92,7 +92,8 @@ def _plan(sde_type="sde", ratio=0.4, solver_type="midpoint", window=(1, 2), num=
 def test_window_is_the_plain_sde_and_the_rest_is_dpm_solver_pp(sde_type, solver_type):
     num, sigmas, groups = 10, _shifted(10), torch.arange(4)
     plan = _plan(sde_type, solver_type=solver_type)
-    flash, log_probs, mask, _ = run_plan(_velocity, _noise, sigmas, plan, groups, None, torch.Generator().manual_seed(0))
+    flash, log_probs, mask, _ = run_plan(_velocity, _noise, sigmas, plan, groups, None,
+                                         torch.Generator().manual_seed(0))
     plain = FlowPlan(num_steps=num, sde_steps=[1, 2], train_units=[[1], [2]], noise_level=0.7, sde_type=sde_type)
     euler, plain_log_probs, _, _ = run_plan(_velocity, _noise, sigmas, plain, groups, None,
                                             torch.Generator().manual_seed(0))
