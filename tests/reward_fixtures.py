@@ -147,12 +147,20 @@ def tiny_trocr_dir(tmp_path_factory):
     return str(path)
 
 
-@pytest.fixture(scope="session")
-def tiny_owlvit_dir(tmp_path_factory):
-    """A tiny random OWL-ViT zero-shot detector with its processor (offline CLIP tokenizer), saved to a folder."""
-    from transformers import OwlViTConfig, OwlViTForObjectDetection, OwlViTImageProcessor, OwlViTProcessor
+def write_tiny_owl(folder, version: int = 1) -> str:
+    """Writes a tiny random OWL-ViT (`version` 1) or OWLv2 (2) zero-shot detector with its processor (offline CLIP
+    tokenizer) to `folder`; returns the folder."""
+    from transformers import (
+        Owlv2Config, Owlv2ForObjectDetection, Owlv2ImageProcessor, Owlv2Processor, OwlViTConfig,
+        OwlViTForObjectDetection, OwlViTImageProcessor, OwlViTProcessor,
+    )
 
     from builders._tokenizers import clip_tokenizer
+
+    config_cls, model_cls, image_cls, processor_cls = {
+        1: (OwlViTConfig, OwlViTForObjectDetection, OwlViTImageProcessor, OwlViTProcessor),
+        2: (Owlv2Config, Owlv2ForObjectDetection, Owlv2ImageProcessor, Owlv2Processor),
+    }[version]
 
     tokenizer = clip_tokenizer(model_max_length=16)
     text = {"vocab_size": len(tokenizer), "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
@@ -161,9 +169,15 @@ def tiny_owlvit_dir(tmp_path_factory):
     vision = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 2,
               "image_size": 32, "patch_size": 8}
     torch.manual_seed(0)
-    model = OwlViTForObjectDetection(OwlViTConfig(text_config=text, vision_config=vision, projection_dim=32)).eval()
-    image_processor = OwlViTImageProcessor(size={"height": 32, "width": 32}, do_center_crop=False)
-    path = tmp_path_factory.mktemp("tiny_owlvit")
-    model.save_pretrained(path)
-    OwlViTProcessor(image_processor=image_processor, tokenizer=tokenizer).save_pretrained(path)
-    return str(path)
+    model = model_cls(config_cls(text_config=text, vision_config=vision, projection_dim=32)).eval()
+    resize = {"do_center_crop": False} if version == 1 else {}
+    image_processor = image_cls(size={"height": 32, "width": 32}, **resize)
+    model.save_pretrained(folder)
+    processor_cls(image_processor=image_processor, tokenizer=tokenizer).save_pretrained(folder)
+    return str(folder)
+
+
+@pytest.fixture(scope="session")
+def tiny_owlvit_dir(tmp_path_factory):
+    """A tiny random OWL-ViT zero-shot detector with its processor, saved to a folder."""
+    return write_tiny_owl(tmp_path_factory.mktemp("tiny_owlvit"), version=1)

@@ -14,7 +14,7 @@ from mmgrpo.rewards._geneval_rule import COLORS, check_metadata, evaluate, relat
 from mmgrpo.rewards.geneval_detector import COLOR_TEMPLATES, GenevalDetector
 from mmgrpo.types import PromptBatch
 from mmgrpo.validation import ConfigError
-from reward_fixtures import tiny_clip_dir, tiny_owlvit_dir  # noqa: F401 (fixtures)
+from reward_fixtures import tiny_clip_dir, tiny_owlvit_dir, write_tiny_owl  # noqa: F401 (fixtures)
 
 
 def test_relative_position_by_hand():
@@ -113,6 +113,27 @@ def test_detections_equal_the_processor_and_post_processing(reward, tiny_owlvit_
     assert sum(len(f) for f in found) > 0  # the tiny detector finds something above 0.2
     for ours, theirs in zip(found, results):
         assert [name for name, _, _ in ours] == [reward.queries[int(k)][len("a photo of a "):] for k in theirs["labels"]]
+        torch.testing.assert_close(torch.tensor([box for _, box, _ in ours]), theirs["boxes"])
+        torch.testing.assert_close(torch.tensor([score for _, _, score in ours]), theirs["scores"])
+
+
+def test_owlv2_boxes_are_in_the_padded_square_frame(tmp_path, tiny_clip_dir):
+    """OWLv2 pads an image to a square (bottom and right) before resizing, so its post-processing scales boxes by the
+    longer side: the boxes equal the processor's own on a square-padded target size."""
+    from transformers import Owlv2ForObjectDetection, Owlv2Processor
+
+    folder = write_tiny_owl(tmp_path, version=2)
+    reward = GenevalDetector(GenevalDetector.Config(detector=folder, clip_model_name=f"local-dir:{tiny_clip_dir}",
+                                                    device="cpu", threshold=0.2))
+    pixels, pil = pil_batch()
+    processor, model = Owlv2Processor.from_pretrained(folder), Owlv2ForObjectDetection.from_pretrained(folder).eval()
+    with torch.no_grad():
+        inputs = processor(text=[reward.queries] * 2, images=pil, return_tensors="pt")
+        results = processor.post_process_grounded_object_detection(model(**inputs), threshold=0.2,
+                                                                   target_sizes=[(56, 56)] * 2)
+    found = reward.detect(pixels)
+    assert sum(len(f) for f in found) > 0
+    for ours, theirs in zip(found, results):
         torch.testing.assert_close(torch.tensor([box for _, box, _ in ours]), theirs["boxes"])
         torch.testing.assert_close(torch.tensor([score for _, _, score in ours]), theirs["scores"])
 
