@@ -33,7 +33,9 @@ trained transitions after the last split point, which each leaf takes alone; eac
 lands on, so all of one leaf's are equal):
 
 - mode 1: of each leaf's such transitions, keep the ``max(1, int(n * width_pruning_ratio))`` with the highest
-  advantage (ties in step order, as the authors' stable sort: the earliest steps);
+  advantage, ties in step order (the authors' stable sort); as they are all equal, this keeps each leaf's earliest
+  ones whatever its reward, exactly as their code does (their "best per branch" groups by the node the last split
+  creates, which is one leaf);
 - mode 2: of all such transitions of the tree, in the authors' depth-first order (leaf by leaf, step by step), sorted
   by advantage (stable), keep ``k = max(2, int(n * width_pruning_ratio))``: the ``k // 2`` highest and the
   ``k - k // 2`` lowest.
