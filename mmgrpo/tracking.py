@@ -1,9 +1,10 @@
 """Experiment trackers through accelerate's tracking API: TensorBoard by default; Weights & Biases, MLflow, trackio,
 Comet, Aim, ClearML, DVCLive or SwanLab when installed (none is needed to train). The config is logged as
-hyper-parameters, metrics at every logged step, and evaluation samples as images (and tables where the tracker has
-them). ``metrics.jsonl`` is written whatever the trackers ([`mmgrpo.metrics_log.MetricsLog`]); the trackers get its
-finite numbers under names every one of them accepts ([`mmgrpo.tracker_names`]: ``eval/accuracy/malformed`` is logged
-as ``eval/accuracy.malformed``, since MLflow cannot keep a metric that is also the folder of another).
+hyper-parameters, metrics at every logged step, and evaluation samples as each tracker shows them
+([`mmgrpo.tracker_samples`]: images, completion tables, videos). ``metrics.jsonl`` is written
+whatever the trackers ([`mmgrpo.metrics_log.MetricsLog`]); the trackers get its finite numbers under names every one
+of them accepts ([`mmgrpo.tracker_names`]: ``eval/accuracy/malformed`` is logged as ``eval/accuracy.malformed``, since
+MLflow cannot keep a metric that is also the folder of another).
 
 TensorBoard's events go to ``<output_dir>/tensorboard/<project>``; after a resume, events an interrupted run wrote past
 the checkpoint are hidden (TensorBoard's ``purge_step``), so no step shows twice.
@@ -17,7 +18,7 @@ import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .tracker_names import tracker_metrics, tracker_name
+from .tracker_names import tracker_metrics
 from .validation import ConfigError, check_fields, check_text
 
 # tracker name -> the package it needs (the name accelerate's `log_with` takes)
@@ -124,28 +125,14 @@ class Trackers:
             self.accelerator.log(tracker_metrics(metrics), step=step)
 
     def log_samples(self, paths: list[Path], step: int) -> None:
-        """An evaluation's sample files: PNG pictures as images to trackers that take images, JSONL tables as tables to
-        trackers that take tables."""
+        """An evaluation's sample files, to each tracker as it shows them ([`mmgrpo.tracker_samples`]): pictures as
+        images, completions as tables (TensorBoard: markdown text) and clips as videos (TensorBoard)."""
         if not (self.enabled and self.settings.log_samples and self.accelerator.is_main_process):
             return
-        import json
-
-        import numpy as np
-        from PIL import Image
+        from .tracker_samples import log_tracker_samples
 
         for tracker in self.accelerator.trackers:
-            for path in paths:
-                path = Path(path)
-                if path.suffix == ".png" and hasattr(tracker, "log_images"):
-                    with Image.open(path) as image:
-                        pixels = np.asarray(image.convert("RGB"))[None]  # [1, H, W, 3]
-                    options = {"dataformats": "NHWC"} if tracker.name == "tensorboard" else {}
-                    tracker.log_images({tracker_name(f"samples/{_tag(path, step)}"): pixels}, step=step, **options)
-                elif path.suffix == ".jsonl" and hasattr(tracker, "log_table"):
-                    rows = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line]
-                    columns = sorted({key for row in rows for key in row})
-                    tracker.log_table(tracker_name(f"samples/{_tag(path, step)}"), columns=columns,
-                                      data=[[str(row.get(c, "")) for c in columns] for row in rows], step=step)
+            log_tracker_samples(tracker, paths, step)
 
     def close(self) -> None:
         """Finishes each tracker (not ``accelerator.end_training``, which would also end the process group that an
@@ -184,12 +171,6 @@ def init_options(settings: TrackingConfig, run_name: str, runs: dict, resumed_st
     if resumed_step:
         options["tensorboard"] = {"purge_step": resumed_step + 1}
     return options
-
-
-def _tag(path: Path, step: int) -> str:
-    """A sample file's tag without its step (``step_00020_grid.png`` -> ``grid``), so a tracker shows one series."""
-    stem = path.stem.removeprefix(f"step_{step:05d}").removeprefix(f"step_{step:07d}").strip("_")
-    return stem or {".png": "grid", ".jsonl": "table"}.get(path.suffix, "samples")
 
 
 def accelerator_options(config, output_dir: Path) -> dict:

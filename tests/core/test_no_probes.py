@@ -20,7 +20,7 @@ ALLOWED = {
     ("mmgrpo/model_card.py", "diffusers"): "a diffusers pipeline class named in model_index.json",
     ("mmgrpo/model_card.py", "getattr(diffusers, cls, None)"): "that diffusers class's _optional_components",
     ("mmgrpo/checkpoint.py", "np"): "numpy moved numpy.core to numpy._core in 2.0",
-    ("mmgrpo/tracking.py", "tracker"): "accelerate's trackers: only some log images or tables",
+    ("mmgrpo/tracker_samples.py", "tracker"): "accelerate's trackers: only some log images or tables",
     ("mmgrpo/validation.py", "tp"): "a type annotation: typing constructs have no __name__",
     ("mmgrpo/plugin_help.py", "tp"): "a type annotation: typing constructs have no __name__",
     ("pipelines/_checkpointing.py", "model"): "a diffusers / transformers / peft model's checkpointing support",

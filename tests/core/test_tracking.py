@@ -8,7 +8,10 @@ import pytest
 import yaml
 
 from mmgrpo import config as config_mod
+from mmgrpo.sample_writers import SampleWriter
+from mmgrpo.tracker_samples import log_tracker_samples
 from mmgrpo.tracking import TrackingConfig, hyperparameters
+from mmgrpo.types import PromptBatch
 from mmgrpo.trainer import Trainer
 from mmgrpo.validation import ConfigError
 
@@ -18,7 +21,7 @@ from builders._runs import dgpo_config
 def _events(folder: Path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    accumulator = EventAccumulator(str(folder), size_guidance={"images": 0, "scalars": 0})
+    accumulator = EventAccumulator(str(folder), size_guidance={"images": 0, "scalars": 0, "tensors": 0})
     accumulator.Reload()
     return accumulator
 
@@ -73,3 +76,44 @@ def test_unknown_or_missing_trackers_are_config_errors():
         pass
     with pytest.raises(ConfigError, match="comet_ml is not installed: pip install comet_ml"):
         TrackingConfig(log_with=["tensorboard", "comet_ml"])
+
+
+def _tensorboard_accelerator(folder: Path):
+    from accelerate import Accelerator
+    from accelerate.utils import ProjectConfiguration
+
+    accelerator = Accelerator(log_with="tensorboard", project_config=ProjectConfiguration(
+        project_dir=str(folder), logging_dir=str(folder / "tensorboard")))
+    accelerator.init_trackers("samples")
+    return accelerator
+
+
+def test_tensorboard_gets_completions_as_a_text_table_and_clips_as_videos(tmp_path):
+    import io
+
+    import torch
+    from PIL import Image
+
+    text = SampleWriter("text", limit=2)
+    text.add({"texts": ["<answer>3</answer>", "a | b\nsecond line"]}, PromptBatch(["how many?", "say a | b"]))
+    video = SampleWriter("video", limit=2)
+    frames = torch.linspace(0, 1, 5)[:, None, None, None].expand(5, 3, 20, 28)  # [F, 3, H, W] a fade to white
+    video.add({"videos": torch.stack([frames, 1 - frames])}, PromptBatch(["fade in", "fade out"]))
+    accelerator = _tensorboard_accelerator(tmp_path)
+    paths = text.write(tmp_path / "samples", 4, [1.0, 0.25]) + video.write(tmp_path / "samples", 4, [0.5, 0.0])
+    for tracker in accelerator.trackers:
+        log_tracker_samples(tracker, paths, 4)
+        tracker.finish()
+    events = _events(tmp_path / "tensorboard" / "samples")
+    (table,) = events.Tensors("samples/table/text_summary")
+    assert table.step == 4
+    assert table.tensor_proto.string_val[0].decode().splitlines() == [
+        "| prompt | completion | reward |", "|---|---|---|", "| how many? | <answer>3</answer> | 1.000 |",
+        "| say a \\| b | a \\| b<br>second line | 0.250 |"]
+    for name, first in (("samples/video.sample_00", 0), ("samples/video.sample_01", 255)):
+        (clip,) = events.Images(name)
+        assert clip.step == 4 and clip.encoded_image_string.startswith(b"GIF89a")
+        with Image.open(io.BytesIO(clip.encoded_image_string)) as gif:
+            assert gif.n_frames == 5 and gif.size == (28, 20)
+            assert abs(int(gif.convert("L").getpixel((14, 10))) - first) < 16  # the clip's first frame
+    assert [e.step for e in events.Images("samples/video")] == [4]  # the frame strips, as before
