@@ -234,15 +234,25 @@ def check_items(config: ExperimentConfig, split: str = "eval") -> None:
 
 
 INPUT_IMAGES = "input_images"  # the capability of a pipeline whose `sample` reads conditions["images"] (editing)
+EDIT_SOURCE = "source_image"  # the metadata key of an edit item: the input image it changes (edit_jsonl, shapes_edit)
 
 
 def check_input_images(config: ExperimentConfig, items: list[dict], which: str) -> None:
     """A pipeline that edits images (it declares the ``input_images`` capability) gets at least one input image with
     every prompt item (the item's ``images`` condition, see [`mmgrpo.protocols.PromptSource`]), so a text-only prompt
-    source fails here in one line rather than at the first rollout."""
-    if INPUT_IMAGES not in registry.get("pipeline", config.pipeline.name).capabilities:
-        return
+    source fails here in one line rather than at the first rollout; and edit items (their metadata names the
+    ``source_image`` they change) go to an editing pipeline, not to one that would ignore their input images."""
+    edits = INPUT_IMAGES in registry.get("pipeline", config.pipeline.name).capabilities
     for index, item in enumerate(items):
+        if not edits:
+            if (item.get("metadata") or {}).get(EDIT_SOURCE) is not None:
+                raise ConfigError(
+                    f"pipeline.name: prompt source {config.data.name!r} gives edits (an instruction and the input image "
+                    f"it changes, {which} item {index}), but pipeline {config.pipeline.name!r} reads no input image and "
+                    "would draw from the instruction alone: use an editing pipeline (flux_kontext or "
+                    "qwen_image_edit)."
+                )
+            continue
         images = item.get("images")  # an item's conditions are its keys beside "prompt" and "metadata"
         if images is None or (isinstance(images, (list, tuple)) and not images):
             raise ConfigError(

@@ -64,3 +64,17 @@ def test_text_to_image_pipelines_take_text_only_prompts(tmp_path):
     prompts.write_text("a red circle\n")
     raw = edit_config(tmp_path, {"name": "prompt_file", "train_file": str(prompts)}, name="flux")
     preflight(config_mod.from_dict(raw))
+
+
+@pytest.mark.parametrize("data", [{"name": "edit_jsonl", "train_file": str(EDITS)},
+                                  {"name": "shapes_edit", "n_train": 4, "n_eval": 2, "size": 32}],
+                         ids=["edit_jsonl", "shapes_edit"])
+def test_edits_are_refused_by_a_pipeline_that_reads_no_input_image(tmp_path, data):
+    """The reverse: edit rows (an instruction and the image it changes) given to a text-to-image pipeline, which would
+    train on the instruction alone."""
+    raw = edit_config(tmp_path, data, name="flux")
+    with pytest.raises(ConfigError, match=rf"^pipeline\.name: prompt source '{data['name']}' gives edits \(an "
+                                          r"instruction and the input image it changes, training item 0\), but pipeline "
+                                          r"'flux' reads no input image .*use an editing pipeline \(flux_kontext or "
+                                          r"qwen_image_edit\)\.$"):
+        preflight(config_mod.from_dict(raw))
