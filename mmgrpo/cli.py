@@ -159,7 +159,13 @@ def main(argv: list[str] | None = None) -> int:
         ("--connection-limit", int, "open connections in total; a newcomer replaces the connection waiting longest "
          "without a request being served (default 32)"),
         ("--max-connections-per-client", int, "open connections per client address (default 16)"),
-        ("--threads", int, "worker threads; batches are scored one at a time (default 4)"),
+        ("--threads", int, "worker threads reading and answering requests; at most this many requests are in the "
+         "batcher at once, so set it above the number of clients whose requests should merge (default 16)"),
+        ("--max-batch", int, "most samples merged from concurrent requests into one call of the reward; a larger "
+         "request is scored alone (default 64, at most 65536; 1: each request alone)"),
+        ("--batch-wait", float, "seconds a request arriving at an idle reward waits for others to merge with "
+         "(default 0.01, at most 10; 0: merge only requests that arrived while the reward was busy)"),
+        ("--max-queue", int, "requests waiting to be scored; beyond it 503 (default 64, at most 1024)"),
     ):
         p_serve.add_argument(flag, type=kind, default=argparse.SUPPRESS, help=text)
     p_serve.add_argument("overrides", nargs="*")

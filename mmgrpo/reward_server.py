@@ -3,7 +3,10 @@
 A reward model with heavy or conflicting dependencies (GenEval's detector, an OCR stack, a large VLM judge) runs in its
 own process, as the diffusion-RL peers serve GenEval and OCR; training talks to it through `mmgrpo.rewards.remote`.
 The HTTP layer is [waitress](https://docs.pylonsproject.org/projects/waitress/) (a pure-Python production WSGI server)
-with the connection policy of `mmgrpo.reward_guard`; batches are scored one at a time on `threads` worker threads.
+with the connection policy of `mmgrpo.reward_guard`. Requests are read on `threads` worker threads and scored on one
+thread, which merges concurrent requests into one call of the reward (`mmgrpo.reward_batcher`: up to `max_batch`
+samples, waiting at most `batch_wait` seconds for a partial batch, at most `max_queue` requests waiting; each request
+gets exactly its own scores).
 
 Limits ([`ServerLimits`], each a ``serve-reward`` flag):
 
@@ -15,7 +18,8 @@ Limits ([`ServerLimits`], each a ``serve-reward`` flag):
 - connections: at most `max_connections_per_client` per client and `connection_limit` in total, where a newcomer
   replaces the connection that has waited longest without a request being served; headers must arrive within
   `header_timeout` seconds, a connection between requests closes after `idle_timeout`, a body or an answer making no
-  progress after `channel_timeout` (details in `mmgrpo.reward_guard`).
+  progress after `channel_timeout` (details in `mmgrpo.reward_guard`);
+- at most `max_queue` requests wait to be scored; beyond it 503.
 
 Authentication: with a token (see `mmgrpo.reward_codec.read_token`), every request needs
 ``Authorization: Bearer <token>`` (compared in constant time) or gets 401. Off loopback the server refuses to start
@@ -25,13 +29,14 @@ TLS-terminating proxy (the client accepts ``https://`` addresses).
 Protocol (payload codec in `mmgrpo.reward_codec`):
 
 - ``GET /info`` -> ``{"reward": name, "modalities": [...], "config": {...}, "max_body_bytes": n,
-  "max_decoded_pixels": n}``.
+  "max_decoded_pixels": n, "batching": {"max_batch", "batch_wait", "max_queue"}, "stats": {"requests",
+  "reward_calls", "samples", "largest_batch", "refused_busy", "waiting"}}`` (``stats`` counts since the start).
 - ``POST /score`` with ``{"outputs": ..., "batch": {"prompts", "metadata", "group_ids", "member_ids", "conditions"}}``
   -> ``{"scores": [...], "components": {name: [...]}}`` (NaN written as null).
 - Errors: ``{"error": message}`` with status 400 (undecodable request), 401 (missing or wrong token), 404 (unknown
-  path), 405 (wrong method), 413 (decoded size over `max_decoded_mpixels`, with ``"limit": "max_decoded_mpixels"``)
-  or 500 (the reward raised); waitress itself answers 400 (malformed HTTP, e.g. a bad ``Content-Length``) and 413
-  (body over the limit) in plain text.
+  path), 405 (wrong method), 413 (decoded size over `max_decoded_mpixels`, with ``"limit": "max_decoded_mpixels"``),
+  500 (the reward raised) or 503 (`max_queue` requests wait already, with ``"limit": "max_queue"``); waitress itself
+  answers 400 (malformed HTTP, e.g. a bad ``Content-Length``) and 413 (body over the limit) in plain text.
 """
 
 from __future__ import annotations
@@ -52,6 +57,7 @@ from waitress.adjustments import Adjustments
 from . import registry
 from .config import ConfigError, apply_overrides, plugin_spec
 from .config_yaml import read_yaml
+from .reward_batcher import QueueFull, RequestBatcher
 from .reward_codec import (TOKEN_ENV, TOKEN_HINT, DecodedSizeError, check_token, decode_request, encode_result,
                            is_loopback, read_token)
 from .reward_guard import ConnectionPolicy, GuardedServer
@@ -94,7 +100,8 @@ def require_token_off_loopback(host: str, token: str | None) -> None:
 LIMIT_RANGES = {"max_body_mb": (0, 2**20, True), "max_decoded_mpixels": (0, 4096, True),
                 "channel_timeout": (1, 86400, False), "header_timeout": (1, 3600, False),
                 "idle_timeout": (1, 86400, False), "threads": (1, 256, False), "connection_limit": (1, 1000, False),
-                "max_connections_per_client": (1, 1000, False)}
+                "max_connections_per_client": (1, 1000, False), "max_batch": (1, 65536, False),
+                "batch_wait": (0, 10, False), "max_queue": (1, 1024, False)}
 
 
 @dataclasses.dataclass
@@ -112,11 +119,20 @@ class ServerLimits:
         header_timeout (`int`, defaults to 10): seconds a request's headers may take, however slowly they arrive
             (from the connection's start for its first request).
         idle_timeout (`int`, defaults to 30): seconds a connection may stay open between requests.
-        threads (`int`, defaults to 4): worker threads (``/info`` and refusals are answered while a batch is scored).
+        threads (`int`, defaults to 16): worker threads reading requests and answering them, each waiting while its
+            request is scored: at most this many requests are in the batcher at once (set it above the number of
+            clients whose requests should merge); ``/info`` and refusals are answered while a thread is free, and
+            further requests wait in waitress's queue (bounded by `connection_limit`) until one is.
         connection_limit (`int`, defaults to 32): open connections in total; a newcomer replaces the one that has
             waited longest without a request being served (see `mmgrpo.reward_guard`). At most 1000.
         max_connections_per_client (`int`, defaults to 16): open connections per client address (an IPv6 /64);
             beyond `connection_limit`, the total limit is the bound.
+        max_batch (`int`, defaults to 64): most samples merged into one call of the reward (1: each request alone); a
+            larger request is scored alone. At most 65536.
+        batch_wait (`float`, defaults to 0.01): seconds a request arriving at an idle reward waits for others to merge
+            with (0: merge only the requests that arrived while the reward was busy). At most 10.
+        max_queue (`int`, defaults to 64): requests waiting to be scored (not counting those being scored); beyond
+            it, 503. At most 1024.
     """
 
     max_body_mb: float = 256.0
@@ -124,9 +140,12 @@ class ServerLimits:
     channel_timeout: int = 60
     header_timeout: int = 10
     idle_timeout: int = 30
-    threads: int = 4
+    threads: int = 16
     connection_limit: int = 32
     max_connections_per_client: int = 16
+    max_batch: int = 64
+    batch_wait: float = 0.01
+    max_queue: int = 64
 
     def __post_init__(self):
         check_fields(self)
@@ -162,7 +181,6 @@ class RewardServer:
         self.reward, self.name, self.limits = reward, name, limits or ServerLimits()
         self.options = dataclasses.asdict(options) if dataclasses.is_dataclass(options) else {}
         self._token = None if token is None else check_token(token, "the token argument").encode("ascii")
-        self.lock = threading.Lock()
         self._map: dict = {}  # waitress's socket map: closing everything in it stops the server
         adjustments = Adjustments(
             host="127.0.0.1" if host == "localhost" else host, port=port, threads=self.limits.threads,
@@ -176,6 +194,8 @@ class RewardServer:
         policy = ConnectionPolicy(self.limits.max_connections_per_client, self.limits.header_timeout,
                                   self.limits.idle_timeout, self._trusted)
         self.server = GuardedServer(self._app, policy, map=self._map, adj=adjustments, sockinfo=adjustments.listen[0])
+        self.batcher = RequestBatcher(  # its scoring thread starts once the port is bound
+            reward, self.limits.max_batch, self.limits.batch_wait, self.limits.max_queue)
         self.thread: threading.Thread | None = None
 
     @property
@@ -185,7 +205,10 @@ class RewardServer:
 
     def info(self) -> dict:
         return {"reward": self.name, "modalities": sorted(self.reward.modalities), "config": self.options,
-                "max_body_bytes": self.limits.max_body_bytes, "max_decoded_pixels": self.limits.max_decoded_pixels}
+                "max_body_bytes": self.limits.max_body_bytes, "max_decoded_pixels": self.limits.max_decoded_pixels,
+                "batching": {"max_batch": self.limits.max_batch, "batch_wait": self.limits.batch_wait,
+                             "max_queue": self.limits.max_queue},
+                "stats": self.batcher.stats()}
 
     def _authorized(self, header: str) -> bool:
         scheme, _, value = header.strip().partition(" ")
@@ -218,9 +241,10 @@ class RewardServer:
                                   f"fewer or smaller images per request", "limit": "max_decoded_mpixels"}, []
         except Exception as err:  # a malformed request: the client's fault
             return 400, {"error": f"undecodable request: {err!r}"}, []
-        try:
-            with self.lock:  # one batch at a time: reward models are rarely thread-safe
-                return 200, encode_result(self.reward(outputs, batch)), []
+        try:  # scored on the batcher's thread, merged with concurrent requests
+            return 200, encode_result(self.batcher.score(outputs, batch)), []
+        except QueueFull as err:
+            return 503, {"error": str(err), "limit": "max_queue"}, [("Retry-After", "1")]
         except Exception as err:
             traceback.print_exc()
             return 500, {"error": f"reward {self.name!r} raised {err!r}"}, []
@@ -245,6 +269,7 @@ class RewardServer:
             self.server.run()  # returns on KeyboardInterrupt
         finally:
             wasyncore.close_all(self._map)
+            self.batcher.stop()
             self.server.task_dispatcher.shutdown(timeout=5)
 
     def stop(self) -> None:
@@ -254,6 +279,7 @@ class RewardServer:
             self.thread.join(timeout=5)
         else:
             wasyncore.close_all(self._map)
+        self.batcher.stop()
         self.server.task_dispatcher.shutdown(timeout=5)
 
 

@@ -2,7 +2,8 @@
 
 The server runs any registered reward with its own dependencies (and GPU); this client sends each batch as JSON over
 HTTP (protocol in `mmgrpo.reward_server`), waits at most `timeout` seconds per attempt and retries a refused, dropped or
-timed-out request `retries` more times, `retry_wait * 2^k` seconds apart. It then raises an error naming the address
+timed-out request, or one the server refused as busy (503: its queue of waiting requests is full), `retries` more
+times, `retry_wait * 2^k` seconds apart. It then raises an error naming the address
 and how to start the server. An error reported by the server (a bad request, a missing or wrong token, a body over the
 server's ``--max-body-mb``, images decoding to more than its ``--max-decoded-mpixels``, the reward raising) is raised
 at once, with what to change. These errors are `RemoteRewardError`s, a `mmgrpo.errors.RunError`: ``mmgrpo train``
@@ -212,7 +213,7 @@ class RemoteReward:
     def _post(self, body: bytes) -> bytes:
         """One POST /score with bounded retries; raises [`RemoteRewardError`]."""
         cfg = self.config
-        attempts, last_error, started = cfg.retries + 1, None, time.monotonic()
+        attempts, last_error, busy, started = cfg.retries + 1, None, None, time.monotonic()
         for attempt in range(attempts):
             if attempt:
                 time.sleep(cfg.retry_wait * 2 ** (attempt - 1))
@@ -220,14 +221,20 @@ class RemoteReward:
             try:
                 with self._opener.open(request, timeout=cfg.timeout) as response:
                     return response.read()
-            except urllib.error.HTTPError as err:  # the server answered with an error: retrying will not help
-                raise self._explain(err, body) from err
+            except urllib.error.HTTPError as err:
+                if err.code != 503:  # the server answered with an error: retrying will not help
+                    raise self._explain(err, body) from err
+                last_error = busy = self._explain(err, body)  # its queue is full (--max-queue): retried
+                continue
             except (OSError, http.client.HTTPException) as err:  # refused, reset, timed out, cut short
-                last_error = getattr(err, "reason", err)
+                last_error, busy = getattr(err, "reason", err), None
                 if isinstance(last_error, (BrokenPipeError, ConnectionResetError)):  # a 413 may have cut the upload
                     limit = self._body_limit()
                     if limit is not None and len(body) >= limit:
                         raise self._too_large(len(body), f"its limit is {limit / 2**20:.1f} MiB") from err
+        if busy is not None:  # the last attempt found the server's queue full
+            raise RemoteRewardError(f"{busy} (after {attempts} attempt(s); raise reward.retries or reward.retry_wait "
+                                    f"to wait longer)")
         raise RemoteRewardError(
             f"remote reward: no answer from {self.url} after {attempts} attempt(s) in "
             f"{time.monotonic() - started:.1f} s (timeout {cfg.timeout} s each; last error: {last_error}). Is the "
