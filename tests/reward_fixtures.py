@@ -181,3 +181,55 @@ def write_tiny_owl(folder, version: int = 1) -> str:
 def tiny_owlvit_dir(tmp_path_factory):
     """A tiny random OWL-ViT zero-shot detector with its processor, saved to a folder."""
     return write_tiny_owl(tmp_path_factory.mktemp("tiny_owlvit"), version=1)
+
+
+IMAGE_REWARD_WORDS = "a photo of red blue green circle square triangle on".split()
+IMAGE_REWARD_MED_CONFIG = {  # the authors' med_config.json (BERT with cross-attention), tiny
+    "vocab_size": 5 + len(IMAGE_REWARD_WORDS), "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
+    "num_attention_heads": 2, "max_position_embeddings": 64, "hidden_act": "gelu", "layer_norm_eps": 1e-12,
+    "pad_token_id": 0, "add_cross_attention": True, "encoder_width": 768, "type_vocab_size": 2,
+}
+# BlipVisionModel's names -> the authors' BLIP ViT names (top level; per block below)
+AUTHORS_TOP = {"embeddings.class_embedding": "cls_token", "embeddings.position_embedding": "pos_embed",
+               "embeddings.patch_embedding.weight": "patch_embed.proj.weight",
+               "embeddings.patch_embedding.bias": "patch_embed.proj.bias",
+               "post_layernorm.weight": "norm.weight", "post_layernorm.bias": "norm.bias"}
+AUTHORS_BLOCK = {"layer_norm1": "norm1", "self_attn.qkv": "attn.qkv", "self_attn.projection": "attn.proj",
+                 "layer_norm2": "norm2", "mlp.fc1": "mlp.fc1", "mlp.fc2": "mlp.fc2"}
+
+
+def authors_vision_key(key):
+    """A `BlipVisionModel` key as the authors' BLIP code names it."""
+    if key in AUTHORS_TOP:
+        return AUTHORS_TOP[key]
+    _, _, layer, rest = key.split(".", 3)  # encoder.layers.N.<rest>
+    module, param = rest.rsplit(".", 1)
+    return f"blocks.{layer}.{AUTHORS_BLOCK[module]}.{param}"
+
+
+@pytest.fixture(scope="module")
+def tiny_image_reward(tmp_path_factory):
+    """A tiny random ImageReward saved as the authors save theirs: ``ImageReward.pt`` with their BLIP code's key
+    names, ``med_config.json``, and a BERT WordPiece tokenizer folder; returns the folder and the modules."""
+    from transformers import BertTokenizer, BlipTextConfig, BlipTextModel, BlipVisionConfig, BlipVisionModel
+
+    from mmgrpo.rewards.aesthetic import laion_head
+
+    folder = tmp_path_factory.mktemp("image_reward")
+    (folder / "vocab.txt").write_text("\n".join(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *IMAGE_REWARD_WORDS]) + "\n")
+    BertTokenizer(str(folder / "vocab.txt")).save_pretrained(folder / "tokenizer")
+    torch.manual_seed(0)
+    vision = BlipVisionModel(BlipVisionConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                              num_attention_heads=1, image_size=32, patch_size=8, layer_norm_eps=1e-6))
+    text = BlipTextModel(BlipTextConfig(**{k: IMAGE_REWARD_MED_CONFIG[k] for k in ("vocab_size", "hidden_size", "intermediate_size",
+                                           "num_hidden_layers", "num_attention_heads", "max_position_embeddings")},
+                                        encoder_hidden_size=64, is_decoder=True), add_pooling_layer=False)
+    head = laion_head(32)
+    state = {f"blip.visual_encoder.{authors_vision_key(k)}": v for k, v in vision.state_dict().items()}
+    state.update({f"blip.text_encoder.{k}": v for k, v in text.state_dict().items()})
+    state.update({f"mlp.layers.{k}": v for k, v in head.state_dict().items()})
+    state.update({"blip.vision_proj.weight": torch.zeros(16, 64), "blip.text_proj.weight": torch.zeros(16, 32),
+                  "blip.text_encoder.embeddings.position_ids": torch.arange(64)[None]})  # unused by the score
+    torch.save(state, folder / "ImageReward.pt")
+    (folder / "med_config.json").write_text(json.dumps(IMAGE_REWARD_MED_CONFIG))
+    return folder, vision.eval(), text.eval(), head.eval()

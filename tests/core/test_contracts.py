@@ -20,8 +20,8 @@ from mmgrpo.types import PromptBatch, Score
 from mmgrpo.algorithms._options import AdvantageOptions, KLOptions, KLWeight
 from mmgrpo.validation import build_dataclass, flat_dict, flat_hints, is_embedded
 from reward_fixtures import (  # noqa: F401
-    jpeg_server, tiny_aesthetic_head, tiny_clip_dir, tiny_hps_checkpoint, tiny_owlvit_dir, tiny_pickscore_dir,
-    tiny_trocr_dir,
+    jpeg_server, tiny_aesthetic_head, tiny_clip_dir, tiny_hps_checkpoint, tiny_image_reward, tiny_owlvit_dir,
+    tiny_pickscore_dir, tiny_trocr_dir,
 )
 from builders._sam import tiny_sam2_dir  # noqa: F401
 from judge_server import judge_server  # noqa: F401
@@ -56,6 +56,10 @@ def _tiny_hps(folder: str, checkpoint: str) -> dict:
     return {"model_name": f"local-dir:{folder}", "checkpoint": checkpoint, "device": "cpu"}
 
 
+def _tiny_image_reward(folder) -> dict:
+    return {"model": str(folder), "tokenizer": str(folder / "tokenizer"), "device": "cpu"}
+
+
 # reward name -> options needed to build it in tests (defaults otherwise); a callable gets pytest's `request`
 REWARD_OPTIONS = {
     "clip_score": _tiny_clip,
@@ -70,6 +74,7 @@ REWARD_OPTIONS = {
     "judge_pairwise": lambda request: {"server": _judge_server(request), "template": "PAIR {prompt}"},
     "hpsv2": lambda request: _tiny_hps(*request.getfixturevalue("tiny_hps_checkpoint")),
     "ocr": lambda request: {"model": request.getfixturevalue("tiny_trocr_dir"), "device": "cpu", "max_new_tokens": 4},
+    "image_reward": lambda request: _tiny_image_reward(request.getfixturevalue("tiny_image_reward")[0]),
     "geneval_detector": lambda request: {"clip_model_name": _tiny_clip(request)["model_name"], "device": "cpu",
                                          "detector": request.getfixturevalue("tiny_owlvit_dir"), "threshold": 0.2},
 }
