@@ -7,6 +7,9 @@ objects ([`mmgrpo.tracking.Trackers.log_samples`]).
   the summary ``SummaryWriter.add_video`` writes (which cannot encode without moviepy 1.x), shown in the Images tab.
   The clips are read back from the MP4 files the video writer wrote, at their frame rate, scaled down to at most
   [`VIDEO_SIDE`] pixels on their longer side.
+- MLflow: every sample file as an artifact of the run (``mlflow.log_artifact`` through accelerate's tracker), under
+  ``samples/step_XXXXX/`` (a video's clips under ``samples/step_XXXXX/step_XXXXX_video/``), so the UI shows the
+  pictures, plays the clips and offers the pages for download.
 - Other trackers: PNG pictures as images where accelerate's tracker takes images (W&B, Aim, ClearML, SwanLab), text
   tables as tables where it takes tables (W&B, ClearML).
 
@@ -103,7 +106,10 @@ def log_tracker_samples(tracker, paths: list[Path], step: int) -> None:
 
     for path in map(Path, paths):
         name = tag(path, step)
-        if path.suffix == ".png" and hasattr(tracker, "log_images"):  # accelerate's trackers with images
+        if tracker.name == "mlflow":
+            folder = f"samples/step_{step:05d}" + (f"/{path.parent.name}" if path.suffix == ".mp4" else "")
+            tracker.log_artifact(str(path), artifact_path=folder)
+        elif path.suffix == ".png" and hasattr(tracker, "log_images"):  # accelerate's trackers with images
             with Image.open(path) as image:
                 pixels = np.asarray(image.convert("RGB"))[None]  # [1, H, W, 3]
             options = {"dataformats": "NHWC"} if tracker.name == "tensorboard" else {}

@@ -1,7 +1,7 @@
 """Experiment trackers through accelerate's tracking API: TensorBoard by default; Weights & Biases, MLflow, trackio,
 Comet, Aim, ClearML, DVCLive or SwanLab when installed (none is needed to train). The config is logged as
 hyper-parameters, metrics at every logged step, and evaluation samples as each tracker shows them
-([`mmgrpo.tracker_samples`]: images, completion tables, videos). ``metrics.jsonl`` is written
+([`mmgrpo.tracker_samples`]: images, completion tables, videos, MLflow artifacts). ``metrics.jsonl`` is written
 whatever the trackers ([`mmgrpo.metrics_log.MetricsLog`]); the trackers get its finite numbers under names every one
 of them accepts ([`mmgrpo.tracker_names`]: ``eval/accuracy/malformed`` is logged as ``eval/accuracy.malformed``, since
 MLflow cannot keep a metric that is also the folder of another).
@@ -126,7 +126,8 @@ class Trackers:
 
     def log_samples(self, paths: list[Path], step: int) -> None:
         """An evaluation's sample files, to each tracker as it shows them ([`mmgrpo.tracker_samples`]): pictures as
-        images, completions as tables (TensorBoard: markdown text) and clips as videos (TensorBoard)."""
+        images, completions as tables (TensorBoard: markdown text), clips as videos (TensorBoard) and every file as an
+        artifact (MLflow)."""
         if not (self.enabled and self.settings.log_samples and self.accelerator.is_main_process):
             return
         from .tracker_samples import log_tracker_samples

@@ -1,11 +1,15 @@
 """Trackers through accelerate's tracking API (TensorBoard here; the others are the same calls): metrics per step, the
-config as hyper-parameters, evaluation samples as images, no step twice after a resume, and clear errors for an
-unknown or missing tracker before any model loads."""
+config as hyper-parameters, evaluation samples (images; on TensorBoard also completion tables and videos; on MLflow
+every file as an artifact), no step twice after a resume, and clear errors for an unknown or missing tracker before
+any model loads."""
 
+import shutil
 from pathlib import Path
 
 import pytest
 import yaml
+
+from accelerate.tracking import GeneralTracker
 
 from mmgrpo import config as config_mod
 from mmgrpo.sample_writers import SampleWriter
@@ -88,19 +92,25 @@ def _tensorboard_accelerator(folder: Path):
     return accelerator
 
 
-def test_tensorboard_gets_completions_as_a_text_table_and_clips_as_videos(tmp_path):
-    import io
-
+def _sample_files(folder: Path) -> list[Path]:
+    """The files the text and video writers write for step 4: two completions, two clips of 5 frames."""
     import torch
-    from PIL import Image
 
     text = SampleWriter("text", limit=2)
     text.add({"texts": ["<answer>3</answer>", "a | b\nsecond line"]}, PromptBatch(["how many?", "say a | b"]))
     video = SampleWriter("video", limit=2)
     frames = torch.linspace(0, 1, 5)[:, None, None, None].expand(5, 3, 20, 28)  # [F, 3, H, W] a fade to white
     video.add({"videos": torch.stack([frames, 1 - frames])}, PromptBatch(["fade in", "fade out"]))
+    return text.write(folder / "samples", 4, [1.0, 0.25]) + video.write(folder / "samples", 4, [0.5, 0.0])
+
+
+def test_tensorboard_gets_completions_as_a_text_table_and_clips_as_videos(tmp_path):
+    import io
+
+    from PIL import Image
+
     accelerator = _tensorboard_accelerator(tmp_path)
-    paths = text.write(tmp_path / "samples", 4, [1.0, 0.25]) + video.write(tmp_path / "samples", 4, [0.5, 0.0])
+    paths = _sample_files(tmp_path)
     for tracker in accelerator.trackers:
         log_tracker_samples(tracker, paths, 4)
         tracker.finish()
@@ -117,3 +127,63 @@ def test_tensorboard_gets_completions_as_a_text_table_and_clips_as_videos(tmp_pa
             assert gif.n_frames == 5 and gif.size == (28, 20)
             assert abs(int(gif.convert("L").getpixel((14, 10))) - first) < 16  # the clip's first frame
     assert [e.step for e in events.Images("samples/video")] == [4]  # the frame strips, as before
+
+
+class ArtifactStore(GeneralTracker):
+    """An accelerate tracker named ``mlflow`` whose ``log_artifact`` does what accelerate's MLflowTracker's does with a
+    local store (``mlflow.log_artifact``: the file copied into ``<artifact root>/<artifact_path>/``), for where mlflow
+    is not installed."""
+
+    name, requires_logging_directory = "mlflow", False
+
+    def __init__(self, root: Path):
+        super().__init__()
+        self.root = root
+
+    @property
+    def tracker(self):
+        return self.root
+
+    def log_artifact(self, local_path: str, artifact_path: str | None = None):
+        folder = self.root / (artifact_path or "")
+        folder.mkdir(parents=True, exist_ok=True)
+        shutil.copy(local_path, folder)
+
+
+def _artifacts(root: Path) -> list[str]:
+    return sorted(p.relative_to(root).as_posix() for p in root.rglob("*") if p.is_file())
+
+
+MLFLOW_FILES = [f"samples/step_00004/{name}" for name in (
+    "step_00004.html", "step_00004.jsonl", "step_00004_video.html", "step_00004_video.png",
+    "step_00004_video/sample_00.mp4", "step_00004_video/sample_01.mp4")]
+
+
+def test_mlflow_gets_every_sample_file_as_an_artifact_through_accelerates_tracker(tmp_path):
+    from accelerate import Accelerator
+
+    accelerator = Accelerator(log_with=[ArtifactStore(tmp_path / "artifacts")])
+    accelerator.init_trackers("samples")
+    paths = _sample_files(tmp_path)
+    for tracker in accelerator.trackers:
+        log_tracker_samples(tracker, paths, 4)
+    assert _artifacts(tmp_path / "artifacts") == MLFLOW_FILES
+    for path in paths:  # each file as written
+        copy = tmp_path / "artifacts" / next(name for name in MLFLOW_FILES if name.endswith(f"/{path.name}"))
+        assert copy.read_bytes() == path.read_bytes()
+
+
+def test_mlflow_keeps_the_sample_files_of_a_real_run(tmp_path, monkeypatch):
+    mlflow = pytest.importorskip("mlflow")
+    from accelerate import Accelerator
+
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", (tmp_path / "mlruns").as_uri())
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")  # a local store without a database (MLflow 3)
+    accelerator = Accelerator(log_with="mlflow")
+    accelerator.init_trackers("samples")
+    tracker = accelerator.get_tracker("mlflow")
+    log_tracker_samples(tracker, _sample_files(tmp_path), 4)
+    run_id = tracker.tracker.info.run_id
+    tracker.finish()
+    local = mlflow.artifacts.download_artifacts(run_id=run_id, artifact_path="samples", dst_path=str(tmp_path / "got"))
+    assert _artifacts(Path(local).parent) == MLFLOW_FILES
