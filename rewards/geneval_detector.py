@@ -26,7 +26,7 @@ import torch.nn.functional as F
 
 from mmgrpo.hub import resolve_pretrained
 from mmgrpo.rewards import _clip
-from mmgrpo.rewards._common import BATCH_LIMIT, fixed_artifacts, fixed_modalities, nans
+from mmgrpo.rewards._common import BATCH_LIMIT, fixed_artifacts, fixed_modalities, frames, nans
 from mmgrpo.rewards._geneval_rule import COLORS, OBJECT_NAMES, check_metadata, evaluate, select
 from mmgrpo.types import PromptBatch, RewardResult
 from mmgrpo.validation import ConfigError, check_fields, check_range, check_template, check_text
@@ -170,7 +170,8 @@ class GenevalDetector:
         """Returns `scores` `[N]` (`score`: partial or strict) and `components` ``strict`` and ``partial``; NaN where
         the metadata holds no GenEval clauses this rule reads (or names a class outside GenEval's 80)."""
         cfg = self.config
-        images = torch.nan_to_num(outputs["images"].detach().float().cpu(), nan=0.0).clamp(0, 1)  # [N, 3, H, W]
+        images, _ = frames(outputs, "image", "geneval_detector")  # [N, 3, H, W], non-finite values set to 0
+        images = images.cpu().clamp(0, 1)
         usable = [i for i, m in enumerate(batch.metadata) if check_metadata(m) and all(
             c["class"] in OBJECT_NAMES for c in m["include"] + m.get("exclude", []))]
         strict, partial = nans(len(batch.metadata)), nans(len(batch.metadata))
