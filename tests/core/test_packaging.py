@@ -87,7 +87,7 @@ def test_wheel_ships_the_configured_toy_models_and_no_test_builder_or_training_s
     assert not [n for n in names if re.search(r"(^|/)(tiny_\w+|train_\w+|_tokenizers)\.py$", n)]
     assert not [n for n in names if n.endswith("samples.png")]
     configured = _configured_toy_models()
-    embedded = {"t2i_shapes", "t2i_shapes_p2", "t2v_shapes", "vlm_shapes", "mdlm_arith"}
+    embedded = {"t2i_shapes", "t2i_shapes_p2", "t2v_shapes", "edit_shapes", "vlm_shapes", "mdlm_arith"}
     assert embedded <= configured  # the embedded defaults
     for name in configured:
         model = ROOT / "data" / "weights" / name
