@@ -97,8 +97,11 @@ def reward_advantages(algorithm, result, group_ids: torch.Tensor, member_ids: to
 
 def sample_signal(advantages: torch.Tensor) -> torch.Tensor:
     """Which samples have a non-zero advantage: `[N]` or per step `[N, S]` (any step) -> `[N]` bool. A NaN step
-    advantage (a transition left untrained, BranchGRPO's width pruning) is no signal."""
-    signal = (advantages != 0) & ~torch.isnan(advantages)
+    advantage (`[N, S]`: a transition left untrained, BranchGRPO's width pruning) is no signal; a NaN sample advantage
+    (`[N]`) is signal, so the step's loss turns non-finite and the update is skipped."""
+    signal = advantages != 0
+    if advantages.dim() > 1:
+        signal &= ~torch.isnan(advantages)
     return signal.reshape(len(advantages), -1).any(dim=1)
 
 
