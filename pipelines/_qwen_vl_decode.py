@@ -15,10 +15,13 @@ A hybrid model (Qwen3.5's linear-attention layers) keeps the prefix's dynamic ca
 in place anyway); its full-attention layers get the same precomputed masks, cut to the keys seen so far, and its
 linear-attention layers no mask (transformers passes none in single-token decoding).
 
+Under FSDP2 (``train.sharding``) each decoder layer gathers its own parameters when called, as in the model's forward;
+the parameters outside the layers (embedding, final norm, LM head), which the sharded model's own forward would
+gather, are gathered once per rollout ([`LeanStep.finish`] frees them), so every world size samples the same tokens.
+
 [`ModelStep`] forwards each step through the whole model (the mask and rotary rebuilt by transformers, a growing
-cache): the loop's path when the model is sharded (FSDP2 gathers the parameters outside the decoder layers in the
-model's own forward) or uses an attention implementation other than ``sdpa`` / ``eager`` (flash attention reads 2-D
-masks), and the reference the lean step is tested against.
+cache): the loop's path when the model uses an attention implementation other than ``sdpa`` / ``eager`` (flash
+attention reads 2-D masks), and the reference the lean step is tested against.
 
 [`decode`] is the loop itself: the log-softmax of the tempered policy (vision tokens excluded), the draw, the record
 of tokens and log-probs into preallocated `[N, S]` tensors and the end-of-turn test, batched over the samples.
@@ -32,7 +35,7 @@ from typing import Callable
 
 import torch
 
-from mmgrpo.sharding import any_process, is_sharded
+from mmgrpo.sharding import any_process
 
 LEAN_ATTENTION = ("sdpa", "eager")  # attention implementations that take a 4-D mask (what LeanStep precomputes)
 LEAN_LAYERS = ("full_attention", "linear_attention")  # decoder layer types LeanStep drives
@@ -48,10 +51,9 @@ def layer_kinds(model) -> list[str]:
 
 
 def lean_supported(model) -> bool:
-    """Whether [`LeanStep`] can drive `model`: not sharded, a 4-D-mask attention implementation, and decoder layers of
-    the kinds it knows."""
-    return (model.config._attn_implementation in LEAN_ATTENTION and all(k in LEAN_LAYERS for k in layer_kinds(model))
-            and not any(is_sharded(p) for p in model.parameters()))
+    """Whether [`LeanStep`] can drive `model`: a 4-D-mask attention implementation and decoder layers of the kinds it
+    knows."""
+    return model.config._attn_implementation in LEAN_ATTENTION and all(k in LEAN_LAYERS for k in layer_kinds(model))
 
 
 class ModelStep:
@@ -73,6 +75,9 @@ class ModelStep:
         positions = (self.start + t)[:, None]  # [N, 1]
         return self.module.step(tokens[:, None], self.cache, self.attention, positions)[:, -1]
 
+    def finish(self) -> None:
+        """Nothing to free."""
+
 
 class LeanStep:
     """A decode step as the language model's modules, with the cache, masks and rotary tables set up once per rollout
@@ -88,9 +93,13 @@ class LeanStep:
     """
 
     def __init__(self, model, cache, prompt_mask: torch.Tensor, start: torch.Tensor, steps: int):
+        from torch.distributed.fsdp import FSDPModule
         from transformers.cache_utils import StaticCache
         from transformers.masking_utils import create_causal_mask
 
+        self.sharded = model if isinstance(model, FSDPModule) else None
+        if self.sharded is not None:  # the parameters outside the decoder layers, gathered for the rollout
+            self.sharded.unshard()
         text = model.model.language_model
         self.head, self.embed, self.norm = model.lm_head, text.embed_tokens, text.norm
         self.layers = list(text.layers[: text.config.num_hidden_layers])
@@ -123,29 +132,32 @@ class LeanStep:
                            cache=self.cache, use_cache=True, position_embeddings=self.rotary[t])
         return self.head(self.norm(hidden)[:, -1])  # [N, V]
 
+    def finish(self) -> None:
+        """Frees the parameters gathered for the rollout (sharded models)."""
+        if self.sharded is not None:
+            self.sharded.reshard()
+
 
 class TokenSampler:
-    """The next tokens of every sample from the policy's log-probs, on their device: argmax (greedy), or a draw after
-    top-k / top-p truncation by the inverse of the cumulative distribution, with one uniform per sample and step drawn
-    from `generator` once per rollout (`[S, N]`; no host round trip and no `[N, V]` of random numbers per step).
+    """The next tokens of every sample from the policy's log-probs: argmax (greedy), or a draw after top-k / top-p
+    truncation by torch.multinomial's own rule for one draw, the exponential race ``argmax_v p_v / E_v`` with ``E_v ~
+    Exp(1)`` drawn from `generator` (the same numbers ``torch.multinomial(p, 1, generator=generator)`` draws, so the
+    same tokens, without its checks). A token of probability 0 never wins; the winner barely moves under a small
+    perturbation of `p` (the runs at one and two processes sample alike). The exponentials are drawn where the
+    generator lives (the CPU for the trainer's) and moved to the log-probs' device.
 
     Args:
-        n (`int`), steps (`int`): samples and steps.
         greedy (`bool`): argmax instead of a draw.
         top_k (`int`): keep the `top_k` most likely tokens (0: all).
         top_p (`float`): keep the smallest set of most likely tokens whose mass reaches `top_p` (1: all).
-        generator (`torch.Generator`, *optional*): the CPU generator of the uniforms.
-        device: where the log-probs are.
+        generator (`torch.Generator`, *optional*): the generator of the draws.
     """
 
-    def __init__(self, n: int, steps: int, *, greedy: bool, top_k: int, top_p: float,
-                 generator: torch.Generator | None, device):
-        self.greedy, self.top_k, self.top_p = greedy, top_k, top_p
-        # float32 uniforms in [0, 1), widened: u * total stays below the total mass in float64
-        self.uniform = None if greedy else torch.rand(steps, n, generator=generator).to(device, torch.float64)
+    def __init__(self, *, greedy: bool, top_k: int, top_p: float, generator: torch.Generator | None):
+        self.greedy, self.top_k, self.top_p, self.generator = greedy, top_k, top_p, generator
 
-    def __call__(self, logp: torch.Tensor, t: int) -> torch.Tensor:
-        """Tokens `[N]` from log-probs `[N, V]` at step `t`."""
+    def __call__(self, logp: torch.Tensor) -> torch.Tensor:
+        """Tokens `[N]` from log-probs `[N, V]`."""
         if self.greedy:
             return logp.argmax(dim=-1)
         probs = logp.exp()  # [N, V]
@@ -157,22 +169,22 @@ class TokenSampler:
             cumulative = sorted_probs.cumsum(dim=-1)
             drop = cumulative - sorted_probs > self.top_p * cumulative[:, -1:]  # keeps at least the top token
             probs = probs.scatter(-1, order, sorted_probs.masked_fill(drop, 0.0))
-        cdf = probs.double().cumsum(dim=-1)  # [N, V]
-        # the first token whose cumulative mass exceeds u * total: never one of probability 0
-        return torch.searchsorted(cdf, self.uniform[t, :, None] * cdf[:, -1:], right=True).squeeze(1)
+        where = self.generator.device if self.generator is not None else probs.device
+        race = torch.empty(probs.shape, dtype=probs.dtype, device=where).exponential_(generator=self.generator)
+        return (probs / race.to(probs.device)).argmax(dim=-1)  # [N]
 
 
-def decode(step: Callable[[torch.Tensor, int], torch.Tensor], logits: torch.Tensor, steps: int, *,
+def decode(step: "LeanStep | ModelStep", logits: torch.Tensor, steps: int, *,
            log_softmax: Callable[[torch.Tensor], torch.Tensor], choose: TokenSampler, forced: torch.Tensor,
            stop_ids: list[int], pad_id: int, module) -> tuple[torch.Tensor, ...]:
     """Decodes up to `steps` tokens per sample, on the model's device.
 
     Args:
         step: forwards token `t` of every sample (`[N]`) and returns the next logits `[N, V]` ([`LeanStep`],
-            [`ModelStep`]).
+            [`ModelStep`]); its ``finish()`` is called after the last step.
         logits (`torch.FloatTensor` of shape `[N, V]`): the logits after the prompt.
         log_softmax: the policy's log-probs `[N, V]` from logits (temperature, vision tokens excluded).
-        choose ([`TokenSampler`]): the next tokens `[N]` from the log-probs `[N, V]` and the step.
+        choose ([`TokenSampler`]): the next tokens `[N]` from the log-probs `[N, V]`.
         forced (`torch.LongTensor` of shape `[N, S]`): teacher-forced tokens, -1 where the row draws.
         module: the module sampled through (a sharded one makes every process step alike).
 
@@ -190,7 +202,7 @@ def decode(step: Callable[[torch.Tensor, int], torch.Tensor], logits: torch.Tens
     alive = torch.ones(n, dtype=torch.bool, device=device)
     for t in range(steps):
         logp = log_softmax(logits)  # [N, V] float32
-        chosen = choose(logp, t)  # [N]
+        chosen = choose(logp)  # [N]
         if teacher is not None:  # teacher-forced rows: the ground truth
             chosen = torch.where(teacher[:, t] >= 0, teacher[:, t], chosen)
         tokens[:, t] = chosen
@@ -200,6 +212,7 @@ def decode(step: Callable[[torch.Tensor, int], torch.Tensor], logits: torch.Tens
         if t == steps - 1 or not any_process(bool(alive.any()), module):  # sharded: every process steps alike
             break
         logits = step(chosen, t)
+    step.finish()
     tokens.masked_fill_(~mask, pad_id)
     log_probs.masked_fill_(~mask, 0.0)
     return tokens.cpu(), log_probs.cpu(), mask.cpu()

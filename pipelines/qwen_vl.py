@@ -166,7 +166,7 @@ class QwenVLPolicy:
     @torch.no_grad()
     def sample(self, batch: PromptBatch, plan: TokenPlan, *, generator: torch.Generator | None = None) -> Rollout:
         """Decodes up to ``plan.num_steps`` tokens per sample with a KV cache: sampled (temperature, top-p, top-k)
-        unless the plan is greedy, one uniform per sample and step drawn from `generator` (see
+        unless the plan is greedy, drawn from `generator` as ``torch.multinomial`` draws (see
         `_qwen_vl_decode.py`). The prompt and images of a group are forwarded once. With
         ``plan.ground_truth_member``, member 0 of each group decodes its ``metadata["completion"]`` instead of drawing
         (TempSamp-R1's off-policy member; its log-probs are the policy's on those tokens).
@@ -188,8 +188,8 @@ class QwenVLPolicy:
             else ModelStep(module, cache, prompt_mask, start)
         tokens, log_probs, mask = decode(
             step, logits, steps, log_softmax=lambda x: module.log_softmax(x, self.config.temperature),
-            choose=TokenSampler(n, steps, greedy=plan.greedy, top_k=self.config.top_k, top_p=self.config.top_p,
-                                generator=generator, device=logits.device), forced=forced,
+            choose=TokenSampler(greedy=plan.greedy, top_k=self.config.top_k, top_p=self.config.top_p,
+                                generator=generator), forced=forced,
             stop_ids=self.stop_ids, pad_id=self.pad_id, module=module,
         )  # [N, S] each
         texts = self.processor.tokenizer.batch_decode(

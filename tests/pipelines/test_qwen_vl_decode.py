@@ -89,24 +89,22 @@ def test_static_cache_holds_the_prompt_then_each_token_in_place(request):
         assert buffer[:, :, prompt_mask.shape[1]:].abs().sum(dim=(1, 3)).gt(0).all()  # every step wrote its key
 
 
-def test_sampler_draws_the_truncated_policy():
+def test_sampler_draws_the_truncated_policy_as_torch_multinomial():
     probs = torch.tensor([0.0, 0.1, 0.2, 0.0, 0.3, 0.4])  # zeros: excluded tokens (vision tokens: -inf logits)
     n = 20000
     logp = probs.log().expand(n, -1)
-    draw = TokenSampler(n, 1, greedy=False, top_k=0, top_p=1.0, generator=torch.Generator().manual_seed(0),
-                        device="cpu")
-    counts = torch.bincount(draw(logp, 0), minlength=6).float() / n
+
+    def draw(seed, **options):
+        options = {"top_k": 0, "top_p": 1.0, **options}
+        return TokenSampler(greedy=False, generator=torch.Generator().manual_seed(seed), **options)(logp)
+
+    tokens = draw(0)
+    assert torch.equal(tokens, torch.multinomial(logp.exp(), 1, generator=torch.Generator().manual_seed(0))[:, 0])
+    counts = torch.bincount(tokens, minlength=6).float() / n
     assert counts[0] == 0 and counts[3] == 0
     assert (counts - probs).abs().max() < 0.015  # ~4 standard errors at n = 20000
-    top2 = TokenSampler(n, 1, greedy=False, top_k=2, top_p=1.0, generator=torch.Generator().manual_seed(1),
-                        device="cpu")(logp, 0)
+    top2 = draw(1, top_k=2)
     assert set(top2.tolist()) == {4, 5} and abs((top2 == 5).float().mean().item() - 4 / 7) < 0.015
-    nucleus = TokenSampler(n, 1, greedy=False, top_k=0, top_p=0.5, generator=torch.Generator().manual_seed(2),
-                           device="cpu")(logp, 0)
-    assert set(nucleus.tolist()) == {4, 5}  # 0.4 < 0.5: the second most likely token completes the nucleus
-    # the extreme uniforms still pick tokens of positive probability
-    edge = TokenSampler(2, 1, greedy=False, top_k=0, top_p=1.0, generator=None, device="cpu")
-    edge.uniform = torch.tensor([[0.0, 1.0 - 2.0**-24]], dtype=torch.float64)
-    assert edge(logp[:2], 0).tolist() == [1, 5]
-    greedy = TokenSampler(n, 1, greedy=True, top_k=0, top_p=1.0, generator=None, device="cpu")
-    assert (greedy(logp[:3], 0) == 5).all()
+    assert set(draw(2, top_p=0.5).tolist()) == {4, 5}  # 0.4 < 0.5: the second most likely token completes the nucleus
+    greedy = TokenSampler(greedy=True, top_k=0, top_p=1.0, generator=None)
+    assert (greedy(logp[:3]) == 5).all()
