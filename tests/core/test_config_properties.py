@@ -220,10 +220,13 @@ def shrink(raw: dict, key: str, output_dir: Path) -> dict:
     """`raw` with one-step sizes and `output_dir`, except where the mutation is (the mutated key and its section)."""
     if not key.startswith("output_dir"):
         raw["output_dir"] = str(output_dir)
+    tree = raw.get("algorithm", {}).get("name") == "branch_grpo"  # its tree fixes the group size (8 leaves)
     for section, values in SMALL_RUN.items():
         if not isinstance(raw.get(section, {}), dict) or key == section:
             continue
         for name, value in values.items():
+            if tree and section == "train" and name in ("group_size", "minibatch_size"):
+                continue
             if f"{section}.{name}" != key and (section != "data" or name in raw.get(section, {})):
                 raw.setdefault(section, {})[name] = value
     return raw
