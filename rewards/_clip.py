@@ -7,7 +7,7 @@ import os
 import torch
 import torch.nn.functional as F
 
-from mmgrpo.rewards._common import BATCH_LIMIT
+from mmgrpo.rewards._common import BATCH_LIMIT, resolve_device
 from mmgrpo.validation import check_range, check_text
 
 
@@ -58,8 +58,7 @@ def load_open_clip(reward: str, model_name: str, pretrained: str | None, device:
     """
     import open_clip
 
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = resolve_device(device)
     pretrained = os.path.expanduser(pretrained) if looks_like_file(pretrained) else pretrained
     try:
         model = open_clip.create_model(model_name, pretrained=pretrained, device=device)

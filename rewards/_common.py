@@ -30,6 +30,11 @@ _BRACE = re.compile(r"[{}]")
 # ``modalities_for = classmethod(fixed_modalities)``, ``artifacts_for = classmethod(fixed_artifacts)``.
 
 
+def resolve_device(device: str) -> str:
+    """`device` as configured, with ``"auto"`` meaning CUDA when it is available, else the CPU."""
+    return ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device
+
+
 def fixed_modalities(cls, config) -> frozenset[str]:
     """``modalities_for`` of a reward that scores its class's `modalities` whatever its options."""
     return cls.modalities

@@ -29,7 +29,9 @@ import torch
 
 from mmgrpo.hub import is_hub_id, resolve_pretrained
 from mmgrpo.rewards._clip import resize_crop_normalize
-from mmgrpo.rewards._common import BATCH_LIMIT, fixed_artifacts, fixed_modalities, frames, non_finite_samples
+from mmgrpo.rewards._common import (
+    BATCH_LIMIT, fixed_artifacts, fixed_modalities, frames, non_finite_samples, resolve_device,
+)
 from mmgrpo.rewards.aesthetic import laion_head
 from mmgrpo.types import PromptBatch, RewardResult
 from mmgrpo.validation import ConfigError, check_fields, check_range, check_text
@@ -161,8 +163,7 @@ class ImageReward:
         from transformers import AutoTokenizer, BlipTextModel, BlipVisionModel
 
         self.config = cfg = config or ImageRewardConfig()
-        device = cfg.device
-        self.device = ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device
+        self.device = resolve_device(cfg.device)
         weights, med_config = model_files(cfg.model)
         try:
             state = torch.load(weights, map_location="cpu", weights_only=True)

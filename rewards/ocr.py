@@ -30,7 +30,7 @@ import torch
 from mmgrpo.hub import resolve_pretrained
 from mmgrpo.rewards._common import (
     BATCH_LIMIT, check_frame_options, fixed_artifacts, frames, modality_option, nans, non_finite_samples,
-    reduce_frames,
+    reduce_frames, resolve_device,
 )
 from mmgrpo.types import PromptBatch, RewardResult
 from mmgrpo.validation import check_fields, check_range, check_text
@@ -131,8 +131,7 @@ class Ocr:
 
         self.config = config or OcrConfig()
         self.modalities = self.modalities_for(self.config)
-        device = self.config.device
-        self.device = ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device
+        self.device = resolve_device(self.config.device)
         location = resolve_pretrained(self.config.model, "ocr.model")
         try:
             self.processor = AutoProcessor.from_pretrained(location)

@@ -18,7 +18,7 @@ from mmgrpo.hub import resolve_pretrained
 from mmgrpo.rewards._clip import resize_crop_normalize
 from mmgrpo.rewards._common import (
     BATCH_LIMIT, WEIGHT_LIMIT, check_frame_options, fixed_artifacts, frames, modality_option, non_finite_samples,
-    reduce_frames,
+    reduce_frames, resolve_device,
 )
 from mmgrpo.types import PromptBatch, RewardResult
 from mmgrpo.validation import check_fields, check_range, check_text
@@ -80,8 +80,7 @@ class PickScore:
 
         self.config = config or PickScoreConfig()
         self.modalities = self.modalities_for(self.config)
-        device = self.config.device
-        self.device = ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device
+        self.device = resolve_device(self.config.device)
         sources = {"pickscore.model": self.config.model, "pickscore.processor": self.config.processor or self.config.model}
         try:
             self.processor = CLIPProcessor.from_pretrained(resolve_pretrained(sources["pickscore.processor"]))

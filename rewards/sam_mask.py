@@ -43,7 +43,8 @@ import torch.nn.functional as F
 
 from mmgrpo.hub import DTYPES, resolve_pretrained
 from mmgrpo.rewards._common import (
-    BATCH_LIMIT, MAX_COMPLETION_CHARS, check_max_completion_chars, cut_texts, fixed_modalities, nans, texts,
+    BATCH_LIMIT, MAX_COMPLETION_CHARS, check_max_completion_chars, cut_texts, fixed_modalities, nans, resolve_device,
+    texts,
 )
 from mmgrpo.rewards._seg_masks import intersection_union, load_mask
 from mmgrpo.rewards._seg_parse import COUNTERS, FORMATS, SegPrompt, parse_prompt
@@ -137,8 +138,7 @@ class SamMask:
 
         self.config = config
         self.artifacts = self.artifacts_for(config)
-        device = config.device
-        self.device = ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device
+        self.device = resolve_device(config.device)
         self.dtype = DTYPES[config.dtype]
         location = resolve_pretrained(config.model, "reward.model")
         model = AutoModel.from_pretrained(location, dtype=self.dtype, use_safetensors=True)  # never a pickle
