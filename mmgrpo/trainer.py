@@ -30,17 +30,15 @@ checkpointed, so resume is exact. ``reward/invalid`` counts the samples without 
 
 from __future__ import annotations
 
-import contextlib
 import json
-import math
 import os
 from pathlib import Path
 
 import torch
 
-from . import checkpoint, sharding
-from .advantages import groups_with_signal, kept_samples, reward_advantages
-from .components import build_components, score_unit
+from . import checkpoint, sharding, updates
+from .advantages import groups_with_signal, reward_advantages
+from .components import build_components
 from .config import ExperimentConfig
 from .best_checkpoint import BestCheckpoint
 from .eval_rewards import held_out_scorer
@@ -48,10 +46,11 @@ from .engines import LocalEngine
 from .evaluation import evaluate_held_out, finite_mean, gather_rewards, reward_metrics
 from .metrics_log import MetricsLog, read_records
 from .optim import build_optimizer
+from .overlapped_scoring import ChunkedScoring
 from .prompt_stream import PromptStream
 from .rollout_correction import correct_rollout
 from .plans import SamplingPlan
-from .run_loop import make_accelerator, run_steps, sum_over_processes, timed_step
+from .run_loop import make_accelerator, run_steps, timed_step
 from .seeding import mix_seed
 from .stop_signals import StopSignals
 from .tracking import Trackers
@@ -77,6 +76,7 @@ class Trainer:
                 "processes: make it a multiple of the number of processes."
             )
         self.local_n = global_n // self.world
+        self.scoring = ChunkedScoring(config.train.sample_chunks, config.train.overlap_scoring, self.local_n)
         self.sharding = sharding.check_world(config.train.sharding, self.world)
         self.output_dir = Path(config.output_dir)
         if acc.is_main_process:
@@ -136,13 +136,12 @@ class Trainer:
         local = batch.select(range(self.rank * self.local_n, (self.rank + 1) * self.local_n))
         plan = self.algorithm.schedule(self.policy.num_steps, torch.Generator().manual_seed(mix_seed(cfg.seed, self.step)))
         generator = torch.Generator().manual_seed(mix_seed(cfg.seed, self.step, self.rank, 1))
-        rollout = self.engine.sample(local, plan, generator=generator)
+        rollout, scores = self.scoring.sample(self.engine, self.reward, local, plan, generator)  # train.sample_chunks
         rollout, corrected = correct_rollout(rollout, self.policy, self.algorithm, plan.train_units, cfg.train.minibatch_size)
         contiguous = cfg.train.group_placement == "contiguous"
         placed = self.local_advantages if contiguous else self.global_advantages
         members = local.member_ids if contiguous else batch.member_ids  # those of the samples the advantages read
-        whole, all_groups, advantages = placed(self.reward(rollout.outputs, local), rollout.group_ids, members, plan,
-                                               rollout.old_log_probs)
+        whole, all_groups, advantages = placed(scores.result(), rollout.group_ids, members, plan, rollout.old_log_probs)
         all_scores = whole.scores.float()  # [N] after the reward's group stage
         if self.stream.adaptive:  # group_variance sampling reads back each prompt's group rewards (batch order)
             self.stream.observe(all_scores, batch.group_ids - (self.step - 1) * cfg.train.prompts_per_step)
@@ -199,141 +198,8 @@ class Trainer:
         return values[self.rank * n : (self.rank + 1) * n]
 
     def _update(self, rollout, plan: SamplingPlan, advantages, with_signal, generator, rewarded=None) -> dict:
-        """Optimizer updates on one rollout batch, under the skip rules of the module docstring.
-
-        Args:
-            advantages (`torch.FloatTensor` of shape `[n]`, or `[n, S]` under ``traits.step_advantages``): this
-                process's slice.
-            with_signal (`torch.BoolTensor` of shape `[N]`): whether a sample's group has a non-zero advantage, over
-                the global batch, so every process decides alike whether to skip or step.
-            rewarded (`torch.BoolTensor` of shape `[N]`, *optional*): whether a sample's reward is finite (default:
-                every sample). A sample without a reward is never scored: it adds nothing to the loss, KL included.
-
-        When the algorithm declares ``traits.zero_advantage_is_inert`` (such samples add exactly nothing to its loss's
-        gradient, e.g. no KL term), the members of groups without signal are not scored either. Samples not scored
-        keep their weight in the minibatch mean, so the gradient is the one of scoring them with advantage 0 and no KL.
-        Under ``traits.drop_zero_advantage`` (Flow-GRPO's filter) they leave this process's batch instead: the same
-        number of minibatches holds the kept samples only ([`~mmgrpo.advantages.kept_samples`]).
-        """
-        cfg = self.config.train
-        if not plan.train_units:
-            return {}
-        rewarded = torch.ones_like(with_signal) if rewarded is None else rewarded
-        traits = self.algorithm.traits
-        scored = rewarded & with_signal if traits.zero_advantage_is_inert else rewarded  # [N] samples to score
-        if not scored.any() or (not with_signal.any() and not traits.needs_reference):
-            # no reward at all, or nothing but weight decay to apply: no update, and the schedule does not advance
-            self.skipped_updates += self._planned_updates(len(rollout))
-            return {"train/skipped_updates": self.skipped_updates, "train/unscored_share": 1.0}
-        mine = self._this_process(scored, len(advantages))  # [n]
-        parts = math.ceil(len(rollout) / cfg.minibatch_size)  # minibatches per inner epoch
-        kept = kept_samples(advantages, parts, generator) if traits.drop_zero_advantage else None  # Flow-GRPO's filter
-        rollout_entries = self._rollout_entries(rollout, plan.train_units) if traits.update_mean == "rollout_entries" \
-            else None
-        passes, grad_norms = [], []  # the loss metrics of each weighted backward pass; the norm of each update
-        for _ in range(cfg.inner_epochs):
-            if kept is None:
-                minibatches = list(torch.randperm(len(rollout), generator=generator).split(cfg.minibatch_size))
-            else:  # the kept samples in as many minibatches, which shrink
-                minibatches = list(kept[torch.randperm(len(kept), generator=generator)].tensor_split(parts))
-            per_update = math.ceil(len(minibatches) / cfg.updates_per_step)
-            for u in range(0, len(minibatches), per_update):
-                group = minibatches[u : u + per_update]
-                if not self._any_scored(mine, group):
-                    self.skipped_updates += 1  # no sample of this update is scored on any process
-                    continue
-                passes += self._accumulate(rollout, plan.train_units, group, mine, advantages, rollout_entries)
-                grad_norm = sharding.clip(self.accelerator, self.sharding, self.policy.trainable_parameters(), cfg)
-                if not torch.isfinite(torch.as_tensor(grad_norm)):
-                    self.skipped_updates += 1  # a NaN/inf loss or gradient never reaches the weights
-                    self.optimizer.zero_grad(set_to_none=True)
-                    continue
-                self.optimizer.step()
-                self.lr_scheduler.step()
-                self.optimizer.zero_grad(set_to_none=True)
-                self.algorithm.kl.step()  # the KL weight counts the updates taken (its schedule's clock)
-                if traits.after_update:
-                    self.algorithm.after_update(self.policy)  # e.g. DGPO's fast-EMA old model follows the weights
-                grad_norms.append(float(grad_norm))
-        keys = dict.fromkeys(key for metrics in passes for key in metrics)
-        metrics = {f"train/{k}": sum(p.get(k, 0.0) for p in passes) / len(passes) for k in keys}
-        if grad_norms:
-            metrics["train/grad_norm"] = sum(grad_norms) / len(grad_norms)
-        metrics["train/skipped_updates"] = self.skipped_updates
-        metrics["train/unscored_share"] = 1.0 - scored.float().mean().item()  # of the global batch
-        return metrics
-
-    def _planned_updates(self, n: int) -> int:
-        """The optimizer updates a rollout batch of `n` samples per process gives (what a skipped step skips)."""
-        cfg = self.config.train
-        minibatches = math.ceil(n / cfg.minibatch_size)
-        return cfg.inner_epochs * math.ceil(minibatches / math.ceil(minibatches / cfg.updates_per_step))
-
-    def _any_scored(self, mine: torch.Tensor, group: list[torch.Tensor]) -> bool:
-        """Whether any process scores a sample in the minibatches `group` of one update (`mine` `[n]`)."""
-        return self._sum_over_processes(float(sum(int(mine[index].sum()) for index in group))) > 0
-
-    def _sum_over_processes(self, value: float) -> float:
-        """The sum of `value` over every process (every process calls it, in the same order)."""
-        return sum_over_processes(self.accelerator, value)
-
-    def _accumulate(self, rollout, units, group, mine, advantages, rollout_entries=None) -> list[dict[str, float]]:
-        """Backward passes of one update: each minibatch of `group`, each unit, its scored samples (`mine` `[n]`)
-        weighted by their share of the update's samples, or, when ``traits.update_mean`` is ``"entries"`` /
-        ``"rollout_entries"``, by the entries the pass's loss averages over, the update's gradient then divided by their
-        count over all passes and processes, or by `rollout_entries` ([`_mean_over_entries`]). Returns the loss
-        metrics of each pass that had weight."""
-        acc, passes = self.accelerator, []
-        total = sum(len(m) for m in group)
-        by_entries, entries = self.algorithm.traits.update_mean in ("entries", "rollout_entries"), 0.0
-        for j, index in enumerate(group):
-            kept = index[mine[index]]
-            weight = len(kept)
-            if weight == 0:  # another process scores samples of this update: a zero-weight pass keeps DDP in step
-                kept = index[:1]
-            sub = rollout.select(kept)
-            for k, unit in enumerate(units):
-                last = j == len(group) - 1 and k == len(units) - 1
-                out = self._unit_loss(sub, unit, advantages[kept])
-                with contextlib.ExitStack() as stack:
-                    if not last:
-                        for module in self.wrapped:
-                            stack.enter_context(acc.no_sync(module))
-                    scale = (float(out.entries) if weight else 0.0) if by_entries else weight / total / len(units)
-                    entries += scale if by_entries else 0.0
-                    acc.backward(out.loss * scale)
-                if weight:
-                    passes.append(out.metrics)
-        if by_entries:
-            self._mean_over_entries(entries, rollout_entries)
-        return passes
-
-    def _rollout_entries(self, rollout, units) -> float:
-        """The entries of the whole rollout batch per process (``traits.update_mean = "rollout_entries"``): every
-        sample's trained decisions, ``Rollout.mask`` over the plan's train `units`, summed over the processes and
-        divided by their number."""
-        mine = float(sum(int(rollout.mask[:, unit].sum()) for unit in units))
-        return self._sum_over_processes(mine) / self.world
-
-    def _mean_over_entries(self, entries: float, rollout_entries: float | None = None) -> None:
-        """Divides the accumulated gradient of an update whose passes were weighted by their entries by the update's
-        count of entries per process (the gradient is already averaged over processes), so that every entry of the
-        update weighs the same on every process; by `rollout_entries` instead when given (the rollout batch's count
-        per process, the same for every update: TRL's ``loss_type="dapo"``)."""
-        per_process = self._sum_over_processes(entries) / self.world if rollout_entries is None else rollout_entries
-        if per_process > 0:
-            for parameter in self.policy.trainable_parameters():
-                if parameter.grad is not None:
-                    parameter.grad.div_(per_process)
-
-    def _unit_loss(self, sub, unit: list[int], advantages):
-        """``algorithm.loss`` of `unit` on the minibatch `sub`, its advantages `[n]` (per step `[n, S]`: the unit's
-        columns `[n, k]` are passed)."""
-        device = self.accelerator.device
-        new, old, ref = score_unit(self.policy, self.algorithm, sub, unit, device)
-        if self.algorithm.traits.step_advantages:
-            advantages = advantages[:, unit]  # [n, k]
-        return self.algorithm.loss(new, old, advantages.to(device), ref)
+        """Optimizer updates on one rollout batch: [`~mmgrpo.updates.update`]."""
+        return updates.update(self, rollout, plan, advantages, with_signal, generator, rewarded)
 
     # --------------------------------------------------------------------------------------------- evaluation
     def evaluate(self, step: int, batch_size: int = 64) -> dict[str, float]:

@@ -11,7 +11,8 @@ from mmgrpo import checkpoint, config as config_mod
 from mmgrpo.algorithms.dgpo import DGPO, DGPOConfig, group_weights
 from mmgrpo.samplers.flow_plan import group_noise
 from mmgrpo.pipelines.sd3 import SD3Config, SD3Policy
-from mmgrpo.trainer import Trainer, score_unit
+from mmgrpo.components import score_unit
+from mmgrpo.trainer import Trainer
 from mmgrpo.types import PromptBatch, Score
 from mmgrpo.plans import FlowPlan
 

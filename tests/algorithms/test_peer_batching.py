@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from mmgrpo import config as config_mod
+from mmgrpo import config as config_mod, updates
 from mmgrpo.advantages import kept_samples
 from mmgrpo.trainer import Trainer
 
@@ -23,20 +23,21 @@ def make_trainer(tmp_path, pipeline, algorithm, reward, data, **train):
     }))
 
 
-def record_updates(trainer):
+def record_updates(trainer, monkeypatch):
     """Records the gradient of every optimizer update the trainer takes and the minibatches it was made of."""
     grads, groups = [], []
-    step, accumulate = trainer.optimizer.step, trainer._accumulate
+    step, accumulate = trainer.optimizer.step, updates.accumulate
 
     def recording_step(*args, **kwargs):
         grads.append([p.grad.clone() for p in trainer.policy.trainable_parameters()])
         return step(*args, **kwargs)
 
-    def recording_accumulate(rollout, units, group, *args):
+    def recording_accumulate(run, rollout, units, group, *args):
         groups.append([index.clone() for index in group])
-        return accumulate(rollout, units, group, *args)
+        return accumulate(run, rollout, units, group, *args)
 
-    trainer.optimizer.step, trainer._accumulate = recording_step, recording_accumulate
+    trainer.optimizer.step = recording_step
+    monkeypatch.setattr(updates, "accumulate", recording_accumulate)
     return grads, groups
 
 
@@ -97,11 +98,11 @@ def test_dapo_divides_every_update_by_the_rollout_batchs_token_count(tmp_path, t
     unit = plan.train_units[0]
     adv = torch.tensor([1.0, -0.5, 0.0, 0.8, -1.2, 0.4, 0.3, -0.9])  # a zero advantage: counted all the same
     everyone = torch.ones(8, dtype=torch.bool)
-    n_gen = trainer._rollout_entries(rollout, plan.train_units)
+    n_gen = updates.count_rollout_entries(trainer, rollout, plan.train_units)
     assert n_gen == 20.0
     for update, own in zip(MINIBATCHES, [8, 12]):
         trainer.optimizer.zero_grad(set_to_none=True)
-        trainer._accumulate(rollout, plan.train_units, update, everyone, adv, n_gen)
+        updates.accumulate(trainer, rollout, plan.train_units, update, everyone, adv, n_gen)
         ours = [p.grad.clone() for p in trainer.policy.trainable_parameters()]
         members = torch.cat(update)
         assert int(rollout.mask[members].sum()) == own
@@ -111,7 +112,7 @@ def test_dapo_divides_every_update_by_the_rollout_batchs_token_count(tmp_path, t
             float(b.abs().max()) for b in own_count)
 
 
-def test_dapo_step_takes_trls_updates(tmp_path, tiny_qwen2_vl_dir):
+def test_dapo_step_takes_trls_updates(tmp_path, tiny_qwen2_vl_dir, monkeypatch):
     """Through the trainer's own step: the sum of the two updates' gradients is the gradient of the rollout batch's
     token sum over its token count (TRL), whatever the minibatches; with ``token_mean: update`` each update is its own
     token mean instead."""
@@ -123,7 +124,7 @@ def test_dapo_step_takes_trls_updates(tmp_path, tiny_qwen2_vl_dir):
         for row, length in enumerate(LENGTHS):
             rollout.mask[row, :length] = True
         adv = torch.tensor([1.0, -0.5, 0.0, 0.8, -1.2, 0.4, 0.3, -0.9])
-        grads, groups = record_updates(trainer)
+        grads, groups = record_updates(trainer, monkeypatch)
         trainer._update(rollout, plan, adv, torch.ones(8, dtype=torch.bool), torch.Generator().manual_seed(2))
         assert len(grads) == 2 and [len(g) for g in groups] == [2, 2]
         sums = token_sums(trainer, rollout, plan.train_units[0], adv)  # [8]
@@ -167,7 +168,7 @@ def flow_trainer(tmp_path, tiny_sd3_dir, drop):
                         prompts_per_step=2, group_size=4, minibatch_size=4, updates_per_step=2)
 
 
-def test_flow_grpo_drops_zero_advantages_before_batching(tmp_path, tiny_sd3_dir):
+def test_flow_grpo_drops_zero_advantages_before_batching(tmp_path, tiny_sd3_dir, monkeypatch):
     """The authors' filter: the kept samples of group A fill both minibatches (2 each) and each update averages over
     them, so the step's gradient is twice the one of keeping group B's samples at advantage 0 (4 per minibatch)."""
     adv_expected = [-1.896167, -0.632056, 0.632056, 1.896167, 0.0, 0.0, 0.0, 0.0]
@@ -178,7 +179,7 @@ def test_flow_grpo_drops_zero_advantages_before_batching(tmp_path, tiny_sd3_dir)
         adv = trainer.algorithm.advantages(REWARDS, GROUPS)
         torch.testing.assert_close(adv, torch.tensor(adv_expected), rtol=0, atol=2e-6)
         rollout, plan = rollout_of(trainer, 2, 4)
-        grads, groups = record_updates(trainer)
+        grads, groups = record_updates(trainer, monkeypatch)
         with_signal = torch.ones(8, dtype=torch.bool)
         trainer._update(rollout, plan, adv, with_signal, torch.Generator().manual_seed(3))
         assert len(grads) == 2

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-from mmgrpo import config as config_mod, registry
+from mmgrpo import config as config_mod, registry, updates
 from mmgrpo.trainer import Trainer
 from mmgrpo.types import Score
 from mmgrpo.validation import build_dataclass
@@ -269,7 +269,7 @@ def test_diffu_grpo_is_d1s_loss_with_centred_rewards():
 def update_gradient(trainer, rollout, units, minibatches, adv):
     """The gradient the trainer accumulates for one update made of `minibatches` (index tensors) of `rollout`."""
     trainer.optimizer.zero_grad(set_to_none=True)
-    trainer._accumulate(rollout, units, minibatches, torch.ones(len(rollout), dtype=torch.bool), adv)
+    updates.accumulate(trainer, rollout, units, minibatches, torch.ones(len(rollout), dtype=torch.bool), adv)
     return [p.grad.clone() for p in trainer.policy.trainable_parameters()]
 
 

@@ -3,7 +3,7 @@ case of a spec on the same rollouts, whatever the number of processes, and write
 
 Every process samples the whole batch with the same generator (so the rollouts are identical at any world size,
 and every process runs the sharded forwards in step), takes its slice, and runs the trainer's own update
-(`Trainer._update`: backward passes, global gradient clipping, NaN-skip, optimizer step, the algorithm's hook) with
+(`mmgrpo.updates.update`: backward passes, global gradient clipping, NaN-skip, optimizer step, the algorithm's hook) with
 fixed advantages. Per step it records the update's metrics averaged over processes (each process holds an equal
 slice, so this is the mean over the batch) and, at the end, the trainable weights gathered whole.
 
@@ -23,6 +23,7 @@ from safetensors.torch import save_file
 from mmgrpo import config as config_mod
 from mmgrpo import sharding
 from mmgrpo.prompt_stream import items_to_batch
+from mmgrpo.run_loop import sum_over_processes
 from mmgrpo.trainer import Trainer
 
 
@@ -46,7 +47,7 @@ def fixed_step(trainer: Trainer, step: int, nan: bool, die: dict | None = None) 
                               torch.Generator().manual_seed(300 + step))
     out = {}
     for key in sorted(metrics):  # every process has the same keys: a process holds samples of every update
-        out[key] = trainer._sum_over_processes(float(metrics[key])) / trainer.world
+        out[key] = sum_over_processes(trainer.accelerator, float(metrics[key])) / trainer.world
     return out
 
 
