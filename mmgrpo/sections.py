@@ -61,6 +61,11 @@ class TrainConfig:
             advantages run on the whole batch. ``"contiguous"``: every group lies on one process (``prompts_per_step``
             must be a multiple of the number of processes); they run on each process's own groups and only the final
             scores and advantages are gathered. Refused with advantages normalised over the whole batch.
+        sample_chunks (`int`): each process samples its share of a step in this many consecutive chunks (it must
+            divide ``prompts_per_step * group_size / processes``); 1 (the default) samples it in one call. See
+            [`mmgrpo.overlapped_scoring`]: each chunk draws its own noise, so the samples differ from one chunk's.
+        overlap_scoring (`bool`): with `sample_chunks` > 1, the reward scores each chunk in a worker thread while the
+            next chunk samples (the same values as `false`, which scores each chunk right after it is sampled).
     """
 
     max_steps: int = 100
@@ -84,6 +89,8 @@ class TrainConfig:
     mixed_precision: Literal["no", "bf16", "fp16"] = "no"
     sharding: Literal["none", "ddp", "fsdp", "hybrid"] = "ddp"
     group_placement: Literal["spread", "contiguous"] = "spread"
+    sample_chunks: int = 1
+    overlap_scoring: bool = True
 
     def __post_init__(self):
         check_fields(self)
@@ -119,6 +126,8 @@ class TrainConfig:
         check_sampling(self)  # train.prompt_sampling_mix, by sampling
         check_range("train.max_grad_norm", self.max_grad_norm, 0, 1e12, low_open=True,
                     fix="1.0 is usual; 1e6 clips nothing")
+        check_range("train.sample_chunks", self.sample_chunks, 1, samples,
+                    fix="at most prompts_per_step x group_size (one sample per chunk); 1 samples a step in one call")
 
 
 @dataclass
