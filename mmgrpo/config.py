@@ -20,7 +20,7 @@ from typing import Any
 
 from . import peer_names, registry
 from .config_yaml import parse_yaml, read_yaml
-from .sections import STEPS_LIMIT, CheckpointConfig, EvalConfig, SFTConfig, TrainConfig
+from .sections import STEPS_LIMIT, CheckpointConfig, EvalConfig, RolloutConfig, SFTConfig, TrainConfig
 from .tracking import TrackingConfig
 from .validation import (  # noqa: F401 (ConfigError and build_dataclass are imported from here by callers)
     NULL_WORDS, ConfigError, build_dataclass, check_fields, check_range, check_seed, check_text, coerce, flat_dict,
@@ -52,6 +52,7 @@ class ExperimentConfig:
     log_every: int = 1
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
     sft: SFTConfig = field(default_factory=SFTConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
 
     def __post_init__(self):
         check_fields(self)
@@ -67,7 +68,7 @@ class ExperimentConfig:
         for kind, spec in plugins.items():
             out[kind] = {"name": spec.name, **flat_dict(spec.options)}  # embedded records written flat
         sections = {"train": self.train, "eval": self.eval, "checkpoint": self.checkpoint, "tracking": self.tracking,
-                    "sft": self.sft}
+                    "sft": self.sft, "rollout": self.rollout}
         for name, section in sections.items():
             out[name] = dataclasses.asdict(section)
         return out
@@ -89,7 +90,7 @@ def check_resume(resume_from: str, output_dir: str) -> None:
 
 PLUGIN_KINDS = ("pipeline", "algorithm", "reward", "data")
 SECTIONS = {"train": TrainConfig, "eval": EvalConfig, "checkpoint": CheckpointConfig, "tracking": TrackingConfig,
-            "sft": SFTConfig}
+            "sft": SFTConfig, "rollout": RolloutConfig}
 TOP_TYPES = {"output_dir": str, "seed": int, "log_every": int}
 TOP_LEVEL = set(TOP_TYPES) | set(PLUGIN_KINDS) | set(SECTIONS)
 
@@ -198,6 +199,7 @@ def from_dict(raw: dict) -> ExperimentConfig:
         checkpoint=build_dataclass(CheckpointConfig, raw.get("checkpoint"), "checkpoint"),
         tracking=build_dataclass(TrackingConfig, raw.get("tracking"), "tracking"),
         sft=build_dataclass(SFTConfig, raw.get("sft"), "sft"),
+        rollout=build_dataclass(RolloutConfig, raw.get("rollout"), "rollout"),
     )
 
 

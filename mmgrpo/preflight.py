@@ -15,6 +15,7 @@ import torch
 
 from . import registry
 from .config import PLUGIN_KINDS, ExperimentConfig
+from .engine_builders import check_engine
 from .eval_rewards import check_eval_rewards
 from .memory_check import check_memory
 from .plans import FEATURE_SCORE_FIELDS, FlowPlan, SamplingPlan
@@ -308,6 +309,7 @@ def preflight(config: ExperimentConfig, split: str | None = None) -> None:
     check_eval_rewards(config)
     check_reward_advantages(config)
     check_plan(config)
+    check_engine(config)
     if split is None:
         check_memory(config)
     check_items(config, split or "eval")

@@ -37,7 +37,10 @@ class StochasticPolicy(Protocol):
     # "input_images": `sample` reads one or more input images per prompt from ``batch.conditions["images"]`` (image
     # editing) and refuses a batch without them (preflight refuses a prompt source with an item without them);
     # "teacher_rollout": ``teacher_rollout(batch, completions) -> Rollout``, the rollout of given completion texts
-    # (teacher-forced, one per prompt), which ``mmgrpo sft`` trains on; sft refuses a pipeline without it
+    # (teacher-forced, one per prompt), which ``mmgrpo sft`` trains on; sft refuses a pipeline without it;
+    # "engine_rollout": ``engine_prompts``, ``engine_sampling``, ``engine_rollout``, ``engine_model``,
+    # ``engine_weights`` and ``engine_weights_to`` (see `mmgrpo.engines`), with which vLLM / SGLang sample for it;
+    # preflight refuses ``rollout.engine`` other than local on a pipeline without it
     capabilities: frozenset[str]
 
     def prepare(self, accelerator) -> list[torch.nn.Module]:

@@ -256,3 +256,68 @@ class SFTConfig:
         check_fields(self)
         check_text("sft.target_key", self.target_key)
         check_range("sft.thought_dropout", self.thought_dropout, 0, 1, fix="0 keeps every thought, 1 empties all")
+
+
+TENSOR_PARALLEL_LIMIT = 64  # GPUs one engine spans (tensor parallelism beyond 8 crosses nodes; 64 is far above)
+MODEL_LEN_LIMIT = 2**21  # tokens of a prompt and its completion (the longest-context Qwen-VL models take 256k)
+
+
+@dataclass
+class RolloutConfig:
+    """What samples the training rollouts (see [`mmgrpo.engines`] and ``docs/distributed.md``).
+
+    Args:
+        engine (`str`): ``"local"`` (the default and the reference: the policy's own decode loop), ``"vllm"`` or
+            ``"sglang"`` (token pipelines only, e.g. ``qwen_vl``). An engine's log-probs differ from the trainer's
+            (other kernels): the algorithm's ``rollout_correction`` decides how the update uses them.
+        mode (`str`): ``"colocate"`` (vLLM in the trainer's process, on its GPU: asleep while the trainer updates,
+            awake while it samples; the weights copied in after each step) or ``"server"`` (an engine already
+            serving at `server_url`; the weights are written to `weights_dir` and the server reloads them after each
+            step). SGLang runs as a server only.
+        server_url (`str`, *optional*): the server's base address (``http://host:port``), with ``mode: server``.
+        weights_dir (`str`, *optional*): a folder the trainer and the server both see, where each step's weights are
+            written for the server to reload (``mode: server``); unset: ``<output_dir>/engine_weights``.
+        gpu_memory_utilization (`float`): the share of the GPU's memory the colocated vLLM takes for weights and KV
+            cache, in (0, 1]; the trainer needs the rest.
+        tensor_parallel_size (`int`): GPUs the colocated engine shards the model over.
+        max_model_len (`int`): the longest prompt plus completion (tokens) the engine accepts; 0 takes the model's.
+        timeout_s (`float`): seconds a server request may take (sampling one batch, a weight reload) before the run
+            stops with an error naming the server.
+        enforce_eager (`bool`): vLLM without CUDA graphs (slower decoding, faster start, less memory).
+        seed (`int`): the colocated engine's sampling seed (each step's requests add the step's draws to it).
+    """
+
+    engine: Literal["local", "vllm", "sglang"] = "local"
+    mode: Literal["colocate", "server"] = "colocate"
+    server_url: str | None = None
+    weights_dir: str | None = None
+    gpu_memory_utilization: float = 0.3
+    tensor_parallel_size: int = 1
+    max_model_len: int = 0
+    timeout_s: float = 600.0
+    enforce_eager: bool = False
+    seed: int = 0
+
+    def __post_init__(self):
+        check_fields(self)
+        check_range("rollout.gpu_memory_utilization", self.gpu_memory_utilization, 0, 1, low_open=True,
+                    fix="the colocated engine's share of GPU memory; 0.3 to 0.6 leaves the trainer the rest")
+        check_range("rollout.tensor_parallel_size", self.tensor_parallel_size, 1, TENSOR_PARALLEL_LIMIT,
+                    fix="GPUs one engine spans (1 to 8 within a node)")
+        check_range("rollout.max_model_len", self.max_model_len, 0, MODEL_LEN_LIMIT, fix="0 takes the model's")
+        check_range("rollout.timeout_s", self.timeout_s, 0, SECONDS_LIMIT, low_open=True,
+                    fix="seconds a server request may take; 600 is usual")
+        check_seed("rollout.seed", self.seed)
+        check_text("rollout.server_url", self.server_url)
+        check_text("rollout.weights_dir", self.weights_dir)
+        if self.engine == "sglang" and self.mode == "colocate":
+            raise ConfigError("rollout.engine: sglang runs as a server: set rollout.mode: server and "
+                              "rollout.server_url (launch line in docs/distributed.md).")
+        if self.engine != "local" and self.mode == "server" and not self.server_url:
+            raise ConfigError(f"rollout.mode: server needs rollout.server_url (the {self.engine} server's "
+                              "http://host:port).")
+        if self.server_url and not self.server_url.startswith(("http://", "https://")):
+            raise ConfigError(f"rollout.server_url must start with http:// or https://, got {self.server_url!r}.")
+        if self.server_url and (self.engine == "local" or self.mode != "server"):
+            raise ConfigError("rollout.server_url is read only with rollout.mode: server and a vllm or sglang "
+                              "engine: unset it, or set rollout.mode: server.")

@@ -47,6 +47,7 @@ from mmgrpo.hub import DTYPES, resolve_pretrained
 from mmgrpo.reference import ReferenceSwitch
 from mmgrpo.pipelines._checkpointing import checkpoint_transformers
 from mmgrpo.pipelines._qwen_vl_config import FAMILIES, QwenVLConfig  # (QwenVLConfig: imported from here by tests)
+from mmgrpo.pipelines import _qwen_vl_engine as engine_side
 from mmgrpo.pipelines._qwen_vl_decode import LeanStep, ModelStep, TokenSampler, decode, lean_supported
 from mmgrpo.pipelines._qwen_vl_forward import GroupForward, collate_prompts, unique_rows
 from mmgrpo.pipelines._qwen_vl_inputs import PromptEncoder, vision_inputs
@@ -68,7 +69,8 @@ class QwenVLPolicy:
     plan_families = ("token",)  # it reads TokenPlan only
     plan_features = frozenset({"ground_truth_member"})  # TempSamp-R1's teacher-forced ground-truth member
     provides = {"log_prob": frozenset({"log_prob", "mask"})}  # scoring method -> the Score fields it fills
-    capabilities = frozenset({"teacher_rollout"})  # mmgrpo sft trains on teacher-forced rollouts of given answers
+    # mmgrpo sft trains on teacher-forced rollouts of given answers; vLLM / SGLang sample for it (`_qwen_vl_engine.py`)
+    capabilities = frozenset({"teacher_rollout", "engine_rollout"})
 
     def __init__(self, config: QwenVLConfig):
         import transformers
@@ -283,6 +285,32 @@ class QwenVLPolicy:
             mask=mask,
             trajectory={"completion_ids": tokens, "prompt_inputs": self._encode_batch(batch)},
         )
+
+    # ------------------------------------------------------------------------------------------ rollout engines
+    def engine_prompts(self, batch: PromptBatch) -> list:
+        """One [`~mmgrpo.engines.EnginePrompt`] per sample (see `_qwen_vl_engine.py`)."""
+        return engine_side.engine_prompts(self, batch)
+
+    def engine_sampling(self, plan: TokenPlan):
+        """The [`~mmgrpo.engines.EngineSampling`] of `plan` under this policy's options."""
+        return engine_side.engine_sampling(self, plan, VISION_TOKENS)
+
+    def engine_rollout(self, batch: PromptBatch, prompts: list, tokens: list[list[int]],
+                       log_probs: list[list[float]], steps: int) -> Rollout:
+        """The replayable rollout of an engine's completions and log-probs (see `_qwen_vl_engine.py`)."""
+        return engine_side.engine_rollout(self, batch, prompts, tokens, log_probs, steps)
+
+    def engine_model(self) -> str:
+        """The base model's folder or hub id, which an engine loads before the policy's weights replace its own."""
+        return resolve_pretrained(self.config.pretrained, "pipeline.pretrained")
+
+    def engine_weights(self) -> dict[str, torch.Tensor]:
+        """The model's weights in the checkpoint's names, a LoRA merged in (for an engine that loads tensors)."""
+        return engine_side.merged_weights(self.model)
+
+    def engine_weights_to(self, path: str, adapter: bool) -> None:
+        """Writes what an engine loads from disk: the LoRA adapter alone (`adapter`) or the merged model."""
+        engine_side.write_weights(self, path, adapter)
 
     # ----------------------------------------------------------------------------------------------- checkpoints
     def save_pretrained(self, path: str) -> None:

@@ -109,6 +109,7 @@ class EngineDouble:
     policy with its frozen base in bfloat16, reporting its own log-probs."""
 
     name = "bfloat16_double"
+    holds_weights = True
 
     def __init__(self, policy):
         self.policy = policy
