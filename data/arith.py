@@ -88,5 +88,8 @@ class ArithPrompts:
     def eval_items(self) -> list[dict]:
         return self._items(self.held_out)
 
+    def eval_splits(self) -> dict[str, list[dict]]:
+        return {"eval": self.eval_items()}  # one held-out split
+
 
 PLUGIN = ArithPrompts

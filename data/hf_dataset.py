@@ -98,6 +98,9 @@ class HFDataset:
     def eval_items(self) -> list[dict]:
         return self.read(self.config.eval_split, self.config.max_eval_rows) if self.config.eval_split else []
 
+    def eval_splits(self) -> dict[str, list[dict]]:
+        return {"eval": self.eval_items()}  # one held-out split
+
     def load_split(self, split: str):
         """One split of the dataset, from a `save_to_disk` folder, a folder of data files, or the hub."""
         import datasets

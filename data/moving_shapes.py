@@ -261,6 +261,9 @@ class MovingShapesPrompts:
         return draw_items(self.eval_pools, tuple(self.eval_pools), self.config.n_eval, self.config.seed + 1,
                           prompt_from_metadata)
 
+    def eval_splits(self) -> dict[str, list[dict]]:
+        return {"eval": self.eval_items()}  # one held-out split
+
     def render(self, metadata: dict, rng: np.random.Generator) -> torch.Tensor:
         """A correct clip `[F, 3, H, W]` in [0, 1] for `metadata` at the configured size (see [`render_clip`])."""
         return render_clip(metadata, rng, self.config.image_size, self.config.num_frames)

@@ -65,5 +65,8 @@ class PromptFile:
     def eval_items(self) -> list[dict]:
         return read_items(Path(self.config.eval_file).expanduser()) if self.config.eval_file else []
 
+    def eval_splits(self) -> dict[str, list[dict]]:
+        return {"eval": self.eval_items()}  # one held-out split
+
 
 PLUGIN = PromptFile

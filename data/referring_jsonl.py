@@ -120,6 +120,9 @@ class ReferringJsonl:
     def eval_items(self) -> list[dict]:
         return self.read(self.config.eval_file) if self.config.eval_file else []
 
+    def eval_splits(self) -> dict[str, list[dict]]:
+        return {"eval": self.eval_items()}  # one held-out split
+
     def read(self, file: str) -> list[dict]:
         """The prompt items of one JSONL file; errors name the file and line."""
         return read_items(file, self.config.image_root, self.item)

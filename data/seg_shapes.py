@@ -23,7 +23,12 @@ supervised answer in Seg-Zero's layout (what ``mmgrpo sft`` and TempSamp's groun
 to the named shape's, each with its shape and whether it is the one asked for, ``top left blue circle no, top right red
 triangle yes``), with the tight box and two points well inside the mask, whole pixels. Held-out items use scene
 indices disjoint from the training ones. The prompt is `prompt_template` (``"seg_zero"``, ``"seg_r1"`` or a template
-with ``{question}``).
+with ``{question}``). Metadata ``combination`` is the question's ``[kind, target shape, target colour]``.
+
+With ``ood: true`` the source also declares the held-out split ``ood``: questions whose combination is one of
+`HELD_OUT` (the unseen-combination rule of `shapes_edit`: 9 of the 36 kind x shape x colour combinations, each
+(kind, shape) with one colour), which no training or ``eval`` question asks; every kind, shape and colour alone still
+occurs in training. Without it, nothing is held out by combination.
 """
 
 from __future__ import annotations
@@ -36,10 +41,13 @@ import numpy as np
 import torch
 
 from mmgrpo.data.referring_jsonl import TEMPLATES, tight_box
-from mmgrpo.data.vlm_shapes import render, scene
+from mmgrpo.data._held_out import EVAL_OFFSET, OOD, OOD_OFFSET, SEED_STRIDE, held_out_combinations, items_by_rule
+from mmgrpo.data.vlm_shapes import COLOURS, SHAPES, render, scene
 from mmgrpo.validation import check_fields, check_range, check_seed, check_template
 
 QUESTIONS = ("colour_shape", "shape", "largest")
+# (question kind, target shape, target colour) combinations asked only in the `ood` split under `ood: true`
+HELD_OUT = held_out_combinations(QUESTIONS, SHAPES, tuple(COLOURS))
 QUADRANTS = ("top left", "top right", "bottom left", "bottom right")
 THOUGHTS = ("labelled", "list", "match")
 
@@ -58,6 +66,8 @@ class SegShapesConfig:
         with_targets (`bool`): add the supervised answer to each item's metadata under ``"completion"``.
         thought (`str`): the inventory in the target's ``<think>``: ``"labelled"``, ``"list"`` or ``"match"`` (module
             docstring).
+        ood (`bool`): hold the combinations of `HELD_OUT` out of training and ``eval`` and declare the held-out split
+            ``ood`` (`n_eval` questions asking them).
     """
 
     questions: list[str] = field(default_factory=lambda: list(QUESTIONS))
@@ -69,6 +79,7 @@ class SegShapesConfig:
     seed: int = 0
     with_targets: bool = False
     thought: str = "labelled"
+    ood: bool = False
 
     def __post_init__(self):
         check_fields(self)
@@ -130,9 +141,10 @@ def target_text(metadata: dict, shapes: list[dict], thought: str = "labelled") -
     return f"<think>{thought_text}</think><answer>{answer}</answer>"
 
 
-def pick(index: int, shapes: list[dict], masks: list[torch.Tensor], kinds: list[str], margin: int):
+def pick(index: int, shapes: list[dict], masks: list[torch.Tensor], kinds: list[str], margin: int,
+         allowed=lambda combo: True):
     """The question of scene `index`: ``(kind, referring expression, target index)``, or None when no asked kind names
-    one shape."""
+    one shape in a combination (kind, shape, colour) that `allowed` accepts."""
     rng = random.Random(20_000_003 + index)
     options = []
     for k, s in enumerate(shapes):
@@ -145,6 +157,7 @@ def pick(index: int, shapes: list[dict], masks: list[torch.Tensor], kinds: list[
         area = int(masks[k].sum())
         if "largest" in kinds and rivals and all(area >= int(masks[j].sum()) + margin for j in rivals):
             options.append(("largest", f"the largest {s['colour']} shape", k))
+    options = [o for o in options if allowed((o[0], shapes[o[2]]["shape"], shapes[o[2]]["colour"]))]
     if not options:
         return None
     preferred = [o for o in options if o[0] == rng.choice(kinds)]  # each kind about equally often where it applies
@@ -161,37 +174,38 @@ class SegShapes:
         self.config = config
         self.template = TEMPLATES.get(config.prompt_template, config.prompt_template)
 
-    def item(self, index: int) -> dict | None:
-        """The item of scene `index`, or None when no question names one of its shapes."""
+    def item(self, index: int, held_out: bool = False) -> dict | None:
+        """The item of scene `index`, or None when no question names one of its shapes (with `ood`: in a combination
+        of `HELD_OUT` when `held_out`, else in none)."""
         c = self.config
         shapes = scene(index, c.size)
         masks = [shape_mask(s, c.size) for s in shapes]
-        chosen = pick(index, shapes, masks, c.questions, c.min_margin)
+        allowed = (lambda combo: (combo in HELD_OUT) == held_out) if c.ood else (lambda combo: True)
+        chosen = pick(index, shapes, masks, c.questions, c.min_margin, allowed)
         if chosen is None:
             return None
         kind, question, target = chosen
         metadata = {"mask": masks[target], "boxes": tight_box(masks[target]), "image_size": [c.size, c.size],
-                    "question": question, "task": kind}
+                    "question": question, "task": kind,
+                    "combination": [kind, shapes[target]["shape"], shapes[target]["colour"]]}
         if c.with_targets:
             metadata["completion"] = target_text(metadata, shapes, c.thought)
         return {"prompt": self.template.format(question=question), "metadata": metadata,
                 "images": [render(shapes, c.size)]}
 
-    def items(self, start: int, count: int) -> list[dict]:
-        """`count` items from scene `start` on (scenes without a question are skipped)."""
-        out, index = [], start
-        while len(out) < count:
-            item = self.item(index)
-            if item is not None:
-                out.append(item)
-            index += 1
-        return out
-
     def train_items(self) -> list[dict]:
-        return self.items(self.config.seed * 1_000_003, self.config.n_train)
+        return items_by_rule(self.item, self.config.seed * SEED_STRIDE, self.config.n_train)
 
-    def eval_items(self) -> list[dict]:
-        return self.items(self.config.seed * 1_000_003 + 500_000, self.config.n_eval)  # disjoint scene indices
+    def eval_items(self) -> list[dict]:  # disjoint scene indices
+        return items_by_rule(self.item, self.config.seed * SEED_STRIDE + EVAL_OFFSET, self.config.n_eval)
+
+    def eval_splits(self) -> dict[str, list[dict]]:
+        """``eval``, and ``ood`` with `ood` (module docstring)."""
+        splits = {"eval": self.eval_items()}
+        if self.config.ood:
+            splits[OOD] = items_by_rule(lambda index: self.item(index, held_out=True),
+                                        self.config.seed * SEED_STRIDE + OOD_OFFSET, self.config.n_eval)
+        return splits
 
 
 PLUGIN = SegShapes

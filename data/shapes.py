@@ -317,6 +317,9 @@ class ShapesPrompts:
         return draw_items(self.eval_pools, self.config.kinds, self.config.n_eval, self.config.seed + 1,
                           prompt_from_metadata)
 
+    def eval_splits(self) -> dict[str, list[dict]]:
+        return {"eval": self.eval_items()}  # one held-out split
+
     def render(self, metadata: dict, rng: np.random.Generator) -> Image.Image:
         """A correct image for `metadata` at the configured size (see [`render`])."""
         return render(metadata, rng, self.config.image_size)

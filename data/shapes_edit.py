@@ -27,15 +27,15 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from mmgrpo.data._held_out import held_out_combinations
 from mmgrpo.data.vlm_shapes import COLOURS, SHAPES, render, scene
 from mmgrpo.validation import check_fields, check_range, check_seed
 
 KINDS = ("recolor", "remove", "move")
 DIRECTIONS = {"left": (-1, 0), "right": (1, 0), "up": (0, -1), "down": (0, 1)}  # quadrant steps (column, row)
 # (kind, shape, colour) edits held out under `held_out: unseen`: those whose indices in KINDS, SHAPES and COLOURS sum
-# to a multiple of 4 (per kind, one colour per shape and one shape per colour).
-HELD_OUT = frozenset((k, s, c) for i, k in enumerate(KINDS) for j, s in enumerate(SHAPES)
-                     for n, c in enumerate(COLOURS) if (i + j + n) % 4 == 0)
+# to a multiple of 4 (per kind, one colour per shape and one shape per colour; the rule of `seg_shapes`' ood split too)
+HELD_OUT = held_out_combinations(KINDS, SHAPES, tuple(COLOURS))
 
 
 @dataclass
@@ -180,6 +180,9 @@ class ShapesEdit:
 
     def eval_items(self) -> list[dict]:
         return self.items(2 * self.config.seed * 10**7 + 1, self.config.n_eval)
+
+    def eval_splits(self) -> dict[str, list[dict]]:
+        return {"eval": self.eval_items()}  # one held-out split
 
 
 PLUGIN = ShapesEdit

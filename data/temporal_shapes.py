@@ -19,6 +19,11 @@ for each block of `frame_step` frames (one temporal patch of Qwen2-VL), its star
 it, ``<think>0s none. 1s red circle. 2s red circle, blue square. 3s blue square.</think><answer>[1, 3]</answer>``, so
 the model states what it sees in each patch before it answers. The `tiou` reward scores answers. Held-out items use
 indices disjoint from the training ones and never repeat a training clip.
+
+With ``ood: true`` the source also declares the held-out split ``ood``: the target's span is at a position no shape
+of a training or ``eval`` clip ever takes, an interior span (it neither starts at the clip's first frame nor ends at
+the last frame a span can end on: with 8 frames at 2 fps, frame step 2, the span [1, 2] s; every start, end and
+length still occurs in training); the distractors' spans are not interior.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ from dataclasses import dataclass
 
 from PIL import Image
 
+from mmgrpo.data._held_out import OOD, OOD_OFFSET, SEED_STRIDE, items_by_rule
 from mmgrpo.data.vlm_shapes import COLOURS, SHAPES, render
 from mmgrpo.validation import check_fields, check_range, check_seed, check_template
 
@@ -57,6 +63,9 @@ class TemporalShapesConfig:
         event (`str`): what happens during a shape's span: ``"move"`` (it slides, and stands still before and after)
             or ``"visible"`` (it is drawn, standing still, only in the frames ``a`` to ``b - 1`` of its span
             ``[a / fps, b / fps]``; the question becomes "When is the red circle on screen?").
+        ood (`bool`): keep interior spans out of training and ``eval`` clips and declare the held-out split ``ood``
+            (`n_eval` clips whose target has an interior span; module docstring); needs `num_frames` of at least 4
+            frame steps.
     """
 
     n_train: int = 2000
@@ -73,6 +82,7 @@ class TemporalShapesConfig:
     with_targets: bool = False
     thought: str = "span"
     event: str = "move"
+    ood: bool = False
 
     def __post_init__(self):
         check_fields(self)
@@ -95,6 +105,9 @@ class TemporalShapesConfig:
                 f"data.num_frames must be a multiple of data.frame_step ({self.frame_step}) and hold at least two "
                 f"steps, got {self.num_frames}; e.g. num_frames: {4 * self.frame_step}."
             )
+        if self.ood and self.num_frames < 4 * self.frame_step:
+            raise ValueError(f"data.ood holds out interior spans, which need data.num_frames >= 4 * data.frame_step "
+                             f"= {4 * self.frame_step}, got {self.num_frames}: raise num_frames or set ood: false.")
         lanes = 1 + self.distractors
         if self.shape_size * lanes > self.size or self.shape_size < 4:
             raise ValueError(
@@ -130,6 +143,23 @@ def scene(index: int, config: TemporalShapesConfig) -> list[dict]:
         shapes.append({"colour": colour, "shape": shape, "lane": lane, "x0": x0, "direction": direction,
                        "frames": [a, b]})
     return shapes
+
+
+def interior(shape: dict, config: TemporalShapesConfig) -> bool:
+    """Whether `shape`'s span is interior: it starts after frame 0 and ends before the last frame a span can end on
+    (``num_frames - frame_step``): the spans of the ``ood`` split."""
+    a, b = shape["frames"]
+    return a > 0 and b < config.num_frames - config.frame_step
+
+
+def in_split(shapes: list[dict], config: TemporalShapesConfig, split: str) -> bool:
+    """Whether a clip of `shapes` (target first) belongs to `split` (``"train"``, which ``eval`` clips follow too, or
+    ``"ood"``): without ``ood`` every clip trains; with it, training clips have no interior span and ``ood`` clips an
+    interior target span among non-interior distractors."""
+    if not config.ood:
+        return split != OOD
+    distractors_fine = not any(interior(s, config) for s in shapes[1:])
+    return distractors_fine and interior(shapes[0], config) == (split == OOD)
 
 
 def signature(shapes: list[dict]) -> tuple:
@@ -201,8 +231,11 @@ class TemporalShapes:
     def __init__(self, config: TemporalShapesConfig):
         self.config = config
 
-    def item(self, index: int) -> dict:
+    def item(self, index: int, split: str | None = None) -> dict | None:
+        """The item of clip `index` (None when `split` is given and the clip is not in it; see [`in_split`])."""
         c = self.config
+        if split is not None and not in_split(scene(index, c), c, split):
+            return None
         shapes = scene(index, c)
         target = shapes[0]
         a, b = target["frames"]
@@ -214,21 +247,35 @@ class TemporalShapes:
         return {"prompt": c.prompt_template.format(question=question), "metadata": metadata,
                 "video": render_frames(shapes, c)}
 
+    def train_indices(self) -> list[int]:
+        """The clip indices of the training items: from ``seed * 1_000_003`` on, those in the training split."""
+        c = self.config
+        return items_by_rule(lambda i: i if in_split(scene(i, c), c, "train") else None, c.seed * SEED_STRIDE,
+                             c.n_train)
+
     def train_items(self) -> list[dict]:
-        base = self.config.seed * 1_000_003
-        return [self.item(base + i) for i in range(self.config.n_train)]
+        return [self.item(index) for index in self.train_indices()]
 
     def eval_items(self) -> list[dict]:
         """Held-out items: indices disjoint from the training ones, skipping any clip equal to a training clip (the
         space of clips is finite, so a few would repeat)."""
         c = self.config
-        train = {signature(scene(c.seed * 1_000_003 + i, c)) for i in range(c.n_train)}
+        train = {signature(scene(index, c)) for index in self.train_indices()}
         items, index = [], c.seed * 1_000_003 + 500_000
         while len(items) < c.n_eval:
-            if signature(scene(index, c)) not in train:
+            shapes = scene(index, c)
+            if signature(shapes) not in train and in_split(shapes, c, "train"):
                 items.append(self.item(index))
             index += 1
         return items
+
+    def eval_splits(self) -> dict[str, list[dict]]:
+        """``eval``, and ``ood`` with `ood` (module docstring)."""
+        splits = {"eval": self.eval_items()}
+        if self.config.ood:
+            splits[OOD] = items_by_rule(lambda index: self.item(index, OOD), self.config.seed * SEED_STRIDE + OOD_OFFSET,
+                                        self.config.n_eval)
+        return splits
 
 
 PLUGIN = TemporalShapes

@@ -11,6 +11,10 @@ Items carry ``images`` (one PIL image) and ``metadata`` ``{"task", "answer", "an
 ``"completion"`` with `with_targets`: the supervised target in the R1 layout, ``<think>red none blue red</think>
 <answer>2</answer>`` (without the line break), what ``mmgrpo sft`` trains on. Held-out
 items use indices disjoint from the training ones. The R1 layout asked of the model is set by `prompt_template`.
+
+With ``ood: true`` (and ``max_objects`` below 4) the source also declares the held-out split ``ood``: scenes with more
+shapes than ``max_objects`` (up to 4), which no training or ``eval`` scene has; the counts asked may then exceed any
+trained answer.
 """
 
 from __future__ import annotations
@@ -19,6 +23,8 @@ import random
 from dataclasses import dataclass, field
 
 from PIL import Image, ImageDraw
+
+from mmgrpo.data._held_out import OOD, OOD_OFFSET, SEED_STRIDE, items_by_rule
 from mmgrpo.validation import check_fields, check_range, check_seed, check_template
 
 COLOURS = {"red": (230, 25, 25), "green": (25, 230, 25), "blue": (25, 25, 230), "yellow": (230, 230, 25)}
@@ -41,6 +47,8 @@ class VLMShapesConfig:
         seed (`int`): offsets the item indices (another seed, other images).
         with_targets (`bool`): add the target completion (``<think>...</think><answer>...</answer>``) to each item's
             metadata under ``"completion"``, for supervised fine-tuning (``mmgrpo sft``).
+        ood (`bool`): also declare the held-out split ``ood`` (`n_eval` scenes with more than `max_objects` shapes);
+            needs `max_objects` below 4.
     """
 
     tasks: list[str] = field(default_factory=lambda: ["count"])
@@ -51,6 +59,7 @@ class VLMShapesConfig:
     prompt_template: str = TEMPLATE
     seed: int = 0
     with_targets: bool = False
+    ood: bool = False
 
     def __post_init__(self):
         check_fields(self)
@@ -64,6 +73,9 @@ class VLMShapesConfig:
             raise ValueError(f"data.tasks must be a non-empty subset of {list(TASKS)}, got {self.tasks}.")
         if not 1 <= self.max_objects <= 4:
             raise ValueError(f"data.max_objects must be in 1..4, got {self.max_objects}.")
+        if self.ood and self.max_objects == 4:
+            raise ValueError("data.ood: the ood split holds scenes with more shapes than data.max_objects, and a scene "
+                             "has at most 4: set data.max_objects below 4 (e.g. 3) or data.ood: false.")
         if self.size < 28:
             raise ValueError(f"data.size must be >= 28 pixels, got {self.size}.")
 
@@ -137,9 +149,10 @@ class VLMShapes:
     def __init__(self, config: VLMShapesConfig):
         self.config = config
 
-    def item(self, index: int) -> dict:
+    def item(self, index: int, shapes: list[dict] | None = None) -> dict:
+        """The item of scene `index` (its `shapes`, when given, instead of the scene of `max_objects` shapes)."""
         c = self.config
-        shapes = scene(index, c.size, c.max_objects)
+        shapes = scene(index, c.size, c.max_objects) if shapes is None else shapes
         q = question(index, shapes, c.tasks)
         metadata = {"task": q["task"], "answer": q["answer"], "answer_type": q["answer_type"],
                     "image_size": [c.size, c.size]}
@@ -155,6 +168,23 @@ class VLMShapes:
     def eval_items(self) -> list[dict]:
         base = self.config.seed * 1_000_003 + 500_000  # disjoint from the training indices
         return [self.item(base + i) for i in range(self.config.n_eval)]
+
+    def ood_item(self, index: int) -> dict | None:
+        """The ``ood`` item of scene `index`: drawn with up to 4 shapes, None unless it has more than `max_objects`."""
+        shapes = scene(index, self.config.size, 4)
+        return self.item(index, shapes) if is_ood(shapes, self.config.max_objects) else None
+
+    def eval_splits(self) -> dict[str, list[dict]]:
+        """``eval``, and ``ood`` with `ood` (module docstring)."""
+        splits = {"eval": self.eval_items()}
+        if self.config.ood:
+            splits[OOD] = items_by_rule(self.ood_item, self.config.seed * SEED_STRIDE + OOD_OFFSET, self.config.n_eval)
+        return splits
+
+
+def is_ood(shapes: list[dict], max_objects: int) -> bool:
+    """The ``ood`` split's rule: a scene with more shapes than the training scenes' `max_objects`."""
+    return len(shapes) > max_objects
 
 
 PLUGIN = VLMShapes

@@ -51,7 +51,7 @@ DECLARATIONS: dict[str, dict[str, tuple[Callable[[Any], bool], str]]] = {
     },
     "data": {
         "disjoint_splits": (lambda v: isinstance(v, bool), "a bool"),
-        **{method: (callable, "a method") for method in ("train_items", "eval_items")},
+        **{method: (callable, "a method") for method in ("train_items", "eval_items", "eval_splits")},
     },
 }
 

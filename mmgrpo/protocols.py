@@ -188,8 +188,8 @@ class PromptSource(Protocol):
     (ground-truth answer, boxes, the objects a prompt asks for...), and each other key is a condition the pipeline
     reads (``images``: a list of PIL images per item, ``video``...). The trainer streams `train_items` in a seeded
     order, repeated `group_size` times ([`~mmgrpo.prompt_stream.PromptStream`]), and evaluates on the first
-    ``eval.num_prompts`` of `eval_items`; both are called while a run is set up, never per step, so they may build
-    every item in memory.
+    ``eval.num_prompts`` of each held-out split of `eval_splits` that ``eval.splits`` chooses (default: all); these are
+    called while a run is set up, never per step, so they may build every item in memory.
     """
 
     Config: type
@@ -202,3 +202,10 @@ class PromptSource(Protocol):
 
     def eval_items(self) -> list[dict]:
         """The held-out items (may be empty when the run does not evaluate)."""
+
+    def eval_splits(self) -> dict[str, list[dict]]:
+        """The held-out splits by name: ``"eval"`` first, the in-distribution held-out items (`eval_items`), then any
+        split the source generates by a rule no training item satisfies (``"ood"``: more objects than trained, unseen
+        combinations, spans at unseen positions...). Evaluation logs ``eval/<metric>`` for ``eval`` and
+        ``eval/<split>/<metric>`` for the others. A source with one held-out split returns
+        ``{"eval": self.eval_items()}``."""

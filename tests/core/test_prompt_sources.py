@@ -1,5 +1,6 @@
 """Contract test over every registered prompt source: it is a `PromptSource` (runtime-checkable protocol), its training
-and held-out items are non-empty and well formed, and they share no item when the source declares disjoint splits.
+and held-out items are non-empty and well formed, its held-out splits start with ``eval`` (its held-out items), and
+no held-out split shares an item with training when the source declares disjoint splits.
 
 Each source is built from the data section of every shipped config that names it (paths relative to the repository
 root) and from its default `Config()` where every option has a default, so a new source is tested by adding it and a
@@ -92,13 +93,18 @@ def test_source_satisfies_the_prompt_source_contract(build, name, where, options
     for item in train + held_out:
         assert isinstance(item["prompt"], str) and item["prompt"].strip(), item
         assert isinstance(item.get("metadata", {}), dict), item
+    splits = source.eval_splits()
+    assert list(splits)[0] == "eval" and [item_key(i) for i in splits["eval"]] == [item_key(i) for i in held_out]
+    assert all(items and isinstance(split, str) and "/" not in split for split, items in splits.items()), list(splits)
     if source.disjoint_splits:
-        shared = {item_key(i) for i in train} & {item_key(i) for i in held_out}
-        assert not shared, f"{name} ({where}) declares disjoint splits but shares {len(shared)} items"
+        trained = {item_key(i) for i in train}
+        for split, items in splits.items():
+            shared = trained & {item_key(i) for i in items}
+            assert not shared, f"{name} ({where}) declares disjoint splits but its {split} shares {len(shared)} items"
 
 
 def test_an_incomplete_source_is_not_a_prompt_source():
-    class NoDeclaration:  # train_items / eval_items but no disjoint_splits
+    class NoDeclaration:  # train_items / eval_items / eval_splits but no disjoint_splits
         Config = dict
 
         def train_items(self):
@@ -106,6 +112,9 @@ def test_an_incomplete_source_is_not_a_prompt_source():
 
         def eval_items(self):
             return []
+
+        def eval_splits(self):
+            return {"eval": []}
 
     assert not isinstance(NoDeclaration(), PromptSource)
     NoDeclaration.disjoint_splits = False

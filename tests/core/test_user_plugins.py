@@ -105,6 +105,9 @@ class WordsPrompts:
 
     def eval_items(self):
         return [{"prompt": "a blue square", "metadata": {}}, {"prompt": "a green square", "metadata": {}}]
+
+    def eval_splits(self):
+        return {"eval": self.eval_items()}
 '''
 ENTRY_POINTS = """
 [mmgrpo.rewards]
