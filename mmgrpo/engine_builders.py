@@ -9,6 +9,7 @@ of that choice that need no model: [`check_engine`] runs in preflight, before an
 from __future__ import annotations
 
 import importlib.util
+import os
 from pathlib import Path
 
 from . import registry
@@ -19,8 +20,9 @@ ENGINE_CAPABILITY = "engine_rollout"  # the capability of a pipeline an engine c
 
 
 def check_engine(config) -> None:
-    """Refuses, before any model loads, an engine the pipeline cannot sample with, or a colocated engine whose
-    package is not installed."""
+    """Refuses, before any model loads, an engine the pipeline cannot sample with, a colocated engine whose package
+    is not installed, or one that cannot take the weights of this launch's processes (``WORLD_SIZE``, as torchrun
+    and accelerate set it; see [`check_world`])."""
     rollout = config.rollout
     if rollout.engine == "local":
         return
@@ -33,6 +35,7 @@ def check_engine(config) -> None:
         raise ConfigError(f"rollout.engine: {rollout.engine} with rollout.mode: colocate needs the {rollout.engine} "
                           f"package in this environment: pip install mmgrpo[{rollout.engine}] (see "
                           "docs/distributed.md), or run it as a server (rollout.mode: server).")
+    check_world(config, int(os.environ.get("WORLD_SIZE", "1")))
 
 
 def weights_dir(config) -> str:
@@ -41,12 +44,31 @@ def weights_dir(config) -> str:
     return config.rollout.weights_dir or str(Path(config.output_dir) / "engine_weights")
 
 
+def check_world(config, world: int) -> None:
+    """Refuses an engine that cannot take the weights of a run over `world` processes: a server (every process would
+    push its own copy) and, under FSDP, the colocated vLLM (each process holds a shard of the weights, not all)."""
+    rollout = config.rollout
+    if world == 1 or rollout.engine == "local":
+        return
+    if rollout.mode == "server":
+        raise ConfigError(f"rollout.mode: server takes the weights of a one-process run; this run has {world} "
+                          "processes: train on one process, or use rollout.mode: colocate (one vLLM per process).")
+    if config.train.sharding in ("fsdp", "hybrid"):
+        raise ConfigError(f"rollout.mode: colocate loads each process's whole weights into its vLLM; train.sharding: "
+                          f"{config.train.sharding} holds a shard per process: use train.sharding: ddp.")
+
+
 def build_engine(config, policy) -> RolloutEngine:
-    """The rollout engine of `config` for `policy` (see the module docstring); checked as [`check_engine`] checks."""
+    """The rollout engine of `config` for `policy` (see the module docstring); checked as [`check_engine`] and
+    [`check_world`] check."""
+    import torch
+
     check_engine(config)
     rollout = config.rollout
     if rollout.engine == "local":
         return LocalEngine(policy)
+    distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
+    check_world(config, torch.distributed.get_world_size() if distributed else 1)
     if rollout.mode == "server":
         from .engine_server import ServerEngine
 

@@ -170,3 +170,17 @@ def test_a_server_that_is_not_running_gives_a_clear_error(request, tmp_path):
     engine = ServerEngine(policy, "sglang", f"http://127.0.0.1:{port}", 5.0, str(tmp_path))
     with pytest.raises(EngineServerError, match="is the server running"):
         engine.sample(image_batch(1), TokenPlan(num_steps=STEPS, train_units=[list(range(STEPS))]))
+
+
+@pytest.mark.parametrize("overrides, world, message", [
+    (["rollout.engine=sglang", "rollout.mode=server", "rollout.server_url=http://127.0.0.1:1"], 2, "one-process run"),
+    (["rollout.engine=vllm", "train.sharding=fsdp"], 2, "use train.sharding: ddp"),
+])
+def test_engines_that_cannot_take_a_multi_process_runs_weights_are_refused(tmp_path, overrides, world, message):
+    from mmgrpo.engine_builders import check_world
+
+    config = vlm_config(tmp_path, *overrides)
+    check_world(config, 1)
+    with pytest.raises(ConfigError, match=message):
+        check_world(config, world)
+    check_world(vlm_config(tmp_path, "rollout.engine=vllm", "train.sharding=ddp"), world)
