@@ -25,6 +25,7 @@ from reward_fixtures import (  # noqa: F401
 )
 from builders._sam import tiny_sam2_dir  # noqa: F401
 from judge_server import judge_server  # noqa: F401
+from hpsv3_checkpoint import BUDGET as HPSV3_PIXELS, tiny_hpsv3_dir  # noqa: F401
 
 
 TEXTS = [
@@ -75,6 +76,8 @@ REWARD_OPTIONS = {
     "hpsv2": lambda request: _tiny_hps(*request.getfixturevalue("tiny_hps_checkpoint")),
     "ocr": lambda request: {"model": request.getfixturevalue("tiny_trocr_dir"), "device": "cpu", "max_new_tokens": 4},
     "image_reward": lambda request: _tiny_image_reward(request.getfixturevalue("tiny_image_reward")[0]),
+    "hpsv3": lambda request: {"model": str(request.getfixturevalue("tiny_hpsv3_dir")), "pixels": HPSV3_PIXELS,
+                              "base": str(request.getfixturevalue("tiny_hpsv3_dir") / "base"), "device": "cpu"},
     "geneval_detector": lambda request: {"clip_model_name": _tiny_clip(request)["model_name"], "device": "cpu",
                                          "detector": request.getfixturevalue("tiny_owlvit_dir"), "threshold": 0.2},
 }
