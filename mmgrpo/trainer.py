@@ -42,7 +42,7 @@ from .components import build_components
 from .config import ExperimentConfig
 from .best_checkpoint import BestCheckpoint
 from .eval_rewards import held_out_scorer
-from .engines import LocalEngine
+from .engine_builders import build_engine
 from .evaluation import evaluate_held_out, finite_mean, gather_rewards, reward_metrics
 from .metrics_log import MetricsLog, read_records
 from .optim import build_optimizer
@@ -87,7 +87,7 @@ class Trainer:
 
         set_seed(config.seed)  # LoRA initialisation and anything else drawn from global RNGs
         self.policy, self.algorithm, self.reward, self.data = build_components(config)
-        self.engine = LocalEngine(self.policy)  # what samples the rollouts (see mmgrpo.engines)
+        self.engine = build_engine(config, self.policy)  # what samples the rollouts (rollout.engine)
         self.group_stage = self.reward.group_stage  # the reward's stage after the gather, or None (see RewardFn)
         self.eval_reward = held_out_scorer(self.reward, config.eval)  # with eval.rewards' rewards, if any
         sharding.check_group_placement(config.train, self.world, self.algorithm.traits)
@@ -151,6 +151,8 @@ class Trainer:
             metrics["reward/sampled_mean"] = finite_mean(all_scores[batch.member_ids != 0])
         with_signal, rewarded = groups_with_signal(advantages, all_groups), torch.isfinite(all_scores)  # [N], [N]
         metrics.update(self._update(rollout, plan, local_adv, with_signal, generator, rewarded))
+        if self.engine.holds_weights:  # vLLM / SGLang sample from their own copy: it takes this step's weights
+            self.engine.sync_weights(self.policy)
         metrics["lr"] = self.lr_scheduler.get_last_lr()[0]
         metrics["samples_seen"] = self.step * len(all_scores)
         metrics.update({**refreshed, **corrected})  # the VAS refresh before this batch (vas/*), rollout_corr/*

@@ -184,3 +184,28 @@ def test_engines_that_cannot_take_a_multi_process_runs_weights_are_refused(tmp_p
     with pytest.raises(ConfigError, match=message):
         check_world(config, world)
     check_world(vlm_config(tmp_path, "rollout.engine=vllm", "train.sharding=ddp"), world)
+
+
+def test_a_trainer_step_samples_on_the_server_and_pushes_its_weights(engine_server, tiny_qwen2_vl_dir, tmp_path):
+    from mmgrpo.trainer import Trainer
+
+    config = vlm_config(
+        tmp_path, f"pipeline.pretrained={tiny_qwen2_vl_dir}", f"pipeline.max_new_tokens={STEPS}",
+        "pipeline.min_pixels=3136", "pipeline.max_pixels=3136", "pipeline.lora_rank=4", "pipeline.lora_alpha=8",
+        "train.prompts_per_step=2", "train.group_size=2", "train.minibatch_size=4", "train.max_steps=1",
+        "train.max_seconds=0", "eval.every=0", "checkpoint.every=0", "data.n_train=4", "data.n_eval=1",
+        "rollout.engine=sglang", "rollout.mode=server", f"rollout.server_url={engine_server.url}",
+    )
+    trainer = Trainer(config)
+    assert isinstance(trainer.engine, ServerEngine) and trainer.engine.holds_weights
+    trainer.step = 1
+    initial = engine_server.model
+    metrics = trainer.train_step()
+    assert engine_server.model is not initial  # reloaded from the pushed folder
+    assert len(engine_server.prompts_seen) == 4  # the step's rollouts came from the server
+    assert "rollout_corr/kl" in metrics  # the engine's log-probs were corrected (recomputed by the trainer)
+    assert trainer.engine.version == 1 and (tmp_path / "engine_weights" / "v1" / "config.json").is_file()
+    served = {name: p for name, p in engine_server.model.named_parameters()}
+    merged = trainer.policy.engine_weights()
+    torch.testing.assert_close(served["model.language_model.layers.0.self_attn.q_proj.weight"],
+                               merged["model.language_model.layers.0.self_attn.q_proj.weight"].float())
