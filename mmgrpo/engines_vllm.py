@@ -17,8 +17,9 @@ temperature (0: greedy), top_p, top_k, stop_token_ids, logit_bias (-100 on the t
 the policy's support), logprobs=0, seed)``; a sample's seed is drawn from the
 trainer's generator, so a run is reproducible. vLLM reports the prompt tokens it saw after its processor's
 expansion (``RequestOutput.prompt_token_ids``), kept in `seen` for the prompt-equality check; ``logprobs=0`` returns
-the sampled token's log-prob, the engine's log-probs of the rollout (vLLM's raw log-probs unless the engine is built
-otherwise).
+the sampled token's log-prob, the engine's log-probs of the rollout; the engine is built with
+``logprobs_mode="processed_logprobs"``, so they are taken after the temperature and the logit bias, as the policy's
+(vLLM's default, raw log-probs, ignores the temperature).
 """
 
 from __future__ import annotations
@@ -51,7 +52,8 @@ class VLLMColocateEngine:
         self.policy = policy
         kwargs = dict(model=policy.engine_model(), gpu_memory_utilization=rollout.gpu_memory_utilization,
                       tensor_parallel_size=rollout.tensor_parallel_size, enable_sleep_mode=True,
-                      enforce_eager=rollout.enforce_eager, seed=rollout.seed)
+                      enforce_eager=rollout.enforce_eager, seed=rollout.seed,
+                      logprobs_mode="processed_logprobs")  # after temperature and the logit bias, as the policy's
         if rollout.max_model_len:
             kwargs["max_model_len"] = rollout.max_model_len
         if torch.distributed.is_available() and torch.distributed.is_initialized():
