@@ -26,6 +26,7 @@ from reward_fixtures import (  # noqa: F401
 from builders._sam import tiny_sam2_dir  # noqa: F401
 from judge_server import judge_server  # noqa: F401
 from hpsv3_checkpoint import BUDGET as HPSV3_PIXELS, tiny_hpsv3_dir  # noqa: F401
+from videoscore_checkpoint import TINY_OPTIONS as VIDEOSCORE_OPTIONS, tiny_videoscore_dir  # noqa: F401
 
 
 TEXTS = [
@@ -78,6 +79,7 @@ REWARD_OPTIONS = {
     "image_reward": lambda request: _tiny_image_reward(request.getfixturevalue("tiny_image_reward")[0]),
     "hpsv3": lambda request: {"model": str(request.getfixturevalue("tiny_hpsv3_dir")), "pixels": HPSV3_PIXELS,
                               "base": str(request.getfixturevalue("tiny_hpsv3_dir") / "base"), "device": "cpu"},
+    "videoscore": lambda request: {"model": str(request.getfixturevalue("tiny_videoscore_dir")), **VIDEOSCORE_OPTIONS},
     "geneval_detector": lambda request: {"clip_model_name": _tiny_clip(request)["model_name"], "device": "cpu",
                                          "detector": request.getfixturevalue("tiny_owlvit_dir"), "threshold": 0.2},
 }
