@@ -69,8 +69,8 @@ def _evaluate(config, split: str) -> dict:
     trainer = Trainer(config, record_config=False)  # the run's own config.json stays as training wrote it
     if source:
         trainer.load_weights(source)
-    if split == "train":  # the same evaluation (sampler, noise, count) on the first train items
-        trainer.eval_items = trainer.data.train_items()  # `evaluate` takes the first eval.num_prompts
+    if split == "train":  # the same evaluation (sampler, noise, count, names) on the first train items
+        trainer.eval_items = {"eval": trainer.data.train_items()}  # `evaluate` takes the first eval.num_prompts
     return trainer.evaluate(trainer.step)
 
 
@@ -120,7 +120,8 @@ def main(argv: list[str] | None = None) -> int:
                         "checkpoint.resume_from if set, else its pretrained model as it is, i.e. the base of a run); "
                         "only its weights are read")
     p_eval.add_argument("--split", choices=["eval", "train"], default="eval",
-                        help="score the held-out prompts (default) or the train prompts (is a gap over-fitting?)")
+                        help="score the held-out splits (default: those of eval.splits, else every split the "
+                        "prompt source declares, e.g. eval and ood) or the train prompts (is a gap over-fitting?)")
     p_eval.add_argument("overrides", nargs="*")
     sub.add_parser("list", help="list registered pipelines, algorithms, rewards and prompt sources")
     p_show = sub.add_parser("show", help="a plugin's options: type, default and documentation")

@@ -1,6 +1,13 @@
-"""The per-batch work of an evaluation, outside the trainer: which held-out items a process takes, and sampling and
-scoring them batch by batch while the sample writers keep the first ones. [`mmgrpo.trainer.Trainer.evaluate`] gathers
-the results, applies the reward's group stage and writes the scores and samples."""
+"""The work of an evaluation, outside the trainer: which held-out splits are evaluated, which items a process takes,
+sampling and scoring them batch by batch while the sample writers keep the first ones, gathering the results, the
+reward's group stage, and writing the scores and samples of each split.
+
+A prompt source declares its held-out splits (``eval_splits()``, see [`mmgrpo.protocols.PromptSource`]): ``eval``, the
+in-distribution one, and any split it generates by a rule no training item satisfies (``ood``). ``eval.splits``
+chooses among them (default: all). The ``eval`` split is logged as ``eval/score`` and ``eval/<component>``, per prompt
+in ``eval/step_*.json`` and with samples in ``samples/``; another split ``S`` as ``eval/S/score`` and
+``eval/S/<component>``, in ``eval/S/step_*.json`` and ``samples/S/`` (its samples are not sent to the trackers, whose
+sample tags leave folders out)."""
 
 from __future__ import annotations
 
@@ -12,6 +19,7 @@ from .prompt_stream import items_to_batch
 from .seeding import mix_seed
 from .types import RewardResult
 from .plans import SamplingPlan, deterministic_plan
+from .held_out_splits import DEFAULT_SPLIT, split_path
 
 
 def evaluation_due(every: int, every_seconds: float, step: int, train_seconds: float, last_mark: float) -> bool:
@@ -113,14 +121,34 @@ def gather_rewards(accelerator, result: RewardResult, group_ids: torch.Tensor,
     return (whole if group_stage is None else group_stage(whole, groups)), groups
 
 
+def evaluate_splits(policy, reward, splits: dict[str, list], eval_config, accelerator, output_dir, step: int,
+                    trackers=None, batch_size: int = 64) -> dict[str, float]:
+    """[`evaluate_held_out`] of each held-out split of `splits` (name -> items); returns every split's metrics.
+
+    Raises:
+        `ValueError`: two splits log a metric of the same name (an ``eval.rewards`` entry named after a split).
+    """
+    out: dict[str, float] = {}
+    for split, items in splits.items():
+        metrics = evaluate_held_out(policy, reward, items, eval_config, accelerator, output_dir, step, trackers,
+                                    batch_size, split)
+        clash = sorted(set(metrics) & set(out))
+        if clash:
+            raise ValueError(f"eval.splits: held-out split {split!r} logs {clash[0]}, which another split logs too: "
+                             "rename the eval.rewards entry (or reward component) named after the split.")
+        out.update(metrics)
+    return out
+
+
 @torch.no_grad()
 def evaluate_held_out(policy, reward, items: list, eval_config, accelerator, output_dir, step: int, trackers=None,
-                      batch_size: int = 64) -> dict[str, float]:
+                      batch_size: int = 64, split: str = DEFAULT_SPLIT) -> dict[str, float]:
     """Deterministic samples of the first ``eval_config.num_prompts`` held-out `items` (same noise every time), each its
     own group, scored by `reward`: the reward means (after its group stage, on every process's items) as
-    ``eval/score`` and ``eval/<component>``, the scores per prompt (``<output_dir>/eval/step_*.json``) and the samples,
-    written by the writers of the policy's output modalities ([`mmgrpo.sample_writers`]) on the main process and
-    handed to `trackers`."""
+    ``eval/score`` and ``eval/<component>`` (``eval/<split>/...`` for another split than ``eval``), the scores per
+    prompt (``<output_dir>/eval/step_*.json``, or ``eval/<split>/``) and the samples, written by the writers of the
+    policy's output modalities ([`mmgrpo.sample_writers`]) on the main process (in ``samples/``, or
+    ``samples/<split>/``) and, for the ``eval`` split, handed to `trackers`."""
     from accelerate.utils import gather_object
 
     from .sample_writers import writers_for
@@ -135,18 +163,21 @@ def evaluate_held_out(policy, reward, items: list, eval_config, accelerator, out
     local, prompts = sample_and_score(policy, reward, mine, plan, generator, writers, first, batch_size,
                                       progress=accelerator.is_main_process)
     whole, _ = gather_rewards(accelerator, local, torch.arange(len(prompts)) + first, reward.group_stage)  # [N]
-    out = {"eval/score": finite_mean(whole.scores.float())}
+    prefix = "eval/" if split == DEFAULT_SPLIT else f"eval/{split}/"
+    out = {prefix + "score": finite_mean(whole.scores.float())}
     for name, values in whole.components.items():
-        out[f"eval/{name}"] = finite_mean(values.float())
+        out[prefix + name] = finite_mean(values.float())
     n = len(prompts)
     scores = whole.scores[rank * n : (rank + 1) * n]  # [n] this process's
     metric = whole.components.get(eval_config.metric, whole.scores)[rank * n : (rank + 1) * n]  # [n] headline
     per_item = list(zip(prompts, scores.tolist(), metric.tolist()))
     per_item = gather_object(per_item) if world > 1 else per_item
     if accelerator.is_main_process:
-        write_per_prompt_scores(per_item, Path(output_dir) / "eval" / f"step_{step:05d}.json", eval_config.metric)
+        write_per_prompt_scores(per_item, split_path(Path(output_dir) / "eval", split) / f"step_{step:05d}.json",
+                                eval_config.metric)
         for writer in writers:  # this process's first samples
-            paths = writer.write(Path(output_dir) / "samples", step, scores[: eval_config.grid_size].tolist())
-            if trackers:
+            paths = writer.write(split_path(Path(output_dir) / "samples", split), step,
+                                 scores[: eval_config.grid_size].tolist())
+            if trackers and split == DEFAULT_SPLIT:
                 trackers.log_samples(paths, step)
     return out

@@ -17,6 +17,7 @@ from . import registry
 from .config import PLUGIN_KINDS, ExperimentConfig
 from .engine_builders import check_engine
 from .eval_rewards import check_eval_rewards
+from .held_out_splits import DEFAULT_SPLIT, chosen_splits
 from .memory_check import check_memory
 from .plans import FEATURE_SCORE_FIELDS, FlowPlan, SamplingPlan
 from .validation import ConfigError
@@ -224,14 +225,22 @@ def check_items(config: ExperimentConfig, split: str = "eval") -> None:
         raise ConfigError(f"data: prompt source {config.data.name!r} has no training items: give it some (e.g. "
                           "data.n_train, data.train_file).")
     evaluating = bool(config.eval.every or config.eval.every_seconds)
-    if evaluating and split == "eval" and not data.eval_items():
-        raise ConfigError(
-            f"eval.every: prompt source {config.data.name!r} has no held-out items to evaluate: give it some "
-            f"({held_out_options(config.data.options)}) or set eval.every=0 and eval.every_seconds=0."
-        )
     check_input_images(config, data.train_items(), "training")
-    if evaluating and split == "eval":
-        check_input_images(config, data.eval_items(), "held-out")
+    if split != "eval":
+        return
+    splits = chosen_splits(data.eval_splits(), config.eval.splits, config.data.name)  # eval.splits names declared ones
+    named = sorted(set(splits) & set(config.eval.rewards))
+    if named:
+        raise ConfigError(f"eval.rewards.{named[0]}: an eval.rewards entry named after a held-out split would log the "
+                          f"same metrics (eval/{named[0]}/score): rename the entry.")
+    for name, items in splits.items() if evaluating else ():
+        if not items:
+            where = "" if name == DEFAULT_SPLIT else f" in split {name!r}"
+            raise ConfigError(
+                f"eval.every: prompt source {config.data.name!r} has no held-out items to evaluate{where}: give it some "
+                f"({held_out_options(config.data.options)}) or set eval.every=0 and eval.every_seconds=0."
+            )
+        check_input_images(config, items, "held-out" if name == DEFAULT_SPLIT else f"held-out ({name})")
 
 
 INPUT_IMAGES = "input_images"  # the capability of a pipeline whose `sample` reads conditions["images"] (editing)

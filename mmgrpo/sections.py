@@ -149,6 +149,10 @@ class EvalConfig:
         rewards (`dict[str, dict]`): other rewards that score the same held-out samples, by name: ``{name:
             {name: <registered reward, defaults to the name>, **its options}}``, each logged as ``eval/<name>/score``
             and ``eval/<name>/<component>`` (see `mmgrpo.eval_rewards`); empty: the trained reward only.
+        splits (`list[str]`, *optional*): the held-out splits evaluated, among those the prompt source declares
+            (``eval``, the in-distribution one, and e.g. ``ood``; checked before any model loads); unset: all of them.
+            ``eval`` is logged as ``eval/<metric>``, another split as ``eval/<split>/<metric>`` (see
+            `mmgrpo.evaluation`); each costs one evaluation of `num_prompts` prompts.
     """
 
     every: int = 10
@@ -158,9 +162,14 @@ class EvalConfig:
     metric: str = "score"
     seed: int = 1234
     rewards: dict[str, dict] = field(default_factory=dict)
+    splits: list[str] | None = None
 
     def __post_init__(self):
         check_fields(self)
+        if self.splits is not None and (not self.splits or len(set(self.splits)) < len(self.splits)
+                                        or any(not name.strip() or "/" in name for name in self.splits)):
+            raise ConfigError(f"eval.splits must list distinct held-out split names without '/' (e.g. [eval, ood]), "
+                              f"or be left out for every split the prompt source declares; got {self.splits!r}.")
         check_range("eval.every", self.every, 0, STEPS_LIMIT, fix="0 disables")
         check_range("eval.every_seconds", self.every_seconds, 0, SECONDS_LIMIT, fix="0 disables")
         check_range("eval.num_prompts", self.num_prompts, 1, SAMPLES_LIMIT)

@@ -45,7 +45,8 @@ import torch
 
 from . import checkpoint, registry, sharding
 from .config import ExperimentConfig
-from .evaluation import evaluate_held_out, process_share
+from .evaluation import evaluate_splits, process_share
+from .held_out_splits import DEFAULT_SPLIT, chosen_splits
 from .metrics_log import MetricsLog, read_records
 from .optim import build_optimizer
 from .prompt_stream import PromptStream, items_to_batch
@@ -112,7 +113,18 @@ def check(config: ExperimentConfig) -> list[dict]:
             from .preflight import check_modalities
 
             check_modalities(config)  # the reward scores what the pipeline writes
+            reward_splits(config, [], data)  # eval.splits names splits the source declares
     return items
+
+
+def reward_splits(config: ExperimentConfig, held_out: list[dict], data=None) -> dict[str, list[dict]]:
+    """The held-out splits ``sft.eval_reward`` samples and scores: those ``eval.splits`` chooses among the prompt
+    source's (`data`, built from the config when not given), the ``eval`` split being `held_out` (its first
+    ``eval.num_prompts`` items, those of the held-out loss)."""
+    if data is None:
+        data = registry.get("data", config.data.name)(config.data.options)
+    chosen = chosen_splits(data.eval_splits(), config.eval.splits, config.data.name)
+    return {name: held_out if name == DEFAULT_SPLIT else items for name, items in chosen.items()}
 
 
 def first_without_target(items: list[dict], key: str) -> tuple[int, object] | None:
@@ -188,6 +200,7 @@ class SFTTrainer:
         self.eval_items = held_out_targets(config) if self.evaluating else []
         reward_cls = registry.get("reward", config.reward.name) if self.evaluating and config.sft.eval_reward else None
         self.reward = reward_cls(config.reward.options) if reward_cls else None
+        self.reward_splits = reward_splits(config, self.eval_items) if self.reward is not None else {}
         self.log = MetricsLog(self.output_dir, enabled=acc.is_main_process)
         self.step, self.skipped_updates, self.train_seconds = 0, 0, 0.0
         self.eval_mark = 0.0  # train_seconds at the last held-out evaluation
@@ -263,11 +276,12 @@ class SFTTrainer:
 
     def evaluate(self, step: int) -> dict[str, float]:
         """The held-out loss ([`held_out_loss`]) and, with ``sft.eval_reward``, the held-out reward of greedy samples
-        as ``mmgrpo train`` evaluates them ([`~mmgrpo.evaluation.evaluate_held_out`], files named after `step`)."""
+        on each split of ``eval.splits`` as ``mmgrpo train`` evaluates them ([`~mmgrpo.evaluation.evaluate_splits`],
+        files named after `step`)."""
         metrics = self.held_out_loss()
         if self.reward is not None:
-            metrics.update(evaluate_held_out(self.policy, self.reward, self.eval_items, self.config.eval,
-                                             self.accelerator, self.output_dir, step, self.log.trackers))
+            metrics.update(evaluate_splits(self.policy, self.reward, self.reward_splits, self.config.eval,
+                                           self.accelerator, self.output_dir, step, self.log.trackers))
         return metrics
 
     @torch.no_grad()

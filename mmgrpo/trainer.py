@@ -43,7 +43,8 @@ from .config import ExperimentConfig
 from .best_checkpoint import BestCheckpoint
 from .eval_rewards import held_out_scorer
 from .engine_builders import build_engine
-from .evaluation import evaluate_held_out, finite_mean, gather_rewards, reward_metrics
+from .evaluation import evaluate_splits, finite_mean, gather_rewards, reward_metrics
+from .held_out_splits import chosen_splits
 from .metrics_log import MetricsLog, read_records
 from .optim import build_optimizer
 from .overlapped_scoring import ChunkedScoring
@@ -91,7 +92,7 @@ class Trainer:
         self.group_stage = self.reward.group_stage  # the reward's stage after the gather, or None (see RewardFn)
         self.eval_reward = held_out_scorer(self.reward, config.eval)  # with eval.rewards' rewards, if any
         sharding.check_group_placement(config.train, self.world, self.algorithm.traits)
-        self.eval_items = self.data.eval_items()
+        self.eval_items = chosen_splits(self.data.eval_splits(), config.eval.splits, config.data.name)  # split -> items
         # the whole weights of a checkpoint to resume, on every process, before sharding splits them
         resume = checkpoint.preload(config.checkpoint.resume_from, self.output_dir / "checkpoints", self.policy)
         self.wrapped = sharding.prepare(self.policy, acc, self.sharding, config.train.mixed_precision)
@@ -208,9 +209,9 @@ class Trainer:
         """Deterministic samples of the held-out prompts (same noise every time), each its own group: the reward
         means (after the reward's group stage, on every process's items), the scores per prompt (``eval/step_*.json``)
         and the samples, written by the writers of the pipeline's output modalities ([`mmgrpo.sample_writers`]); see
-        [`~mmgrpo.evaluation.evaluate_held_out`]."""
-        metrics = evaluate_held_out(self.policy, self.eval_reward, self.eval_items, self.config.eval, self.accelerator,
-                                    self.output_dir, step, self.log.trackers, batch_size)
+        [`~mmgrpo.evaluation.evaluate_splits`]: each held-out split ``eval.splits`` chooses."""
+        metrics = evaluate_splits(self.policy, self.eval_reward, self.eval_items, self.config.eval, self.accelerator,
+                                  self.output_dir, step, self.log.trackers, batch_size)
         self.best.observe(metrics, step, self.save)  # checkpoint.keep_best: a better evaluation saves a checkpoint
         return metrics
 

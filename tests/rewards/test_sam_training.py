@@ -36,7 +36,7 @@ def test_segmentation_step_and_evaluation_with_overlays(tmp_path, tiny_qwen2_5_v
     scores = trainer.evaluate(1)
     # a random tiny policy writes no box: empty masks, IoU 0, and the union is the truth's area
     assert scores["eval/sam/iou"] == 0.0 and scores["eval/sam/no_box"] == 1.0
-    truth_area = sum(int(item["metadata"]["mask"].sum()) for item in trainer.eval_items[:3]) / 3
+    truth_area = sum(int(item["metadata"]["mask"].sum()) for item in trainer.eval_items["eval"][:3]) / 3
     assert scores["eval/sam/union"] == pytest.approx(truth_area) and scores["eval/sam/intersection"] == 0.0
     samples = tmp_path / "run" / "samples"
     assert (samples / "step_00001_seg.png").is_file()
