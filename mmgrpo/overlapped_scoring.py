@@ -32,6 +32,7 @@ for ``train.sample_chunks: 1``.
 
 from __future__ import annotations
 
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable
 
@@ -51,14 +52,23 @@ def check_chunks(chunks: int, local_n: int) -> None:
 
 
 class PendingScores:
-    """The reward result of a step's rollout, joined from its chunks' when [`result`] is called."""
+    """The reward result of a step's rollout, joined from its chunks' when [`result`] is called.
 
-    def __init__(self, parts: list[Future | Callable[[], RewardResult]]):
-        self.parts = parts
+    Args:
+        parts: each chunk's scores: a future of the worker thread, or a function that returns them.
+        exposed_s (`float`): seconds the caller's thread already spent in reward calls (synchronous chunks); [`result`]
+            adds the time it takes (calls, or waiting for the worker).
+    """
+
+    def __init__(self, parts: list[Future | Callable[[], RewardResult]], exposed_s: float = 0.0):
+        self.parts, self.exposed_s = parts, exposed_s
 
     def result(self) -> RewardResult:
         """Waits for every chunk's scores (a reward's error is raised here) and joins them in batch order."""
-        return cat_results([part.result() if isinstance(part, Future) else part() for part in self.parts])
+        start = time.perf_counter()
+        results = [part.result() if isinstance(part, Future) else part() for part in self.parts]
+        self.exposed_s += time.perf_counter() - start
+        return cat_results(results)
 
 
 def _score_with(reward, outputs: dict[str, Any], batch: PromptBatch, grad: bool) -> RewardResult:
@@ -80,16 +90,18 @@ class ChunkedScoring:
         check_chunks(chunks, local_n)
         self.chunks, self.overlap = chunks, overlap
         self._pool: ThreadPoolExecutor | None = None  # one worker: the reward is never called twice at once
+        self.last: PendingScores | None = None  # the last step's scores (its `exposed_s`: the reward time not hidden)
 
     def sample(self, engine, reward, batch: PromptBatch, plan,
                generator: torch.Generator) -> tuple[Rollout, PendingScores]:
         """The rollout of `batch` under `plan` from `engine` and its pending reward result (``result()``)."""
         if self.chunks == 1:  # the one-call path: the reward runs when the trainer asks for the result
             rollout = engine.sample(batch, plan, generator=generator)
-            return rollout, PendingScores([lambda: reward(rollout.outputs, batch)])
+            self.last = PendingScores([lambda: reward(rollout.outputs, batch)])
+            return rollout, self.last
         seeds = torch.randint(0, 2**63 - 1, (self.chunks,), generator=generator).tolist()  # [K], before any chunk
         size, grad = len(batch) // self.chunks, torch.is_grad_enabled()
-        rollouts, parts = [], []
+        rollouts, parts, exposed = [], [], 0.0
         for k, seed in enumerate(seeds):
             piece = batch.select(range(k * size, (k + 1) * size))
             rollout = engine.sample(piece, plan, generator=torch.Generator().manual_seed(seed))
@@ -98,9 +110,12 @@ class ChunkedScoring:
                 self._pool = self._pool or ThreadPoolExecutor(max_workers=1, thread_name_prefix="mmgrpo-reward")
                 parts.append(self._pool.submit(_score_with, reward, rollout.outputs, piece, grad))
             else:
+                start = time.perf_counter()
                 result = reward(rollout.outputs, piece)
+                exposed += time.perf_counter() - start
                 parts.append(lambda result=result: result)
-        return cat_rollouts(rollouts), PendingScores(parts)
+        self.last = PendingScores(parts, exposed)
+        return cat_rollouts(rollouts), self.last
 
 
 # ------------------------------------------------------------------------------------------------------- joining
