@@ -86,8 +86,7 @@ def verify(path: Path, state: bool = True) -> None:
         for name in (OPTIMIZER_FILE, SCHEDULER_FILE):
             if not (path / name).is_file():
                 raise CheckpointError(f"checkpoint {path} has no {name}: {_instead(path)}.")
-        files = files + [path / OPTIMIZER_FILE, path / SCHEDULER_FILE, *sorted(path.glob("rng_rank*.safetensors"))]
-        files += [path / ALGORITHM_FILE] if (path / ALGORITHM_FILE).is_file() else []
+        files = [*files, *sorted(path.glob("*.safetensors"))]  # optimizer, schedule, RNG states, algorithm...
     for file in files:
         try:
             with safe_open(str(file), framework="pt"):
@@ -142,11 +141,11 @@ def complete_checkpoints(root: str | Path) -> list[Path]:
 
 def save(
     accelerator, root: str | Path, step: int, policy, optimizer, lr_scheduler, state: dict, keep_last: int,
-    algorithm=None, modules: list | None = None,
+    algorithm=None, modules: list | None = None, files: dict[str, dict] | None = None,
 ) -> Path:
-    """Writes checkpoint `step` atomically from every process (rank 0 writes the shared parts), then deletes all but
-    the newest `keep_last` complete checkpoints (at least one is always kept: the one just written). Sharded state
-    (of the prepared `modules`, the optimizer, the algorithm) is gathered whole for rank 0 first."""
+    """Writes checkpoint `step` atomically from every process (rank 0 the shared parts and `files`' states, by name),
+    then deletes all but the newest `keep_last` complete checkpoints (at least one is always kept: the one just
+    written). Sharded state (of the prepared `modules`, the optimizer, the algorithm) is gathered whole for rank 0."""
     root = Path(root)
     final = root / f"{PREFIX}{step:07d}"
     tmp = root / f"{PREFIX}{step:07d}.tmp"
@@ -154,7 +153,7 @@ def save(
     if algorithm is not None:
         meta["kl"] = algorithm.kl.state_dict()  # the KL weight's update count (every algorithm has one)
     try:
-        _write(accelerator, tmp, policy, optimizer, lr_scheduler, meta, algorithm, modules)
+        _write(accelerator, tmp, policy, optimizer, lr_scheduler, meta, algorithm, modules, files or {})
     except (OSError, SafetensorError) as err:  # a full disk, a quota, a vanished folder: nothing half-written stays
         shutil.rmtree(tmp, ignore_errors=True)
         raise CheckpointError(
@@ -174,7 +173,7 @@ def save(
     return final
 
 
-def _write(accelerator, tmp: Path, policy, optimizer, lr_scheduler, meta: dict, algorithm, modules) -> None:
+def _write(accelerator, tmp: Path, policy, optimizer, lr_scheduler, meta: dict, algorithm, modules, files) -> None:
     """Writes every file of a checkpoint into the temporary folder `tmp` (see [`save`]); `meta` is its
     ``trainer_state.json``, written last."""
     if accelerator.is_main_process:
@@ -190,10 +189,10 @@ def _write(accelerator, tmp: Path, policy, optimizer, lr_scheduler, meta: dict, 
         if main:
             policy.save_pretrained(str(tmp / WEIGHTS))
     if main:
-        save_state(optimizer_state, tmp / OPTIMIZER_FILE)
-        save_state(lr_scheduler.state_dict(), tmp / SCHEDULER_FILE)
-        if has_state:
-            save_state(sharding.full_tensors(algorithm_state), tmp / ALGORITHM_FILE)
+        algorithm_files = {ALGORITHM_FILE: sharding.full_tensors(algorithm_state)} if has_state else {}
+        for name, state in {OPTIMIZER_FILE: optimizer_state, SCHEDULER_FILE: lr_scheduler.state_dict(),
+                            **algorithm_files, **files}.items():  # `files`: the caller's states, by file name
+            save_state(state, tmp / name)
         _write_json(tmp / STATE_FILE, meta)
 
 

@@ -70,7 +70,7 @@ class ExperimentConfig:
         sections = {"train": self.train, "eval": self.eval, "checkpoint": self.checkpoint, "tracking": self.tracking,
                     "sft": self.sft, "rollout": self.rollout}
         for name, section in sections.items():
-            out[name] = dataclasses.asdict(section)
+            out[name] = flat_dict(section)  # each field under its key (train.async)
         return out
 
 

@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 
 from . import registry
+from .async_rollouts import check_schedule
 from .config import PLUGIN_KINDS, ExperimentConfig
 from .engine_builders import check_engine
 from .eval_rewards import check_eval_rewards
@@ -318,6 +319,7 @@ def preflight(config: ExperimentConfig, split: str | None = None) -> None:
     check_eval_rewards(config)
     check_reward_advantages(config)
     check_plan(config)
+    check_schedule(config)  # train.async: no step planned ahead from the steps before it
     check_engine(config)
     if split is None:
         check_memory(config)

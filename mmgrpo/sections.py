@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-from .validation import ConfigError, check_fields, check_range, check_seed, check_text
+from .validation import KEY, ConfigError, check_fields, check_range, check_seed, check_text
 from .vas import VASConfig, check_sampling
 
 STEPS_LIMIT = 10**9  # trainer steps (and the step counts of warm-up, evaluation, checkpoints, logging)
@@ -19,6 +19,39 @@ SIZE_LIMITS = {"max_steps": STEPS_LIMIT, "prompts_per_step": 2**16, "group_size"
 SIZE_FIXES = {"prompts_per_step": "real runs use 8 to ~1024 prompts per step",
               "group_size": "real runs use 4 to ~64 samples per prompt",
               "minibatch_size": "samples per backward pass; gradients accumulate over minibatches"}
+STALENESS_LIMIT = 16  # steps a rollout may lag the weights (asynchronous runs use 1 to ~4; each holds a batch in memory)
+
+
+@dataclass
+class AsyncConfig:
+    """``train.async``: asynchronous training, rollouts produced ahead of the updates from a rollout copy of the policy
+    (see [`mmgrpo.async_rollouts`] and ``docs/distributed.md``).
+
+    Args:
+        max_staleness (`int`): `k`. Step `t`'s rollout is sampled from the weights after step ``t - 1 - k`` (the
+            initial ones for the first steps), with the per-step seeds of synchronous training, while the trainer
+            updates on the steps before it: the rollouts of steps ``t + 1 .. t + k`` are sampled and rewarded while
+            step `t` updates. 0 samples each step from the latest weights (the same metrics as synchronous training).
+    """
+
+    max_staleness: int = 1
+
+    def __post_init__(self):
+        check_fields(self)
+        check_range("train.async.max_staleness", self.max_staleness, 0, STALENESS_LIMIT,
+                    fix="1 overlaps one step's sampling with the previous step's updates; 0 is synchronous")
+
+
+def check_async(train) -> None:
+    """Refuses ``train.async`` with what needs each step's results before the next batch is drawn, or sharded weights."""
+    if train.async_ is None:
+        return
+    if train.prompt_sampling != "uniform":
+        raise ConfigError(f"train.async cannot run with train.prompt_sampling: {train.prompt_sampling} (it picks each "
+                          "step's prompts from the previous steps' rewards): use uniform, or leave train.async out.")
+    if train.sharding in ("fsdp", "hybrid"):
+        raise ConfigError(f"train.async needs each process to hold the whole trained weights for its rollout copy: "
+                          f"use train.sharding: ddp (or none), not {train.sharding}, or leave train.async out.")
 
 
 @dataclass
@@ -32,6 +65,8 @@ class TrainConfig:
             counts: start-up, evaluation and checkpointing do not. The run stops after the step during which the
             total passed the budget (or at `max_steps`, whichever comes first), then evaluates and saves as after
             the last step. The total is kept in checkpoints, so a resumed run continues the same budget.
+        async (`AsyncConfig`, *optional*): ``{max_staleness: k}``: asynchronous training, rollouts sampled `k` steps
+            ahead from a rollout copy of the policy (see [`AsyncConfig`]); unset (the default): synchronous.
         prompts_per_step (`int`): distinct prompts sampled per step, over all processes (`B`).
         group_size (`int`): samples per prompt (`G`); `B * G` must divide evenly across processes.
         minibatch_size (`int`): samples per backward pass; gradients accumulate over minibatches.
@@ -70,6 +105,7 @@ class TrainConfig:
 
     max_steps: int = 100
     max_seconds: float = 0.0
+    async_: AsyncConfig | None = field(default=None, metadata={KEY: "async"})  # the key `async` (a Python keyword)
     prompts_per_step: int = 8
     group_size: int = 8
     minibatch_size: int = 8
@@ -102,6 +138,7 @@ class TrainConfig:
         for name, high in SIZE_LIMITS.items():
             check_range(f"train.{name}", values[name], 1, high, fix=SIZE_FIXES.get(name, ""))
         check_range("train.max_seconds", self.max_seconds, 0, SECONDS_LIMIT, fix="0: no time limit")
+        check_async(self)
         if self.group_size < 2:
             raise ConfigError("train.group_size must be >= 2: group-relative advantages need at least two samples.")
         samples = self.prompts_per_step * self.group_size

@@ -38,11 +38,13 @@ import torch
 
 from . import checkpoint, sharding, updates
 from .advantages import groups_with_signal, reward_advantages
+from .async_rollouts import AsyncRollouts, StepInputs, rollout_copy
 from .components import build_components
 from .config import ExperimentConfig
 from .best_checkpoint import BestCheckpoint
 from .eval_rewards import held_out_scorer
 from .engine_builders import build_engine
+from .engines import LocalEngine
 from .evaluation import evaluate_splits, finite_mean, gather_rewards, reward_metrics
 from .held_out_splits import chosen_splits
 from .metrics_log import MetricsLog, read_records
@@ -89,6 +91,10 @@ class Trainer:
         set_seed(config.seed)  # LoRA initialisation and anything else drawn from global RNGs
         self.policy, self.algorithm, self.reward, self.data = build_components(config)
         self.engine = build_engine(config, self.policy)  # what samples the rollouts (rollout.engine)
+        # train.async: a rollout copy samples ahead (see mmgrpo.async_rollouts); the local engine samples the copy
+        rollout_policy = rollout_copy(self.policy) if config.train.async_ is not None else None
+        if rollout_policy is not None and not self.engine.holds_weights:
+            self.engine = LocalEngine(rollout_policy)
         self.group_stage = self.reward.group_stage  # the reward's stage after the gather, or None (see RewardFn)
         self.eval_reward = held_out_scorer(self.reward, config.eval)  # with eval.rewards' rewards, if any
         sharding.check_group_placement(config.train, self.world, self.algorithm.traits)
@@ -102,6 +108,9 @@ class Trainer:
         self.stream = PromptStream(self.data.train_items(), seed=config.seed, sampling=config.train.prompt_sampling,
                                    mix=config.train.prompt_sampling_mix, vas=config.train.vas)
         self.log = MetricsLog(self.output_dir, enabled=acc.is_main_process)
+        self.rollouts = None if rollout_policy is None else AsyncRollouts(
+            config.train.async_.max_staleness, self._sample_and_score, self.policy, rollout_policy, self.engine,
+            self.algorithm, acc, config.train.max_steps)
         self.step = 0
         self.skipped_updates = 0
         self.train_seconds = 0.0  # wall-clock time of training steps only (what train.max_seconds limits)
@@ -117,7 +126,11 @@ class Trainer:
     # ------------------------------------------------------------------------------------------------- the loop
     def train(self) -> dict:
         """Runs the remaining steps ([`~mmgrpo.run_loop.run_steps`]), saves, writes the summary and returns it."""
-        stopped_by = run_steps(self, "train", ("reward", "reward/mean"))
+        try:
+            stopped_by = run_steps(self, "train", ("reward", "reward/mean"))
+        finally:
+            if self.rollouts is not None:
+                self.rollouts.close()
         self.save()
         summary = self._finish(stopped_by)  # with a signal, `mmgrpo train` then exits with 128 + its number
         self.log.close()
@@ -129,15 +142,15 @@ class Trainer:
 
     def train_step(self) -> dict[str, float]:
         cfg = self.config
-        refreshed = refresh_weights(self.stream, self.policy, self.algorithm, self.reward, self.accelerator, cfg.seed,
-                                    self.step) if self.stream.refresh_due(self.step - 1) else {}  # MMR1's VAS
-        batch = self.stream.next_batch(cfg.train.prompts_per_step).repeat(
-            cfg.train.group_size, first_group_id=(self.step - 1) * cfg.train.prompts_per_step
-        )
-        local = batch.select(range(self.rank * self.local_n, (self.rank + 1) * self.local_n))
-        plan = self.algorithm.schedule(self.policy.num_steps, torch.Generator().manual_seed(mix_seed(cfg.seed, self.step)))
-        generator = torch.Generator().manual_seed(mix_seed(cfg.seed, self.step, self.rank, 1))
-        rollout, scores = self.scoring.sample(self.engine, self.reward, local, plan, generator)  # train.sample_chunks
+        if self.rollouts is not None:  # train.async: sampled and rewarded ahead, from the weights k steps older
+            inputs, rollout, scores = self.rollouts.take(self.step, self._step_inputs, self.stream)
+            refreshed = {}
+        else:
+            refreshed = refresh_weights(self.stream, self.policy, self.algorithm, self.reward, self.accelerator,
+                                        cfg.seed, self.step) if self.stream.refresh_due(self.step - 1) else {}  # VAS
+            inputs = self._step_inputs(self.step)
+            rollout, scores = self._sample_and_score(inputs)
+        batch, local, plan, generator = inputs.batch, inputs.local, inputs.plan, inputs.generator
         rollout, corrected = correct_rollout(rollout, self.policy, self.algorithm, plan.train_units, cfg.train.minibatch_size)
         contiguous = cfg.train.group_placement == "contiguous"
         placed = self.local_advantages if contiguous else self.global_advantages
@@ -152,14 +165,34 @@ class Trainer:
             metrics["reward/sampled_mean"] = finite_mean(all_scores[batch.member_ids != 0])
         with_signal, rewarded = groups_with_signal(advantages, all_groups), torch.isfinite(all_scores)  # [N], [N]
         metrics.update(self._update(rollout, plan, local_adv, with_signal, generator, rewarded))
-        if self.engine.holds_weights:  # vLLM / SGLang sample from their own copy: it takes this step's weights
+        if self.engine.holds_weights and self.rollouts is None:  # vLLM / SGLang: their own copy takes this step's
+            # weights (train.async: each production syncs the engine to its own version instead)
             self.engine.sync_weights(self.policy)
         metrics["lr"] = self.lr_scheduler.get_last_lr()[0]
         metrics["samples_seen"] = self.step * len(all_scores)
         metrics.update({**refreshed, **corrected})  # the VAS refresh before this batch (vas/*), rollout_corr/*
         if self.algorithm.traits.after_step:
             self.algorithm.after_step()  # one rollout iteration done (MixGRPO's window), updates taken or not
+        if self.rollouts is not None:
+            self.rollouts.settle()  # the step ends when the production queued during it is done
         return metrics
+
+    def _step_inputs(self, step: int) -> StepInputs:
+        """Step `step`'s prompts (the stream's next batch, repeated `G` times with global group ids; this process's
+        slice), its plan and its generator (per-step seeds)."""
+        cfg = self.config
+        batch = self.stream.next_batch(cfg.train.prompts_per_step).repeat(
+            cfg.train.group_size, first_group_id=(step - 1) * cfg.train.prompts_per_step
+        )
+        local = batch.select(range(self.rank * self.local_n, (self.rank + 1) * self.local_n))
+        plan = self.algorithm.schedule(self.policy.num_steps, torch.Generator().manual_seed(mix_seed(cfg.seed, step)))
+        generator = torch.Generator().manual_seed(mix_seed(cfg.seed, step, self.rank, 1))
+        return StepInputs(step, batch, local, plan, generator)
+
+    def _sample_and_score(self, inputs: StepInputs):
+        """The step's rollout, sampled through ``self.engine``, and its pending reward result (``train.sample_chunks``
+        chunks, see [`~mmgrpo.overlapped_scoring.ChunkedScoring`])."""
+        return self.scoring.sample(self.engine, self.reward, inputs.local, inputs.plan, inputs.generator)
 
     def gather_rewards(self, result: RewardResult, group_ids: torch.Tensor) -> tuple[RewardResult, torch.Tensor]:
         """[`~mmgrpo.evaluation.gather_rewards`] over this run's processes with the reward's group stage: returns
@@ -219,13 +252,15 @@ class Trainer:
     def save(self, root: Path | None = None, extra: dict | None = None) -> Path:
         """Saves a checkpoint of this step under ``checkpoints/`` (or as the only one in `root`, with `extra` in its
         ``trainer_state.json``: the best checkpoint)."""
-        state = {"data_position": self.stream.position, "skipped_updates": self.skipped_updates,
-                 "train_seconds": self.train_seconds, "prompt_stream": self.stream.state_dict(), **(extra or {}),
+        # train.async: the stream before the first batch not trained on, and the weights its rollouts sample from
+        stream = self.stream.state_dict() if self.rollouts is None else self.rollouts.stream_state(self.stream)
+        state = {"data_position": stream["position"], "skipped_updates": self.skipped_updates,
+                 "train_seconds": self.train_seconds, "prompt_stream": stream, **(extra or {}),
                  **self.log.tracker_state()}  # the trackers' run ids, continued on resume
         return checkpoint.save(
             self.accelerator, root or self.output_dir / "checkpoints", self.step, self.policy, self.optimizer,
             self.lr_scheduler, state, 1 if root else self.config.checkpoint.keep_last, algorithm=self.algorithm,
-            modules=self.wrapped,
+            modules=self.wrapped, files=None if self.rollouts is None else self.rollouts.checkpoint_files(),
         )
 
     def _resume(self, path: Path) -> None:
@@ -237,6 +272,8 @@ class Trainer:
         self.skipped_updates = state["skipped_updates"]
         self.train_seconds = self.eval_mark = state.get("train_seconds", 0.0)  # absent in older checkpoints
         self.log.truncate_after(self.step)
+        if self.rollouts is not None:
+            self.rollouts.load(path)  # the weight versions of the rollouts that were in flight
 
     def load_weights(self, checkpoint_dir: str) -> None:
         """Loads only the trainable weights of a checkpoint (a folder, or ``"latest"`` under this run's output_dir)

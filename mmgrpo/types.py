@@ -246,6 +246,9 @@ class AlgorithmTraits:
         after_step (`bool`): the algorithm has an ``after_step()`` hook, which the trainer calls once at the end of
             every training step (one rollout), whether or not it took an update (MixGRPO's sliding window counts the
             rollout iterations); checkpoint what it counts through ``has_state``.
+        schedule_reads_state (`bool`): ``schedule`` reads the algorithm's own state (MixGRPO's progressive window
+            reads its count of training steps), so a step's plan is known only once the step before it ended:
+            ``train.async`` with a staleness above 0, which plans steps ahead, refuses it.
         old_source (`str`): what the loss gets as `old_log_prob` `[n, k]`, the "old" policy of its ratio:
 
             - ``"rollout"``: the log-probs the rollout recorded at sampling (``Rollout.old_log_probs``), the policy
@@ -301,6 +304,7 @@ class AlgorithmTraits:
     has_state: bool = False
     after_update: bool = False
     after_step: bool = False
+    schedule_reads_state: bool = False
     old_source: Literal["rollout", "old_model", "current"] = "rollout"
     old_score: bool = False
     update_mean: Literal["samples", "entries", "rollout_entries"] = "samples"

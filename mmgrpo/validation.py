@@ -78,6 +78,9 @@ def takes_none(tp: Any) -> bool:
 def _union(value: Any, args: tuple, key: str) -> Any:
     if value is None and type(None) in args:
         return None
+    records = [arg for arg in args if dataclasses.is_dataclass(arg)]
+    if isinstance(value, dict) and len(records) == 1:  # an optional section given: its own errors name the key
+        return coerce(value, records[0], key)
     for arg in args:
         if arg is type(None):
             continue
@@ -222,6 +225,13 @@ def check_renamed(values: dict, fields: typing.Iterable[str], prefix: str) -> No
 
 
 EMBEDDED = "mmgrpo.embedded"  # dataclass field metadata key of an embedded record (see `embedded`)
+KEY = "mmgrpo.key"  # dataclass field metadata: the option's key where the field's name cannot be it (a Python keyword)
+
+
+def option_key(field: dataclasses.Field) -> str:
+    """The key of dataclass `field` in a config mapping: its name, or the key its metadata gives where the name cannot
+    be one (``train.async`` is the field ``async_``: ``async`` is a Python keyword)."""
+    return field.metadata.get(KEY, field.name)
 
 
 def embedded(record: type, **defaults: Any) -> Any:
@@ -246,8 +256,8 @@ def flat_hints(cls: type) -> dict[str, Any]:
     for f in dataclasses.fields(cls):
         if not f.init:
             continue
-        inner = typing.get_type_hints(hints[f.name]) if is_embedded(f) else {f.name: hints[f.name]}
-        names = [g.name for g in dataclasses.fields(hints[f.name]) if g.init] if is_embedded(f) else [f.name]
+        inner = typing.get_type_hints(hints[f.name]) if is_embedded(f) else {option_key(f): hints[f.name]}
+        names = [g.name for g in dataclasses.fields(hints[f.name]) if g.init] if is_embedded(f) else [option_key(f)]
         for name in names:
             if name in flat:
                 raise TypeError(f"{cls.__name__}: option {name!r} is declared twice (embedded records share a flat "
@@ -257,11 +267,11 @@ def flat_hints(cls: type) -> dict[str, Any]:
 
 
 def flat_dict(config: Any) -> dict:
-    """``dataclasses.asdict(config)`` with each embedded record's fields in place of the record (see [`embedded`]):
-    the flat mapping [`build_dataclass`] reads back."""
+    """``dataclasses.asdict(config)`` with each embedded record's fields in place of the record (see [`embedded`]) and
+    each field under its key ([`option_key`]): the flat mapping [`build_dataclass`] reads back."""
     whole, out = dataclasses.asdict(config), {}
     for f in dataclasses.fields(config):
-        out.update(whole[f.name] if is_embedded(f) else {f.name: whole[f.name]})
+        out.update(whole[f.name] if is_embedded(f) else {option_key(f): whole[f.name]})
     return out
 
 
@@ -287,7 +297,7 @@ def build_dataclass(cls: type, values: dict | None, prefix: str) -> Any:
             + f".{peer_names.hint(str(unknown[0]))} Valid keys of {prefix}: {', '.join(sorted(flat))}."
         )
     given = {name: coerce(value, flat[name], f"{prefix}.{name}") for name, value in values.items()}
-    kwargs = {name: given[name] for name in fields if name in given}
+    kwargs = {name: given[option_key(f)] for name, f in fields.items() if option_key(f) in given}
     for name, f in fields.items():
         if is_embedded(f):
             record = f.default_factory()

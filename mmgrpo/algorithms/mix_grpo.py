@@ -161,6 +161,7 @@ class MixGRPO:
             group_local_advantages=config.advantage.group_local,
             has_state=True,  # the rollout iterations counted
             after_step=True,  # counts one per training step
+            schedule_reads_state=config.sample_strategy != "random",  # the progressive window reads the count
         )
 
     def window(self, num_steps: int, generator: torch.Generator | None = None) -> list[int]:
