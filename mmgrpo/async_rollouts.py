@@ -106,7 +106,7 @@ def check_schedule(config) -> None:
                           "algorithm.sample_strategy: random).")
 
 
-def _frozen_parameters(policy) -> dict[int, torch.nn.Parameter]:
+def frozen_parameters(policy) -> dict[int, torch.nn.Parameter]:
     """The frozen parameters of every module reachable from `policy` through attributes and small containers, by id:
     the ``copy.deepcopy`` memo under which a copy shares them."""
     memo, seen, todo = {}, set(), [policy]
@@ -132,7 +132,7 @@ def _frozen_parameters(policy) -> dict[int, torch.nn.Parameter]:
 def rollout_copy(policy):
     """A copy of `policy` (not prepared yet) that samples the rollouts: its trainable weights its own, its frozen
     parameters `policy`'s."""
-    return copy.deepcopy(policy, _frozen_parameters(policy))
+    return copy.deepcopy(policy, frozen_parameters(policy))
 
 
 class _CopyAccelerator:

@@ -7,7 +7,9 @@ process -> the reward's ``group_stage`` on the whole batch, if it has one ([`gat
 so, each unit's loss then getting its columns) -> for each inner epoch and minibatch, each trained unit is scored
 (``policy.log_prob`` or ``policy.likelihood``, as ``algorithm.scoring`` says; see [`~mmgrpo.components.score_unit`]),
 passed to ``algorithm.loss`` and back-propagated, then clipped and stepped. Distribution: accelerate's DDP, or FSDP2 applied by mmgrpo
-(``train.sharding``, see [`mmgrpo.sharding`]).
+(``train.sharding``, see [`mmgrpo.sharding`]). The updates run in [`mmgrpo.updates`]. With ``train.async`` the sampling
+and the per-sample reward of each step run ahead of its updates, from weights ``max_staleness`` steps older, in a
+worker ([`mmgrpo.async_rollouts`]); the rest of the step is the same.
 
 Skip rules (decided on the batch gathered from every process, so all processes agree):
 

@@ -15,7 +15,7 @@ import torch
 from safetensors.torch import load_file
 
 from mmgrpo import config as config_mod
-from mmgrpo.async_rollouts import WEIGHTS_FILE, _frozen_parameters, check_schedule, snapshot
+from mmgrpo.async_rollouts import WEIGHTS_FILE, frozen_parameters, check_schedule, snapshot
 from mmgrpo.errors import RunError
 from mmgrpo.seeding import mix_seed
 from mmgrpo.trainer import Trainer
@@ -118,7 +118,7 @@ def test_staleness_1_samples_from_the_weights_two_steps_before(tmp_path, tiny_sd
     trainer = Trainer(config_mod.from_dict(flow_run(tmp_path, tiny_sd3_dir, steps=3, staleness=1)))
     copy = trainer.rollouts.rollout_policy  # its own LoRA weights, the base model's frozen ones shared
     assert {id(p) for p in copy.trainable_parameters()}.isdisjoint(map(id, trainer.policy.trainable_parameters()))
-    assert _frozen_parameters(copy).keys() == _frozen_parameters(trainer.policy).keys() != set()
+    assert frozen_parameters(copy).keys() == frozen_parameters(trainer.policy).keys() != set()
     taken, take = {}, trainer.rollouts.take
 
     def recording(step, inputs_of, stream):
