@@ -35,8 +35,10 @@ so it goes on exactly as a run that was never stopped, also after a ``kill -9`` 
 a worker. ``train.sharding: fsdp`` / ``hybrid`` are refused (the copy needs the whole weights on each process), as are
 prompt sampling that reads the previous steps' rewards and, with ``k > 0``, an algorithm whose ``schedule`` reads its
 own state (``traits.schedule_reads_state``: MixGRPO's progressive window). Sampling and rewards release the GIL in
-their torch ops, so the worker overlaps the updates on a CPU as on a GPU; the worker draws from no global random
-number generator (sampling uses the step's generator).
+their torch ops, so on CPUs the worker's sampling runs beside the updates. On a GPU both threads queue their kernels
+on the device's current stream: what overlaps is host-side work (kernel launches, Python, a CPU reward or a reward
+server), not the kernels themselves. The worker draws from no global random number generator (sampling uses the
+step's generator).
 """
 
 from __future__ import annotations
