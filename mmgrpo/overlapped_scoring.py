@@ -26,8 +26,9 @@ prompt once (``prompt_index`` `[N]` into ``shared_<key>`` `[U, ...]`, the negati
 `[1, ...]`: `wan`, `hunyuan_video15`, `ltx2`) get those tables concatenated and ``prompt_index`` shifted; a table is a
 ``shared_*`` tensor of two or more dimensions with one row per distinct prompt of each chunk (the samplers' shared
 entries, sigmas and noise levels, are one-dimensional). A
-pipeline that pads each batch to its longest item (a text length) cannot be chunked: the join names the entry and asks
-for ``train.sample_chunks: 1``.
+pipeline whose rollouts join declares the ``chunked_rollouts`` capability (tested for each on its tiny model); one that
+pads each batch to its longest prompt (``qwen_image``, ``qwen_image_edit``, ``z_image``, ``mdlm``) does not, and
+``train.sample_chunks`` > 1 is refused for it before any model loads ([`check_pipeline`]).
 """
 
 from __future__ import annotations
@@ -38,10 +39,23 @@ from typing import Any, Callable
 
 import torch
 
+from . import registry
 from .types import PromptBatch, RewardResult, Rollout
 from .validation import ConfigError
 
+CAPABILITY = "chunked_rollouts"  # a pipeline whose rollouts of consecutive chunks join ([`cat_rollouts`])
 INDEX_KEY = "prompt_index"  # [N] rows of the shared_<key> entries (see the module docstring)
+
+
+def check_pipeline(config) -> None:
+    """Refuses ``train.sample_chunks`` > 1 for a pipeline that does not declare the ``chunked_rollouts`` capability
+    (its rollouts pad each batch to its longest prompt, so chunks do not join), before any model loads."""
+    if config.train.sample_chunks == 1 or CAPABILITY in registry.get("pipeline", config.pipeline.name).capabilities:
+        return
+    able = sorted(n for n in registry.available("pipeline") if CAPABILITY in registry.get("pipeline", n).capabilities)
+    raise ConfigError(f"train.sample_chunks: pipeline {config.pipeline.name} pads each batch to its longest prompt, so "
+                      f"its rollouts cannot be sampled in chunks: set train.sample_chunks: 1 (pipelines that can: "
+                      f"{', '.join(able)}).")
 
 
 def check_chunks(chunks: int, local_n: int) -> None:

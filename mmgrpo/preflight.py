@@ -20,6 +20,7 @@ from .engine_builders import check_engine
 from .eval_rewards import check_eval_rewards
 from .held_out_splits import DEFAULT_SPLIT, chosen_splits
 from .memory_check import check_memory
+from .overlapped_scoring import check_pipeline as check_chunked_sampling
 from .plans import FEATURE_SCORE_FIELDS, FlowPlan, SamplingPlan
 from .validation import ConfigError
 
@@ -321,6 +322,7 @@ def preflight(config: ExperimentConfig, split: str | None = None) -> None:
     check_plan(config)
     check_schedule(config)  # train.async: no step planned ahead from the steps before it
     check_engine(config)
+    check_chunked_sampling(config)  # train.sample_chunks: a pipeline whose rollouts join
     if split is None:
         check_memory(config)
     check_items(config, split or "eval")

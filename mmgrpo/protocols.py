@@ -41,6 +41,8 @@ class StochasticPolicy(Protocol):
     # "engine_rollout": ``engine_prompts``, ``engine_sampling``, ``engine_rollout``, ``engine_model``,
     # ``engine_weights`` and ``engine_weights_to`` (see `mmgrpo.engines`), with which vLLM / SGLang sample for it;
     # preflight refuses ``rollout.engine`` other than local on a pipeline without it
+    # "chunked_rollouts": rollouts of consecutive chunks of a batch join into the batch's (no per-batch padding; see
+    # `mmgrpo.overlapped_scoring.cat_rollouts`); preflight refuses ``train.sample_chunks`` > 1 on a pipeline without it
     capabilities: frozenset[str]
 
     def prepare(self, accelerator) -> list[torch.nn.Module]:

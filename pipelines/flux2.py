@@ -115,7 +115,7 @@ class Flux2Policy:
     plan_families = ("flow",)
     plan_features = PLAN_FEATURES
     provides = SCORE_FIELDS
-    capabilities = frozenset()
+    capabilities = frozenset({"chunked_rollouts"})
     input_names = ("prompt_embeds", "negative_prompt_embeds")
 
     def __init__(self, config: Flux2Config):

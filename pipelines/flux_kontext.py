@@ -42,7 +42,7 @@ class FluxKontextPolicy(FluxPolicy):
     are `FluxPolicy`'s; set-up, sampling, replay and checkpoints are shared ([`mmgrpo.pipelines._flow_policy`])."""
 
     Config = FluxKontextConfig
-    capabilities = frozenset({CAPABILITY})  # reads conditions["images"]: one input image per prompt
+    capabilities = frozenset({CAPABILITY, "chunked_rollouts"})  # reads conditions["images"]: one input image per prompt
     input_names = ("prompt_embeds", "pooled", "image_latents")  # what the trajectory keeps for replay
 
     def __init__(self, config: FluxKontextConfig):

@@ -114,7 +114,7 @@ class HunyuanVideo15Policy:
     plan_families = ("flow",)
     plan_features = PLAN_FEATURES
     provides = SCORE_FIELDS
-    capabilities = frozenset()
+    capabilities = frozenset({"chunked_rollouts"})
     input_names = ("prompt_index", *(f"shared_{k}" for k in TEXT_KEYS), *(f"shared_negative_{k}" for k in TEXT_KEYS))
 
     def __init__(self, config: HunyuanVideo15Config):

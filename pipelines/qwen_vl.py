@@ -70,7 +70,7 @@ class QwenVLPolicy:
     plan_features = frozenset({"ground_truth_member"})  # TempSamp-R1's teacher-forced ground-truth member
     provides = {"log_prob": frozenset({"log_prob", "mask"})}  # scoring method -> the Score fields it fills
     # mmgrpo sft trains on teacher-forced rollouts of given answers; vLLM / SGLang sample for it (`_qwen_vl_engine.py`)
-    capabilities = frozenset({"teacher_rollout", "engine_rollout"})
+    capabilities = frozenset({"teacher_rollout", "engine_rollout", "chunked_rollouts"})
 
     def __init__(self, config: QwenVLConfig):
         import transformers

@@ -87,7 +87,7 @@ class SD3Policy:
     plan_families = ("flow",)  # it reads FlowPlan only
     plan_features = PLAN_FEATURES  # merged steps, branches, per-sample units, DPM solver, likelihood
     provides = SCORE_FIELDS  # scoring method -> the Score fields it fills
-    capabilities = frozenset()  # no optional members (no teacher_rollout: mmgrpo sft does not fine-tune it)
+    capabilities = frozenset({"chunked_rollouts"})  # no teacher_rollout: mmgrpo sft does not fine-tune it
     input_names = ("prompt_embeds", "pooled", "negative_prompt_embeds", "negative_pooled")  # kept for replay
 
     def __init__(self, config: SD3Config):

@@ -127,7 +127,7 @@ class WanPolicy:
     plan_families = ("flow",)  # it reads FlowPlan only
     plan_features = PLAN_FEATURES  # merged steps, branches, per-sample units, DPM solver, likelihood
     provides = SCORE_FIELDS  # scoring method -> the Score fields it fills
-    capabilities = frozenset()  # no optional members (no teacher_rollout: mmgrpo sft does not fine-tune it)
+    capabilities = frozenset({"chunked_rollouts"})  # no teacher_rollout: mmgrpo sft does not fine-tune it
     input_names = ("prompt_index", "shared_prompt_embeds", "shared_negative_prompt_embeds", "condition")  # for replay
 
     def __init__(self, config: WanConfig):
