@@ -172,6 +172,7 @@ class Trainer:
             self.engine.sync_weights(self.policy)
         metrics["lr"] = self.lr_scheduler.get_last_lr()[0]
         metrics["samples_seen"] = self.step * len(all_scores)
+        metrics["time/reward_wait_s"] = scores.exposed_s  # reward time not overlapped with sampling (sample_chunks)
         metrics.update({**refreshed, **corrected})  # the VAS refresh before this batch (vas/*), rollout_corr/*
         if self.algorithm.traits.after_step:
             self.algorithm.after_step()  # one rollout iteration done (MixGRPO's window), updates taken or not

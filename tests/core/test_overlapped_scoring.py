@@ -220,6 +220,7 @@ def test_a_step_is_the_same_bit_for_bit_with_and_without_overlap(tmp_path, tiny_
         runs[overlap] = ([{k: v for k, v in r.items() if not k.startswith("time/")} for r in records],
                          [p.detach().clone() for p in trainer.policy.trainable_parameters()])
     assert len(runs[True][0]) == 2 and "reward/mean" in runs[True][0][0]
+    assert all(0 <= r["time/reward_wait_s"] < r["time/step_s"] for r in records)  # the last run's (synchronous)
     assert runs[True][0] == runs[False][0]
     for a, b in zip(runs[True][1], runs[False][1]):
         assert torch.equal(a, b)

@@ -24,8 +24,8 @@ from mmgrpo.tracker_names import tracker_metrics, tracker_name
 ROOT = Path(__file__).resolve().parents[2]
 CONFIGS = sorted((ROOT / "configs").glob("*.yaml")) + sorted((ROOT / "configs" / "tiny").glob("*.yaml"))
 TRAINER_NAMES = ["reward/mean", "reward/std", "reward/invalid", "reward/zero_std_groups", "reward/sampled_mean", "lr",
-                 "samples_seen", "time/step_s", "time/train_s", "train/skipped_updates", "train/unscored_share",
-                 "train/loss", "train/ratio_mean", "eval/score"]
+                 "samples_seen", "time/step_s", "time/train_s", "time/reward_wait_s", "train/skipped_updates",
+                 "train/unscored_share", "train/loss", "train/ratio_mean", "eval/score"]
 SERVED = {"judge", "judge_pairwise", "remote"}  # rewards that ask a server: none runs here
 TEXTS = ["<think>a</think><answer>3</answer>", "<answer>[1, 2, 10, 12]</answer>", "junk", ""]
 OUTPUTS = {  # modality -> sample outputs of n samples
