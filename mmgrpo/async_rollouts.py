@@ -77,9 +77,12 @@ class StepInputs:
 
 @dataclass
 class Scored:
-    """A step's reward result, computed during its production, read as the trainer reads a pending one."""
+    """A step's reward result, computed during its production, read as the trainer reads a pending one
+    ([`~mmgrpo.overlapped_scoring.PendingScores`]): `exposed_s` is the reward time that did not overlap sampling in
+    the worker (the production's own ``exposed_s``)."""
 
     value: RewardResult
+    exposed_s: float = 0.0
 
     def result(self) -> RewardResult:
         return self.value
@@ -91,7 +94,7 @@ class _Queued:
     version: int  # the step whose weights sample it
     weights: list[torch.Tensor]  # those trainable weights, in ``trainable_parameters()`` order
     stream_state: dict  # the prompt stream before this step's batch was drawn
-    future: Future  # -> (Rollout, RewardResult `[n]`)
+    future: Future  # -> (Rollout, Scored `[n]`)
 
 
 def check_schedule(config) -> None:
@@ -215,20 +218,21 @@ class AsyncRollouts:
         rollout, scores = entry.future.result()
         if self.staleness and self.algorithm.traits.rollout_correction is not None and rollout.engine_log_probs is None:
             rollout = dataclasses.replace(rollout, engine_log_probs=rollout.old_log_probs)  # [n, S] pi_rollout's
-        return entry.inputs, rollout, Scored(scores)
+        return entry.inputs, rollout, scores
 
     @torch.no_grad()
     def _load(self, weights: list[torch.Tensor]) -> None:
         for target, value in zip(self.rollout_policy.trainable_parameters(), weights, strict=True):
             target.copy_(value)
 
-    def _produce(self, inputs: StepInputs, weights: list[torch.Tensor]) -> tuple[Rollout, RewardResult]:
+    def _produce(self, inputs: StepInputs, weights: list[torch.Tensor]) -> tuple[Rollout, Scored]:
         """In the worker: the copy takes the version's weights, then samples and rewards the step."""
         self._load(weights)
         self.engine.sync_weights(self.rollout_policy)
         with self.autocast():
-            rollout, scores = self.produce(inputs)
-            return rollout, scores.result()  # the reward done within the production
+            rollout, pending = self.produce(inputs)
+            scores = pending.result()  # the reward done within the production
+        return rollout, Scored(scores, pending.exposed_s)
 
     def settle(self) -> None:
         """Waits until every queued production is done (a production's error is raised here)."""
