@@ -250,3 +250,14 @@ def test_two_processes_each_produce_their_slice(tmp_path, tiny_sd3_dir):
     for rank in (0, 1):
         assert_same(final("async0", rank), final("sync", 0))
         assert_same(final("resumed", rank), final("full", 0))
+
+
+def test_staleness_0_with_chunks_scored_while_sampling(tmp_path, tiny_sd3_dir):
+    """``train.sample_chunks`` with overlapped scoring inside the worker: the same metrics as synchronous training."""
+    runs = {}
+    for name, staleness in (("sync", None), ("async0", 0)):
+        raw = flow_run(tmp_path / name, tiny_sd3_dir, steps=2, staleness=staleness)
+        raw["train"].update({"sample_chunks": 2, "overlap_scoring": True})
+        Trainer(config_mod.from_dict(raw)).train()
+        runs[name] = metrics(tmp_path / name / "run")
+    assert runs["async0"] == runs["sync"] and len(runs["sync"]) == 2
