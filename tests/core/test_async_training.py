@@ -14,7 +14,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from mmgrpo import config as config_mod
+from mmgrpo import config as config_mod, registry
 from mmgrpo.async_rollouts import WEIGHTS_FILE, frozen_parameters, check_schedule, snapshot
 from mmgrpo.errors import RunError
 from mmgrpo.seeding import mix_seed
@@ -261,3 +261,17 @@ def test_staleness_0_with_chunks_scored_while_sampling(tmp_path, tiny_sd3_dir):
         Trainer(config_mod.from_dict(raw)).train()
         runs[name] = metrics(tmp_path / name / "run")
     assert runs["async0"] == runs["sync"] and len(runs["sync"]) == 2
+
+
+@pytest.mark.parametrize("name", sorted(registry.available("algorithm")))
+def test_schedule_reads_state_is_declared_truthfully(name):
+    """An algorithm whose plan moves with its own state (its ``after_step`` clock) declares
+    ``traits.schedule_reads_state``, which ``train.async`` relies on to plan steps ahead."""
+    cls = registry.get("algorithm", name)
+    algorithm = cls(cls.Config())
+    before = algorithm.schedule(12, torch.Generator().manual_seed(0))  # 12 steps: BranchGRPO's default splits fit
+    if algorithm.traits.after_step:
+        for _ in range(50):
+            algorithm.after_step()
+    moved = algorithm.schedule(12, torch.Generator().manual_seed(0)) != before
+    assert moved == algorithm.traits.schedule_reads_state
