@@ -42,6 +42,8 @@ def test_contiguous_matches_spread_on_two_processes(tmp_path, tiny_sd3_dir):
     # one training step through each path: the same rollouts give the same rewards, losses and gradient norm
     assert contiguous["metrics"].keys() == spread["metrics"].keys()
     for key, value in spread["metrics"].items():
+        if key.startswith("time/"):  # wall-clock measurements, not results
+            continue
         assert contiguous["metrics"][key] == pytest.approx(value, rel=1e-5, abs=1e-7), key
     assert spread["metrics"]["train/grad_norm"] > 0
 
