@@ -131,6 +131,12 @@ class ChunkedScoring:
         self.last = PendingScores(parts, exposed)
         return cat_rollouts(rollouts), self.last
 
+    def close(self) -> None:
+        """Stops the scoring worker, if one was started (after the last step's scores were read)."""
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
+
 
 # ------------------------------------------------------------------------------------------------------- joining
 def _join(key: str, values: list, sizes: list[int]):

@@ -133,6 +133,7 @@ class Trainer:
         finally:
             if self.rollouts is not None:
                 self.rollouts.close()
+            self.scoring.close()
         self.save()
         summary = self._finish(stopped_by)  # with a signal, `mmgrpo train` then exits with 128 + its number
         self.log.close()

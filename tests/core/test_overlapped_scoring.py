@@ -216,6 +216,8 @@ def test_a_step_is_the_same_bit_for_bit_with_and_without_overlap(tmp_path, tiny_
         raw["train"].update(sample_chunks=2, overlap_scoring=overlap)
         trainer = Trainer(config_mod.from_dict(raw))
         trainer.train()
+        # the scoring worker is stopped when training ends
+        assert not [t for t in threading.enumerate() if t.name.startswith("mmgrpo-reward")]
         records = [json.loads(line) for line in trainer.log.path.read_text().splitlines()]
         runs[overlap] = ([{k: v for k, v in r.items() if not k.startswith("time/")} for r in records],
                          [p.detach().clone() for p in trainer.policy.trainable_parameters()])
