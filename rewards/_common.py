@@ -8,6 +8,7 @@ Every parser here reads its input in one pass (O(length)); the text rewards also
 
 from __future__ import annotations
 
+import os
 import re
 from typing import Any, Iterator
 
@@ -33,6 +34,26 @@ _BRACE = re.compile(r"[{}]")
 def resolve_device(device: str) -> str:
     """`device` as configured, with ``"auto"`` meaning CUDA when it is available, else the CPU."""
     return ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device
+
+
+def weights_path(location: str, filename: str, *, reward: str, option: str, hub_repo: str) -> str:
+    """The local path of a reward model's weights: `location` itself when it is a file, ``location/filename`` for a
+    folder, else `filename` from the hub repository `location` (from the local cache when offline). A failed download
+    raises one line naming `reward`'s `option` and where the file comes from (`hub_repo`)."""
+    path = os.path.expanduser(location)
+    if os.path.isfile(path):
+        return path
+    if os.path.isdir(path):
+        return os.path.join(path, filename)
+    from huggingface_hub import hf_hub_download
+
+    try:
+        return hf_hub_download(location, filename)
+    except Exception as err:  # offline, missing file, no such repository
+        raise RuntimeError(
+            f"{reward}: could not get {filename} from the hub repository {location!r} ({err}). Download it from "
+            f"https://huggingface.co/{hub_repo} and set {reward}.{option} to the file or its folder."
+        ) from err
 
 
 def fixed_modalities(cls, config) -> frozenset[str]:

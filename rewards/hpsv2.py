@@ -29,32 +29,13 @@ from mmgrpo.hub import is_hub_id
 from mmgrpo.rewards import _clip
 from mmgrpo.rewards._common import (
     BATCH_LIMIT, WEIGHT_LIMIT, check_frame_options, fixed_artifacts, frames, modality_option, non_finite_samples,
-    reduce_frames,
+    reduce_frames, weights_path,
 )
 from mmgrpo.types import PromptBatch, RewardResult
 from mmgrpo.validation import ConfigError, check_fields, check_range, check_text
 
 HUB_REPO = "xswu/HPSv2"
 WEIGHT_SUFFIXES = (".pt", ".pth", ".bin", ".safetensors")
-
-
-def checkpoint_file(checkpoint: str, filename: str) -> str:
-    """The local path of the HPS weights: `checkpoint` itself when it is a file, ``checkpoint/filename`` for a
-    folder, else `filename` from the hub repository `checkpoint` (from the local cache when offline)."""
-    path = os.path.expanduser(checkpoint)
-    if os.path.isfile(path):
-        return path
-    if os.path.isdir(path):
-        return os.path.join(path, filename)
-    from huggingface_hub import hf_hub_download
-
-    try:
-        return hf_hub_download(checkpoint, filename)
-    except Exception as err:  # offline, missing file, no such repository
-        raise RuntimeError(
-            f"hpsv2: could not get {filename} from the hub repository {checkpoint!r} ({err}). Download it (from "
-            f"https://huggingface.co/{HUB_REPO}) and set hpsv2.checkpoint to the file or to its folder."
-        ) from err
 
 
 def load_state_dict(path: str) -> dict[str, torch.Tensor]:
@@ -159,7 +140,7 @@ class HPSv2:
         self.config = config or HPSv2Config()
         self.modalities = self.modalities_for(self.config)
         cfg = self.config
-        path = checkpoint_file(cfg.checkpoint, cfg.filename)
+        path = weights_path(cfg.checkpoint, cfg.filename, reward="hpsv2", option="checkpoint", hub_repo=HUB_REPO)
         state = load_state_dict(path)
         self.model, self.tokenizer = _clip.load_open_clip("hpsv2", cfg.model_name, None, cfg.device)
         try:

@@ -38,7 +38,7 @@ import torch
 from mmgrpo.hub import DTYPES, is_hub_id, resolve_pretrained
 from mmgrpo.rewards._common import (
     BATCH_LIMIT, check_frame_options, fixed_artifacts, frames, modality_option, non_finite_samples, reduce_frames,
-    resolve_device,
+    resolve_device, weights_path,
 )
 from mmgrpo.types import PromptBatch, RewardResult
 from mmgrpo.validation import ConfigError, check_fields, check_range, check_text
@@ -110,25 +110,6 @@ def resize_images(pixels: torch.Tensor, pixels_budget: int) -> list:
     new_h, new_w = smart_resize(height, width, FACTOR, min_pixels=pixels_budget, max_pixels=pixels_budget)
     arrays = (pixels.clamp(0, 1) * 255).round().to(torch.uint8).permute(0, 2, 3, 1).cpu().numpy()  # [M, H, W, 3]
     return [Image.fromarray(a).resize((new_w, new_h), Image.BICUBIC) for a in arrays]
-
-
-def weights_file(model: str, filename: str) -> str:
-    """The local path of the HPSv3 weights: `model` itself when it is a file, ``model/filename`` for a folder, else
-    `filename` from the hub repository `model` (from the local cache when offline)."""
-    path = os.path.expanduser(model)
-    if os.path.isfile(path):
-        return path
-    if os.path.isdir(path):
-        return os.path.join(path, filename)
-    from huggingface_hub import hf_hub_download
-
-    try:
-        return hf_hub_download(model, filename)
-    except Exception as err:  # offline, missing file, no such repository
-        raise RuntimeError(
-            f"hpsv3: could not get {filename} from the hub repository {model!r} ({err}). Download it from "
-            f"https://huggingface.co/{HUB_REPO} and set hpsv3.model to the file or its folder."
-        ) from err
 
 
 def split_head(path: str) -> tuple[dict[str, torch.Tensor], int]:
@@ -253,7 +234,7 @@ class HPSv3:
         self.config = cfg = config or HPSv3Config()
         self.modalities = self.modalities_for(cfg)
         self.device = resolve_device(cfg.device)
-        path = weights_file(cfg.model, cfg.filename)
+        path = weights_path(cfg.model, cfg.filename, reward="hpsv3", option="model", hub_repo=HUB_REPO)
         head, rows = split_head(path)
         base = resolve_pretrained(cfg.base, "hpsv3.base")
         self.processor = AutoProcessor.from_pretrained(base, padding_side="right")
