@@ -121,7 +121,7 @@ class ChunkedScoring:
             rollout = engine.sample(piece, plan, generator=torch.Generator().manual_seed(seed))
             rollouts.append(rollout)
             if self.overlap:
-                self._pool = self._pool or ThreadPoolExecutor(max_workers=1, thread_name_prefix="mmgrpo-reward")
+                self._pool = self._pool or ThreadPoolExecutor(max_workers=1, thread_name_prefix="mmgrpo-chunk-scoring")
                 parts.append(self._pool.submit(_score_with, reward, rollout.outputs, piece, grad))
             else:
                 start = time.perf_counter()

@@ -217,7 +217,7 @@ def test_a_step_is_the_same_bit_for_bit_with_and_without_overlap(tmp_path, tiny_
         trainer = Trainer(config_mod.from_dict(raw))
         trainer.train()
         # the scoring worker is stopped when training ends
-        assert not [t for t in threading.enumerate() if t.name.startswith("mmgrpo-reward")]
+        assert not [t for t in threading.enumerate() if t.name.startswith("mmgrpo-chunk-scoring")]
         records = [json.loads(line) for line in trainer.log.path.read_text().splitlines()]
         runs[overlap] = ([{k: v for k, v in r.items() if not k.startswith("time/")} for r in records],
                          [p.detach().clone() for p in trainer.policy.trainable_parameters()])
