@@ -104,10 +104,17 @@ def check_schedule(config) -> None:
     if options is None or options.max_staleness == 0:
         return
     algorithm = registry.get("algorithm", config.algorithm.name)(config.algorithm.options)
-    if algorithm.traits.schedule_reads_state:
-        raise ConfigError(f"train.async.max_staleness {options.max_staleness}: algorithm {config.algorithm.name!r} "
-                          "plans each step from the steps before it, so no step can be sampled ahead: use "
-                          "max_staleness 0, leave train.async out, or choose a schedule that reads no state (MixGRPO: "
+    refuse_stale_schedule(options.max_staleness, config.algorithm.name, algorithm.traits)
+
+
+def refuse_stale_schedule(staleness: int, algorithm_name: str, traits) -> None:
+    """Raises when rollouts `staleness` steps ahead cannot be planned: the algorithm's plan depends on the steps before
+    (``traits.schedule_reads_state``). [`check_schedule`] calls it before any model loads; the trainer once more with
+    its built algorithm (a `Trainer` built without preflight)."""
+    if staleness and traits.schedule_reads_state:
+        raise ConfigError(f"train.async.max_staleness {staleness}: algorithm {algorithm_name!r} plans each step from "
+                          "the steps before it, so no step can be sampled ahead: use max_staleness 0, leave "
+                          "train.async out, or choose a schedule that reads no state (MixGRPO: "
                           "algorithm.sample_strategy: random).")
 
 
@@ -176,9 +183,6 @@ class AsyncRollouts:
 
     def __init__(self, staleness: int, produce: Callable[[StepInputs], tuple], policy,
                  rollout_policy, engine, algorithm, accelerator, max_steps: int):
-        if staleness and algorithm.traits.schedule_reads_state:
-            raise ConfigError(f"train.async.max_staleness {staleness}: this algorithm plans each step from the steps "
-                              "before it (traits.schedule_reads_state): use max_staleness 0.")
         self.staleness, self.produce, self.max_steps = staleness, produce, max_steps
         self.policy, self.rollout_policy, self.engine, self.algorithm = policy, rollout_policy, engine, algorithm
         self.autocast = accelerator.autocast

@@ -40,7 +40,7 @@ import torch
 
 from . import checkpoint, sharding, updates
 from .advantages import groups_with_signal, reward_advantages
-from .async_rollouts import AsyncRollouts, StepInputs, rollout_copy
+from .async_rollouts import AsyncRollouts, StepInputs, refuse_stale_schedule, rollout_copy
 from .components import build_components
 from .config import ExperimentConfig
 from .best_checkpoint import BestCheckpoint
@@ -95,8 +95,10 @@ class Trainer:
         self.engine = build_engine(config, self.policy)  # what samples the rollouts (rollout.engine)
         # train.async: a rollout copy samples ahead (see mmgrpo.async_rollouts); the local engine samples the copy
         rollout_policy = rollout_copy(self.policy) if config.train.async_ is not None else None
-        if rollout_policy is not None and not self.engine.holds_weights:
-            self.engine = LocalEngine(rollout_policy)
+        if rollout_policy is not None:
+            refuse_stale_schedule(config.train.async_.max_staleness, config.algorithm.name, self.algorithm.traits)
+            if not self.engine.holds_weights:
+                self.engine = LocalEngine(rollout_policy)
         self.group_stage = self.reward.group_stage  # the reward's stage after the gather, or None (see RewardFn)
         self.eval_reward = held_out_scorer(self.reward, config.eval)  # with eval.rewards' rewards, if any
         sharding.check_group_placement(config.train, self.world, self.algorithm.traits)

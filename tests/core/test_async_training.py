@@ -231,6 +231,14 @@ def test_options_are_checked_before_any_model_loads(tmp_path):
     check_schedule(build({"async": {"max_staleness": 1}}, {"name": "mix_grpo", "sample_strategy": "random"}))
 
 
+def test_a_trainer_built_without_preflight_refuses_a_stale_progressive_window(tmp_path, tiny_sd3_dir):
+    """The trainer checks the schedule once more with its built algorithm (the same rule and message as preflight's)."""
+    raw = flow_run(tmp_path, tiny_sd3_dir, staleness=1)
+    raw["algorithm"] = {"name": "mix_grpo"}
+    with pytest.raises(ConfigError, match="algorithm 'mix_grpo' plans each step from the steps before it"):
+        Trainer(config_mod.from_dict(raw))
+
+
 def test_two_processes_each_produce_their_slice(tmp_path, tiny_sd3_dir):
     """Under torchrun with 2 CPU processes (gloo): staleness 0 equals synchronous training, both processes end with the
     same weights, and a checkpoint with rollouts in flight resumes exactly."""
