@@ -8,6 +8,14 @@ teacher forcing on the completion tokens. Training stops as soon as the greedy h
 
     python scripts/train_vlm_shapes.py --out data/weights/vlm_shapes
 
+``--max-objects N`` (below 4) draws every training and held-out scene with at most N shapes, as an RL config with
+``data.max_objects: N`` and ``data.ood: true`` does (``mmgrpo:vlm_shapes_in_dist``, ``--max-objects 3``): the base
+never sees a scene of the ``ood`` split (more than N shapes) or a count above N, so that split is out of distribution
+for it too. Its accuracy on the ``ood`` split is then recorded as well (``held_out_ood_accuracy``; it does not decide
+when training stops)::
+
+    python scripts/train_vlm_shapes.py --max-objects 3 --out data/weights/vlm_shapes_in_dist
+
 Writes the model, the processor and ``metrics.json`` (held-out accuracy, steps, seconds) to ``--out``.
 """
 
@@ -35,6 +43,16 @@ def build(seed: int, hidden: int, layers: int, size: int):
     tokenizer = qwen_tokenizer(QWEN_CORPUS + " " + words, vocab_size=420)
     return tiny_qwen_vl("qwen2_vl", seed=seed, hidden_size=hidden, num_layers=layers, min_pixels=size * size,
                         max_pixels=size * size, tokenizer=tokenizer)
+
+
+def training_batch(source: VLMShapes, step: int, batch: int) -> tuple[list[dict], list[str]]:
+    """The `batch` training items of `step` and their target completions: scenes drawn as `source`'s options say
+    (``size``, ``max_objects``, ``tasks``), from indices that no RL training, ``eval`` or ``ood`` item uses."""
+    c = source.config
+    indices = [2_000_000 + (step * batch + i) for i in range(batch)]
+    scenes = [scene(i, c.size, c.max_objects) for i in indices]
+    items = [source.item(i, shapes) for i, shapes in zip(indices, scenes)]
+    return items, [target_text(question(i, shapes, c.tasks)) for i, shapes in zip(indices, scenes)]
 
 
 def batch_inputs(processor, items: list[dict], targets: list[str]) -> dict:
@@ -66,17 +84,20 @@ def supervised_step(model, optimizer, processor, items: list[dict], targets: lis
 
 
 @torch.no_grad()
-def held_out_accuracy(path: str, n_eval: int, size: int) -> float:
+def held_out_accuracy(path: str, n_eval: int, size: int, max_objects: int = 4, split: str = "eval") -> float:
+    """The greedy answer accuracy of the model at `path` on the first `n_eval` items of the held-out `split` of
+    `vlm_shapes` (``eval``, or ``ood`` with `max_objects` below 4), as the RL config's evaluation draws them."""
     from mmgrpo.pipelines.qwen_vl import QwenVLConfig, QwenVLPolicy
     from mmgrpo.prompt_stream import items_to_batch
     from mmgrpo.rewards.accuracy import AccuracyReward
     from mmgrpo.plans import TokenPlan
 
     policy = QwenVLPolicy(QwenVLConfig(pretrained=path, max_new_tokens=20, lora_rank=0))
-    data = VLMShapes(VLMShapesConfig(n_train=0, n_eval=n_eval, size=size))
+    data = VLMShapes(VLMShapesConfig(n_train=0, n_eval=n_eval, size=size, max_objects=max_objects,
+                                     ood=split != "eval"))
     reward = AccuracyReward()
     scores = []
-    items = data.eval_items()
+    items = data.eval_splits()[split]
     for start in range(0, len(items), 50):
         batch = items_to_batch(items[start : start + 50])
         batch.group_ids = torch.arange(len(batch))
@@ -98,27 +119,33 @@ def main(argv=None) -> dict:
     parser.add_argument("--n-eval", type=int, default=100)
     parser.add_argument("--stop-accuracy", type=float, default=0.45)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--max-objects", type=int, default=4, choices=range(1, 5),
+                        help="at most this many shapes per training and held-out scene (the RL config's "
+                             "data.max_objects); below 4 the ood split's accuracy is recorded too")
     args = parser.parse_args(argv)
     torch.manual_seed(args.seed)
     model, processor = build(args.seed, args.hidden, args.layers, args.size)
     model.train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
-    source = VLMShapes(VLMShapesConfig(n_train=0, size=args.size))
+    source = VLMShapes(VLMShapesConfig(n_train=0, size=args.size, max_objects=args.max_objects))
     start, accuracy, history = time.time(), 0.0, []
     for step in range(1, args.steps + 1):
-        indices = [2_000_000 + (step * args.batch + i) for i in range(args.batch)]  # never the RL / eval indices
-        items = [source.item(i) for i in indices]
-        targets = [target_text(question(i, scene(i, args.size), source.config.tasks)) for i in indices]
+        items, targets = training_batch(source, step, args.batch)
         loss = supervised_step(model, optimizer, processor, items, targets)
         if step % args.eval_every == 0:
             model.save_pretrained(args.out)
             processor.save_pretrained(args.out)
-            accuracy = held_out_accuracy(args.out, args.n_eval, args.size)
+            accuracy = held_out_accuracy(args.out, args.n_eval, args.size, args.max_objects)
             history.append({"step": step, "loss": round(loss.item(), 4), "held_out_accuracy": accuracy})
+            if args.max_objects < 4:  # recorded only: the stop reads the in-distribution split alone
+                history[-1]["held_out_ood_accuracy"] = held_out_accuracy(args.out, args.n_eval, args.size,
+                                                                         args.max_objects, split="ood")
             print(json.dumps(history[-1]), flush=True)
             if accuracy >= args.stop_accuracy:
                 break
-    metrics = {"held_out_accuracy": accuracy, "steps": step, "seconds": round(time.time() - start, 1),
+    ood = args.max_objects < 4 and history
+    extra = {"held_out_ood_accuracy": history[-1]["held_out_ood_accuracy"]} if ood else {}
+    metrics = {"held_out_accuracy": accuracy, **extra, "steps": step, "seconds": round(time.time() - start, 1),
                "args": vars(args), "history": history}
     Path(args.out, "metrics.json").write_text(json.dumps(metrics, indent=2), encoding="utf-8")
     return metrics
