@@ -169,9 +169,20 @@ class TokenSampler:
             cumulative = sorted_probs.cumsum(dim=-1)
             drop = cumulative - sorted_probs > self.top_p * cumulative[:, -1:]  # keeps at least the top token
             probs = probs.scatter(-1, order, sorted_probs.masked_fill(drop, 0.0))
+        return (probs / self.exponentials(probs).to(probs.device)).argmax(dim=-1)  # [N]
+
+    def exponentials(self, probs: torch.Tensor) -> torch.Tensor:
+        """``Exp(1)`` draws of `probs`' shape and dtype, where the generator lives, as ``exponential_`` draws them. For
+        float32 on the CPU they are computed as its kernel computes them, about 3x faster than its serial per-element
+        loop: ``-log1p(-U)`` in float64 from the same 53-bit uniforms ``U`` (the same generator calls, so the generator
+        ends in the same state), rounded to float32. torch's vectorised ``log1p`` can differ from the kernel's
+        ``std::log1p`` in the last float64 bit, which survives the rounding to float32 only at a rounding boundary
+        (estimated once in 10^9 draws or fewer; none in the test's 2 x 10^7)."""
         where = self.generator.device if self.generator is not None else probs.device
-        race = torch.empty(probs.shape, dtype=probs.dtype, device=where).exponential_(generator=self.generator)
-        return (probs / race.to(probs.device)).argmax(dim=-1)  # [N]
+        if where.type != "cpu" or probs.dtype != torch.float32:
+            return torch.empty(probs.shape, dtype=probs.dtype, device=where).exponential_(generator=self.generator)
+        uniform = torch.empty(probs.shape, dtype=torch.float64).uniform_(generator=self.generator)  # [N, V]
+        return uniform.neg_().log1p_().neg_().to(probs.dtype)  # [N, V]
 
 
 def decode(step: "LeanStep | ModelStep", logits: torch.Tensor, steps: int, *,

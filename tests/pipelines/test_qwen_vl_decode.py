@@ -89,6 +89,19 @@ def test_static_cache_holds_the_prompt_then_each_token_in_place(request):
         assert buffer[:, :, prompt_mask.shape[1]:].abs().sum(dim=(1, 3)).gt(0).all()  # every step wrote its key
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_sampler_exponentials_are_exponential_s_numbers(dtype):
+    """On the CPU the race's exponentials equal exponential_'s (float32: computed from the uniforms it reads), and the
+    generator is left in the same state."""
+    probs = torch.rand(100, 100_000 if dtype == torch.float32 else 1000, dtype=dtype)  # 10^7 float32 draws
+    ours, theirs = torch.Generator().manual_seed(3), torch.Generator().manual_seed(3)
+    sampler = TokenSampler(greedy=False, top_k=0, top_p=1.0, generator=ours)
+    for _ in range(2):
+        expected = torch.empty(probs.shape, dtype=dtype).exponential_(generator=theirs)
+        assert torch.equal(sampler.exponentials(probs), expected)
+    assert torch.equal(ours.get_state(), theirs.get_state())
+
+
 def test_sampler_draws_the_truncated_policy_as_torch_multinomial():
     probs = torch.tensor([0.0, 0.1, 0.2, 0.0, 0.3, 0.4])  # zeros: excluded tokens (vision tokens: -inf logits)
     n = 20000
