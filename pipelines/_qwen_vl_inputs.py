@@ -119,20 +119,14 @@ class PromptEncoder:
         system = [{"role": "system", "content": c.system_prompt}] if c.system_prompt else []
         return system + [{"role": "user", "content": content}]
 
-    def encode(self, prompt: str, images: list, videos: list, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-        """One prompt through the chat template, ``process_vision_info`` (the one resize) and the processor (no
-        resize): ``input_ids`` `[L]`, ``mm_token_type_ids`` `[L]` and the vision tensors (``pixel_values``
-        `[patches, D]` in `dtype`, ``image_grid_thw`` `[images, 3]`, video counterparts, ``second_per_grid_ts``
-        `[videos]`), on the CPU."""
+    def _resize(self, messages: list[dict]) -> tuple:
+        """qwen-vl-utils' ``process_vision_info`` of `messages` (the one resize): images, (video, metadata) pairs and
+        the video kwargs; a side floored to 0 becomes an error that names the key."""
         from qwen_vl_utils import process_vision_info
 
-        messages = self.messages(prompt, images, videos)
-        text = self.processor.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         try:
-            image_inputs, video_inputs, video_kwargs = process_vision_info(
-                messages, return_video_kwargs=True, image_patch_size=self.patch_size,
-                return_video_metadata=True,
-            )
+            return process_vision_info(messages, return_video_kwargs=True, image_patch_size=self.patch_size,
+                                       return_video_metadata=True)
         except ValueError as err:
             if "must be > 0" not in str(err):
                 raise
@@ -143,6 +137,15 @@ class PromptEncoder:
                 f"{2 * self.cell} for the frames of a frame-list video, is floored to 0); raise that modality's "
                 "max_pixels."
             ) from err
+
+    def encode(self, prompt: str, images: list, videos: list, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+        """One prompt through the chat template, ``process_vision_info`` (the one resize) and the processor (no
+        resize): ``input_ids`` `[L]`, ``mm_token_type_ids`` `[L]` and the vision tensors (``pixel_values``
+        `[patches, D]` in `dtype`, ``image_grid_thw`` `[images, 3]`, video counterparts, ``second_per_grid_ts``
+        `[videos]`), on the CPU."""
+        messages = self.messages(prompt, images, videos)
+        text = self.processor.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        image_inputs, video_inputs, video_kwargs = self._resize(messages)
         kwargs = dict(video_kwargs or {}) if video_inputs else {}
         if video_inputs:  # no resize happens here; set only to silence the processor's warning about the cap
             kwargs["cap_pixels_per_frame"] = True
@@ -157,6 +160,34 @@ class PromptEncoder:
         for key in ("pixel_values", "pixel_values_videos"):
             if key in out:
                 out[key] = out[key].to(dtype)
+        return out
+
+    def encode_many(self, prompts: list[tuple[str, list, list]], dtype: torch.dtype) -> list[dict[str, torch.Tensor]]:
+        """[`encode`] of each ``(prompt, images, videos)`` of `prompts`: the same tensors, with the prompts without
+        videos sent to the processor in one call (its per-call work paid once), unpadded and split per prompt."""
+        out: list[dict | None] = [None] * len(prompts)
+        batched = [i for i, (_, _, videos) in enumerate(prompts) if not videos]
+        for i in set(range(len(prompts))) - set(batched):
+            out[i] = self.encode(*prompts[i], dtype)
+        if not batched:
+            return out
+        texts, images, counts = [], [], []
+        for i in batched:
+            messages = self.messages(prompts[i][0], prompts[i][1], [])
+            texts.append(self.processor.apply_chat_template(messages, tokenize=False, add_generation_prompt=True))
+            resized = (self._resize(messages)[0] or []) if prompts[i][1] else []  # images resized once
+            images += resized
+            counts.append(len(resized))
+        inputs = self.processor(text=texts, images=images or None, do_resize=False, padding=True, return_tensors="pt")
+        grids = inputs.get("image_grid_thw")  # [images, 3]
+        pixels = list(torch.as_tensor(inputs["pixel_values"]).split(grids.prod(dim=1).tolist())) if images else []
+        starts = [sum(counts[:k]) for k in range(len(counts))]
+        for k, i in enumerate(batched):
+            kept = inputs["attention_mask"][k].bool()  # [L_padded] -> this prompt's tokens
+            out[i] = {"input_ids": inputs["input_ids"][k][kept], "mm_token_type_ids": inputs["mm_token_type_ids"][k][kept]}
+            if counts[k]:
+                out[i]["pixel_values"] = torch.cat(pixels[starts[k] : starts[k] + counts[k]]).to(dtype)
+                out[i]["image_grid_thw"] = grids[starts[k] : starts[k] + counts[k]]
         return out
 
     def record_input_size(self, metadata: dict, encoded: dict) -> None:

@@ -151,18 +151,19 @@ class QwenVLPolicy:
     def _encode_batch(self, batch: PromptBatch) -> list[dict]:
         """Encoded prompts, one entry per sample; the samples of one group share one entry (the same object)."""
         group_ids = batch.group_ids.tolist() if batch.group_ids is not None else list(range(len(batch)))
-        encoded: dict[int, dict] = {}
-        out = []
+        first: dict[int, int] = {}  # group -> its first sample
         for i, gid in enumerate(group_ids):
-            if gid not in encoded:
-                images, videos = vision_inputs(batch.conditions, i)
-                encoded[gid] = self.encode_prompt(batch.prompts[i], images, videos)
-                self.inputs.record_input_size(batch.metadata[i], encoded[gid])
-            elif batch.prompts[i] != batch.prompts[group_ids.index(gid)]:
+            if gid not in first:
+                first[gid] = i
+            elif batch.prompts[i] != batch.prompts[first[gid]]:
                 raise ValueError(f"Samples of group {gid} have different prompts; a group must share its prompt.")
+        prompts = [(batch.prompts[i], *vision_inputs(batch.conditions, i)) for i in first.values()]
+        encoded = dict(zip(first, self.inputs.encode_many(prompts, self.model.dtype)))  # one processor call
+        for gid, i in first.items():
+            self.inputs.record_input_size(batch.metadata[i], encoded[gid])
+        for i in range(len(group_ids)):
             batch.metadata[i]["coords"] = self.box_frame  # the frame the rewards map boxes from (coords: model)
-            out.append(encoded[gid])
-        return out
+        return [encoded[gid] for gid in group_ids]
 
     # ------------------------------------------------------------------------------------------------- sampling
     @torch.no_grad()

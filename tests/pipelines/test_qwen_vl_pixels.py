@@ -177,3 +177,20 @@ def test_a_configured_bound_beyond_the_saved_other_bound_is_refused_at_load(requ
     with pytest.raises(ValueError, match=r"pipeline\.min_pixels=3136 is above pipeline\.max_pixels=2000.*set "
                                          r"pipeline\.min_pixels <= 2000"):
         make_policy(request, max_pixels=2000)  # below the processor's saved min_pixels, with min_pixels unset
+
+
+@pytest.mark.parametrize("fixture", ["tiny_qwen2_5_vl_dir", "tiny_qwen3_vl_dir"])
+def test_prompts_encoded_in_one_processor_call_equal_each_encoded_alone(request, fixture):
+    """`PromptEncoder.encode_many` (one processor call for the prompts without video) gives each prompt the tensors of
+    its own `encode`: text only, one image, two images, different lengths; a video prompt encoded alone."""
+    policy = make_policy(request, fixture)
+    images = [Image.new("RGB", size, (40 * i, 200, 90)) for i, size in enumerate(SIZES)]
+    frames = [Image.new("RGB", (64, 64), (0, 40 * i, 200)) for i in range(4)]
+    prompts = [("no image here, a longer question than the others", [], []), ("one?", [images[0]], []),
+               ("two of them?", images[1:], []), ("what moves?", [], [frames]), ("and this one?", [images[2]], [])]
+    together = policy.inputs.encode_many(prompts, torch.float32)
+    for prompt, encoded in zip(prompts, together):
+        alone = policy.inputs.encode(*prompt, torch.float32)
+        assert encoded.keys() == alone.keys()
+        for key, value in alone.items():
+            assert encoded[key].dtype == value.dtype and torch.equal(encoded[key], value), key
