@@ -9,6 +9,7 @@ from typing import Literal
 
 from .validation import KEY, ConfigError, check_fields, check_range, check_seed, check_text
 from .vas import VASConfig, check_sampling
+from .weight_ema import EMAConfig
 
 STEPS_LIMIT = 10**9  # trainer steps (and the step counts of warm-up, evaluation, checkpoints, logging)
 SECONDS_LIMIT = 10**8  # a time budget in seconds (three years)
@@ -101,6 +102,9 @@ class TrainConfig:
             [`mmgrpo.overlapped_scoring`]: each chunk draws its own noise, so the samples differ from one chunk's.
         overlap_scoring (`bool`): with `sample_chunks` > 1, the reward scores each chunk in a worker thread while the
             next chunk samples (the same values as `false`, which scores each chunk right after it is sampled).
+        ema (`EMAConfig`, *optional*): ``{decay: 0.9, update_every: 1}``: evaluations, checkpoints and exports use a
+            moving average of the trained weights, as Flow-GRPO's and DiffusionNFT's ``train.ema`` (see
+            [`mmgrpo.weight_ema`]); unset (the default): the trained weights.
     """
 
     max_steps: int = 100
@@ -127,6 +131,7 @@ class TrainConfig:
     group_placement: Literal["spread", "contiguous"] = "spread"
     sample_chunks: int = 1
     overlap_scoring: bool = True
+    ema: EMAConfig | None = None
 
     def __post_init__(self):
         check_fields(self)

@@ -38,7 +38,7 @@ from pathlib import Path
 
 import torch
 
-from . import checkpoint, sharding, updates
+from . import checkpoint, sharding, updates, weight_ema
 from .advantages import groups_with_signal, reward_advantages
 from .async_rollouts import AsyncRollouts, StepInputs, refuse_stale_schedule, rollout_copy
 from .components import build_components
@@ -109,6 +109,9 @@ class Trainer:
         # after prepare: sharding replaces the parameters by their shards
         self.optimizer, self.lr_scheduler = build_optimizer(self.policy.trainable_parameters(), config.train)
         self.optimizer, self.lr_scheduler = acc.prepare(self.optimizer, self.lr_scheduler)
+        self.weight_ema = weight_ema.build(config.train.ema)  # train.ema: what evaluations and checkpoints hold
+        if self.weight_ema is not None:
+            self.weight_ema.start(self.policy.trainable_parameters())
         self.stream = PromptStream(self.data.train_items(), seed=config.seed, sampling=config.train.prompt_sampling,
                                    mix=config.train.prompt_sampling_mix, vas=config.train.vas)
         self.log = MetricsLog(self.output_dir, enabled=acc.is_main_process)
@@ -249,8 +252,9 @@ class Trainer:
         means (after the reward's group stage, on every process's items), the scores per prompt (``eval/step_*.json``)
         and the samples, written by the writers of the pipeline's output modalities ([`mmgrpo.sample_writers`]); see
         [`~mmgrpo.evaluation.evaluate_splits`]: each held-out split ``eval.splits`` chooses."""
-        metrics = evaluate_splits(self.policy, self.eval_reward, self.eval_items, self.config.eval, self.accelerator,
-                                  self.output_dir, step, self.log.trackers, batch_size)
+        with weight_ema.applied_or_not(self.weight_ema, self.policy.trainable_parameters()):  # train.ema's average
+            metrics = evaluate_splits(self.policy, self.eval_reward, self.eval_items, self.config.eval,
+                                      self.accelerator, self.output_dir, step, self.log.trackers, batch_size)
         self.best.observe(metrics, step, self.save)  # checkpoint.keep_best: a better evaluation saves a checkpoint
         return metrics
 
@@ -263,14 +267,20 @@ class Trainer:
         state = {"data_position": stream["position"], "skipped_updates": self.skipped_updates,
                  "train_seconds": self.train_seconds, "prompt_stream": stream, **(extra or {}),
                  **self.log.tracker_state()}  # the trackers' run ids, continued on resume
-        return checkpoint.save(
-            self.accelerator, root or self.output_dir / "checkpoints", self.step, self.policy, self.optimizer,
-            self.lr_scheduler, state, 1 if root else self.config.checkpoint.keep_last, algorithm=self.algorithm,
-            modules=self.wrapped, files=None if self.rollouts is None else self.rollouts.checkpoint_files(),
-        )
+        params = self.policy.trainable_parameters()
+        files = {**({} if self.rollouts is None else self.rollouts.checkpoint_files()),
+                 **({} if self.weight_ema is None else self.weight_ema.checkpoint_files(params))}
+        with weight_ema.applied_or_not(self.weight_ema, params):  # train.ema: weights/ hold the average
+            return checkpoint.save(
+                self.accelerator, root or self.output_dir / "checkpoints", self.step, self.policy, self.optimizer,
+                self.lr_scheduler, state, 1 if root else self.config.checkpoint.keep_last, algorithm=self.algorithm,
+                modules=self.wrapped, files=files,
+            )
 
     def _resume(self, path: Path) -> None:
         """Restores the training state of checkpoint `path` (its weights were loaded before ``prepare``)."""
+        if self.weight_ema is None:
+            weight_ema.refuse_averaged_checkpoint(path)
         state = checkpoint.load(self.accelerator, path, self.policy, self.optimizer, self.lr_scheduler, self.algorithm,
                                 weights=False)
         self.step = state["step"]
@@ -280,12 +290,16 @@ class Trainer:
         self.log.truncate_after(self.step)
         if self.rollouts is not None:
             self.rollouts.load(path)  # the weight versions of the rollouts that were in flight
+        if self.weight_ema is not None:  # weights/ held the average: it becomes the average again, the trained
+            self.weight_ema.resume(path, self.policy.trainable_parameters())  # weights come from their own file
 
     def load_weights(self, checkpoint_dir: str) -> None:
         """Loads only the trainable weights of a checkpoint (a folder, or ``"latest"`` under this run's output_dir)
         and takes its step: what [`evaluate`] needs. Optimizer, schedule, RNG and algorithm states are not read."""
         path = checkpoint.resolve(checkpoint_dir, self.output_dir / "checkpoints")
         self.step = checkpoint.load_weights(path, self.policy, modules=self.wrapped)["step"]
+        if self.weight_ema is not None:  # train.ema: the checkpoint's weights are the average it evaluated
+            self.weight_ema.start(self.policy.trainable_parameters())
 
     def _finish(self, stopped_by: str | None = None) -> dict:
         summary = {"steps": self.step, "skipped_updates": self.skipped_updates, "train_seconds": round(self.train_seconds, 3)}

@@ -24,7 +24,7 @@ from .run_loop import sum_over_processes
 class UpdateRun(Protocol):
     """What the updates read: the run's config, accelerator and distribution (`world` processes, this one's `rank`,
     the `sharding` mode and the `wrapped` trained modules), its policy, algorithm, optimizer and learning-rate schedule;
-    and what they move forward: `skipped_updates`."""
+    and what they move forward: `skipped_updates` and the `weight_ema` of ``train.ema`` (None without it)."""
 
     config: object
     accelerator: object
@@ -36,6 +36,7 @@ class UpdateRun(Protocol):
     algorithm: object
     optimizer: object
     lr_scheduler: object
+    weight_ema: object
     skipped_updates: int
 
 
@@ -93,6 +94,8 @@ def update(run: UpdateRun, rollout, plan: SamplingPlan, advantages, with_signal,
             run.lr_scheduler.step()
             run.optimizer.zero_grad(set_to_none=True)
             run.algorithm.kl.step()  # the KL weight counts the updates taken (its schedule's clock)
+            if run.weight_ema is not None:  # train.ema: the average of the weights follows the updates taken
+                run.weight_ema.after_update(run.policy.trainable_parameters())
             if traits.after_update:
                 run.algorithm.after_update(run.policy)  # e.g. DGPO's fast-EMA old model follows the weights
             grad_norms.append(float(grad_norm))

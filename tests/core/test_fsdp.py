@@ -192,9 +192,11 @@ def pipeline_cases(request, root: Path, world: int, names) -> dict:
 
 def sd3_case(root: Path, tiny_sd3_dir: str, world: int, resume_from: str | None = None, **extra) -> dict:
     """sd3 LoRA, Flow-GRPO with a KL term (reference = adapter off), 3 steps of 2 inner epochs; a NaN advantage on
-    the last sample (the last process's) at step 2, then a checkpoint."""
+    the last sample (the last process's) at step 2, then a checkpoint. ``train.ema`` averages the sharded weights: the
+    checkpoint's weights/ hold the average and its trained weights resume at the other world size."""
     config = sd3_config(root, tiny_sd3_dir, world, lora=True, algorithm=flow_grpo())
     config["train"]["inner_epochs"] = 2
+    config["train"]["ema"] = {"decay": 0.9}
     config["checkpoint"]["resume_from"] = resume_from
     return {"config": config, "steps": 3, "save_at": 2, "nan_step": 2, **extra}
 
