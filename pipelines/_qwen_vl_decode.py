@@ -204,26 +204,30 @@ def decode(step: "LeanStep | ModelStep", logits: torch.Tensor, steps: int, *,
         (completion tokens up to and including the end-of-turn token), on the CPU.
     """
     n, device = logits.shape[0], logits.device
-    tokens = torch.full((n, steps), pad_id, dtype=torch.long, device=device)
-    log_probs = torch.zeros(n, steps, device=device)
-    mask = torch.zeros(n, steps, dtype=torch.bool, device=device)
-    is_stop = torch.zeros(logits.shape[-1], dtype=torch.bool, device=device)  # [V]: the end-of-turn tokens
-    is_stop[stop_ids] = True
+    goes_on = torch.ones(logits.shape[-1], dtype=torch.bool, device=device)  # [V]: false at the end-of-turn tokens
+    goes_on[stop_ids] = False
     teacher = forced.to(device) if bool((forced >= 0).any()) else None
     alive = torch.ones(n, dtype=torch.bool, device=device)
+    drawn, scored, alive_at = [], [], []  # per step: tokens [N], log-probs [N, 1], rows not yet ended [N]
     for t in range(steps):
         logp = log_softmax(logits)  # [N, V] float32
         chosen = choose(logp)  # [N]
         if teacher is not None:  # teacher-forced rows: the ground truth
             chosen = torch.where(teacher[:, t] >= 0, teacher[:, t], chosen)
-        tokens[:, t] = chosen
-        log_probs[:, t] = logp.gather(1, chosen[:, None]).squeeze(1)
-        mask[:, t] = alive
-        alive = alive & ~is_stop[chosen]
+        drawn.append(chosen)
+        scored.append(logp.gather(1, chosen[:, None]))
+        alive_at.append(alive)
+        alive = alive & goes_on[chosen]
         if t == steps - 1 or not any_process(bool(alive.any()), module):  # sharded: every process steps alike
             break
         logits = step(chosen, t)
     step.finish()
-    tokens.masked_fill_(~mask, pad_id)
-    log_probs.masked_fill_(~mask, 0.0)
+    left = steps - len(drawn)  # steps never decoded: every row had ended
+    mask = torch.stack(alive_at, dim=1)  # [N, t + 1]
+    tokens = torch.stack(drawn, dim=1).masked_fill_(~mask, pad_id)  # [N, t + 1], the pad token after the end
+    log_probs = torch.cat(scored, dim=1).masked_fill_(~mask, 0.0)  # [N, t + 1]
+    if left:
+        tokens = torch.cat([tokens, tokens.new_full((n, left), pad_id)], dim=1)  # [N, S]
+        log_probs = torch.cat([log_probs, log_probs.new_zeros(n, left)], dim=1)
+        mask = torch.cat([mask, mask.new_zeros(n, left)], dim=1)
     return tokens.cpu(), log_probs.cpu(), mask.cpu()

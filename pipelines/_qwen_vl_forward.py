@@ -163,7 +163,7 @@ class GroupForward(torch.nn.Module):
         return self.log_softmax(logits, temperature).gather(-1, tokens[..., None]).squeeze(-1)
 
     def log_softmax(self, logits: torch.Tensor, temperature: float) -> torch.Tensor:
-        logits = logits.float() / temperature
+        logits = logits.float() / temperature if temperature != 1.0 else logits.float()  # x / 1 == x: one op less
         if self.suppress.numel():
             logits = logits.index_fill(-1, self.suppress.to(logits.device), float("-inf"))
         return logits.log_softmax(-1)
