@@ -11,9 +11,11 @@ starting from the weights the run starts with. Rollouts sample from the trained 
 metrics, sample grids and per-prompt scores) and every checkpoint's ``weights/`` hold the average, so ``mmgrpo eval``,
 ``mmgrpo export`` and ``checkpoint.keep_best`` see what the run evaluated. The trained weights themselves are kept in
 the checkpoint's [`TRAINED_FILE`], with the count of updates, so a resumed run goes on exactly. Differences from the
-authors' code: both step their average once per optimizer update with the update count after it (DiffusionNFT with
-``update_every`` 1; Flow-GRPO calls its step once per rollout minibatch with ``update_every`` 8 on its optimizer-step
-count); here the average steps only after updates taken (a skipped update moves neither the weights nor the average).
+authors' code: DiffusionNFT steps its average once per optimizer update (``update_every`` 1), as here. Flow-GRPO
+(``update_every`` 8) calls its step after every rollout minibatch with the optimizer-update count, so when several
+minibatches accumulate into one update the average steps that many times at a due update (twice in its SD3 recipes,
+about ``decay ** 2``); here it steps once. Here the average steps only after updates taken (a skipped update moves
+neither the weights nor the average).
 """
 
 from __future__ import annotations
