@@ -118,6 +118,9 @@ class LeanStep:
         attention = torch.cat([prompt_mask, prompt_mask.new_ones(n, fed)], dim=1)  # [N, P + S - 1]
         self.masks = create_causal_mask(config=text.config, inputs_embeds=shape, attention_mask=attention, cache=cache,
                                         allow_is_causal_skip=False)  # [N, 1, S - 1, P + S - 1]
+        if self.masks.dtype == torch.bool:  # sdpa's own conversion (0 / -inf), done once instead of at every call
+            self.masks = torch.zeros(self.masks.shape, dtype=dtype, device=self.masks.device).masked_fill_(
+                ~self.masks, float("-inf"))
         positions = start[:, None] + torch.arange(fed, device=start.device)  # [N, S - 1]
         cos, sin = text.rotary_emb(shape, positions[None].expand(3, -1, -1))  # [N, S - 1, D] each
         self.rotary = [(cos[:, t : t + 1], sin[:, t : t + 1]) for t in range(fed)]
