@@ -170,7 +170,7 @@ def evaluate_held_out(policy, reward, items: list, eval_config, accelerator, out
     n = len(prompts)
     scores = whole.scores[rank * n : (rank + 1) * n]  # [n] this process's
     metric = whole.components.get(eval_config.metric, whole.scores)[rank * n : (rank + 1) * n]  # [n] headline
-    per_item = list(zip(prompts, scores.tolist(), metric.tolist()))
+    per_item = list(zip(prompts, scores.tolist(), metric.tolist(), range(first, first + n)))  # held-out indices
     per_item = gather_object(per_item) if world > 1 else per_item
     if accelerator.is_main_process:
         write_per_prompt_scores(per_item, split_path(Path(output_dir) / "eval", split) / f"step_{step:05d}.json",

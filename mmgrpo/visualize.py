@@ -129,25 +129,26 @@ def save_sample_table(rows: list[dict], path: str | Path, title: str = "") -> No
     Path(path).write_text(page, encoding="utf-8")
 
 
-def write_per_prompt_scores(items: list[tuple[str, float, float]], path: str | Path, metric: str) -> None:
+def write_per_prompt_scores(items: list[tuple[str, float, float, int]], path: str | Path, metric: str) -> None:
     """Writes the held-out evaluation per distinct prompt, worst first, as JSON: what RL still gets wrong.
 
     Args:
-        items (`list[tuple[str, float, float]]`): one ``(prompt, reward, metric)`` per evaluated item (a prompt may
-            appear several times, each with its own noise).
+        items (`list[tuple[str, float, float, int]]`): one ``(prompt, reward, metric, index)`` per evaluated item, its
+            index in the held-out split (a prompt may appear several times, each with its own noise, or, for a
+            prompt with images, each with other images: the row's ``items`` lists their indices).
         path (`str` or `Path`): the JSON file to write (its folder is created).
         metric (`str`): the name of the third value (the config's ``eval.metric``).
     """
-    grouped: dict[str, list[tuple[float, float]]] = {}
-    for prompt, reward, value in items:
-        grouped.setdefault(prompt, []).append((reward, value))
+    grouped: dict[str, list[tuple[float, float, int]]] = {}
+    for prompt, reward, value, index in items:
+        grouped.setdefault(prompt, []).append((reward, value, index))
 
     def mean(values: list[float]) -> float | None:
         finite = [v for v in values if v == v]  # NaN (unscorable) items are left out
         return sum(finite) / len(finite) if finite else None
 
-    rows = [{"prompt": p, "n": len(v), "reward": mean([r for r, _ in v]), metric: mean([m for _, m in v])}
-            for p, v in grouped.items()]
+    rows = [{"prompt": p, "n": len(v), "reward": mean([r for r, _, _ in v]), metric: mean([m for _, m, _ in v]),
+             "items": sorted(i for _, _, i in v)} for p, v in grouped.items()]
     rows.sort(key=lambda row: (row[metric] is None, row[metric] if row[metric] is not None else 0.0, row["prompt"]))
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)

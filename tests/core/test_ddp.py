@@ -53,3 +53,4 @@ def test_two_process_training_matches_single_process(tmp_path, tiny_sd3_dir):
     rows = result["per_prompt"]
     assert sorted(r["prompt"] for r in rows) == ["a blue square", "a red circle"] and [r["n"] for r in rows] == [1, 1]
     assert sum(r["jpeg/jpeg_kb"] for r in rows) / 2 == pytest.approx(result["eval_jpeg_kb"], rel=1e-6)
+    assert sorted(i for r in rows for i in r["items"]) == [0, 1]  # each rank's item by its held-out index
