@@ -85,6 +85,12 @@ def check(config: ExperimentConfig) -> list[dict]:
 
     check_output_dir(config)
     check_checkpoint(config, resuming=True)
+    unused = [key for key, set_ in (("train.ema", config.train.ema is not None),
+                                    ("train.async", config.train.async_ is not None),
+                                    ("train.sample_chunks", config.train.sample_chunks != 1)) if set_]
+    if unused:
+        raise ConfigError(f"{', '.join(unused)}: mmgrpo sft does not use these options of RL rollouts and evaluation "
+                          f"(mmgrpo train); remove them from the SFT config.")
     name = config.pipeline.name
     if "teacher_rollout" not in registry.get("pipeline", name).capabilities:
         raise ConfigError(

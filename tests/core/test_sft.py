@@ -225,6 +225,9 @@ def test_refusals_before_any_model_loads(tmp_path, capsys):
     assert "sft.thought_dropout" in capsys.readouterr().err
     assert main(["sft", "vlm_count_sft", "sft.bogus=1"]) == 2
     assert "sft.bogus" in capsys.readouterr().err
+    assert main(["sft", "vlm_count_sft", "train.ema={decay: 0.9}", "train.sample_chunks=2"]) == 2
+    err = capsys.readouterr().err
+    assert "train.ema, train.sample_chunks: mmgrpo sft does not use" in err and "remove them" in err
     assert main(["sft", "vlm_count_sft", "data.n_eval=0", "data.n_train=3"]) == 2
     err = capsys.readouterr().err
     assert "eval.every: mmgrpo sft scores the target loss of held-out items" in err and "(data.n_eval)" in err
