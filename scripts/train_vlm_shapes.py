@@ -84,9 +84,11 @@ def supervised_step(model, optimizer, processor, items: list[dict], targets: lis
 
 
 @torch.no_grad()
-def held_out_accuracy(path: str, n_eval: int, size: int, max_objects: int = 4, split: str = "eval") -> float:
-    """The greedy answer accuracy of the model at `path` on the first `n_eval` items of the held-out `split` of
-    `vlm_shapes` (``eval``, or ``ood`` with `max_objects` below 4), as the RL config's evaluation draws them."""
+def held_out_accuracy(path: str, n_eval: int, size: int, max_objects: int = 4,
+                      splits: tuple[str, ...] = ("eval",)) -> dict[str, float]:
+    """The greedy answer accuracy of the model at `path` on the first `n_eval` items of each held-out split in
+    `splits` of `vlm_shapes` (``eval``, and ``ood`` with `max_objects` below 4), as the RL config's evaluation draws
+    them; the model is loaded once for all of them."""
     from mmgrpo.pipelines.qwen_vl import QwenVLConfig, QwenVLPolicy
     from mmgrpo.prompt_stream import items_to_batch
     from mmgrpo.rewards.accuracy import AccuracyReward
@@ -94,16 +96,19 @@ def held_out_accuracy(path: str, n_eval: int, size: int, max_objects: int = 4, s
 
     policy = QwenVLPolicy(QwenVLConfig(pretrained=path, max_new_tokens=20, lora_rank=0))
     data = VLMShapes(VLMShapesConfig(n_train=0, n_eval=n_eval, size=size, max_objects=max_objects,
-                                     ood=split != "eval"))
+                                     ood="ood" in splits))
     reward = AccuracyReward()
-    scores = []
-    items = data.eval_splits()[split]
-    for start in range(0, len(items), 50):
-        batch = items_to_batch(items[start : start + 50])
-        batch.group_ids = torch.arange(len(batch))
-        rollout = policy.sample(batch, TokenPlan.deterministic(20))
-        scores.append(reward(rollout.outputs, batch).scores)
-    return float(torch.cat(scores).nan_to_num(0.0).mean())
+    held_out = data.eval_splits()
+    accuracies = {}
+    for split in splits:
+        scores, items = [], held_out[split]
+        for start in range(0, len(items), 50):
+            batch = items_to_batch(items[start : start + 50])
+            batch.group_ids = torch.arange(len(batch))
+            rollout = policy.sample(batch, TokenPlan.deterministic(20))
+            scores.append(reward(rollout.outputs, batch).scores)
+        accuracies[split] = float(torch.cat(scores).nan_to_num(0.0).mean())
+    return accuracies
 
 
 def main(argv=None) -> dict:
@@ -135,11 +140,12 @@ def main(argv=None) -> dict:
         if step % args.eval_every == 0:
             model.save_pretrained(args.out)
             processor.save_pretrained(args.out)
-            accuracy = held_out_accuracy(args.out, args.n_eval, args.size, args.max_objects)
+            splits = ("eval", "ood") if args.max_objects < 4 else ("eval",)  # ood: recorded only, the stop reads eval
+            scores = held_out_accuracy(args.out, args.n_eval, args.size, args.max_objects, splits)
+            accuracy = scores["eval"]
             history.append({"step": step, "loss": round(loss.item(), 4), "held_out_accuracy": accuracy})
-            if args.max_objects < 4:  # recorded only: the stop reads the in-distribution split alone
-                history[-1]["held_out_ood_accuracy"] = held_out_accuracy(args.out, args.n_eval, args.size,
-                                                                         args.max_objects, split="ood")
+            if "ood" in scores:
+                history[-1]["held_out_ood_accuracy"] = scores["ood"]
             print(json.dumps(history[-1]), flush=True)
             if accuracy >= args.stop_accuracy:
                 break
