@@ -109,7 +109,8 @@ class Trainer:
         # after prepare: sharding replaces the parameters by their shards
         self.optimizer, self.lr_scheduler = build_optimizer(self.policy.trainable_parameters(), config.train)
         self.optimizer, self.lr_scheduler = acc.prepare(self.optimizer, self.lr_scheduler)
-        self.weight_ema = weight_ema.build(config.train.ema)  # train.ema: what evaluations and checkpoints hold
+        # train.ema: the average that evaluations and checkpoints hold
+        self.weight_ema = None if config.train.ema is None else weight_ema.WeightEMA(config.train.ema)
         if self.weight_ema is not None:
             self.weight_ema.start(self.policy.trainable_parameters())
         self.stream = PromptStream(self.data.train_items(), seed=config.seed, sampling=config.train.prompt_sampling,

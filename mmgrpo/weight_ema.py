@@ -110,11 +110,6 @@ class WeightEMA:
         self.updates = int(state["updates"])
 
 
-def build(config: EMAConfig | None) -> WeightEMA | None:
-    """The run's [`WeightEMA`], or None without ``train.ema``."""
-    return None if config is None else WeightEMA(config)
-
-
 def refuse_averaged_checkpoint(path: Path) -> None:
     """Refuses to resume, without ``train.ema``, a checkpoint whose ``weights/`` hold an average: training would go on
     from the average instead of the trained weights."""
@@ -123,11 +118,6 @@ def refuse_averaged_checkpoint(path: Path) -> None:
                           f"{TRAINED_FILE} the trained weights): resume it with the same train.ema.")
 
 
-@contextlib.contextmanager
 def applied_or_not(ema: WeightEMA | None, parameters):
-    """[`WeightEMA.applied`] when the run has an average, else nothing."""
-    if ema is None:
-        yield
-        return
-    with ema.applied(parameters):
-        yield
+    """[`WeightEMA.applied`] when the run has an average, else a context that changes nothing."""
+    return contextlib.nullcontext() if ema is None else ema.applied(parameters)
