@@ -1,6 +1,7 @@
 """A rollout engine that samples on a running vLLM or SGLang server (``rollout.mode: server``), over HTTP.
 
-Requests (one batch per step, one entry per sample; the policy's [`~mmgrpo.engines.EnginePrompt`] s):
+Requests (SGLang: one per step, one entry per sample; vLLM: one per group, see Seeds below; the policy's
+[`~mmgrpo.engines.EnginePrompt`] s):
 
 - SGLang (``rollout.engine: sglang``): its native ``POST /generate`` with ``input_ids`` (the chat template's tokens,
   one placeholder per image, which SGLang's processor expands), ``image_data`` (the images as PNG data URLs, already
@@ -19,6 +20,14 @@ Requests (one batch per step, one entry per sample; the policy's [`~mmgrpo.engin
   ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=True``); later requests name the adapter as their ``model``. A fully fine-tuned
   policy needs the colocated vLLM or SGLang.
 
+Seeds: with the step's generator, the same run seed sends the same requests. SGLang: one ``sampling_seed`` per sample
+(``sampling_params`` a list, one entry per prompt), drawn from the generator; SGLang honours it only when launched
+with ``--enable-deterministic-inference`` (without it the field is ignored). vLLM: a completions request's ``seed``
+applies to each of its prompts, and its ``n`` children draw with ``seed + i`` (child ``i``); so each group goes as one
+request (its prompt once, ``n`` the group's size, the group's seed drawn from the generator), the groups' requests
+concurrently, and group member ``i`` draws with ``seed + i``. Without a generator the requests carry no seed (one
+request for the whole batch) and the server draws its own noise.
+
 The engine's log-probs are the server's (raw or processed as the server is launched: see ``docs/distributed.md``);
 the algorithm's ``rollout_correction`` recomputes the trainer's before any update (the default). Errors (no answer
 within ``rollout.timeout_s``, a refused or dropped connection, an HTTP error, an answer without the fields above) stop
@@ -35,11 +44,13 @@ import shutil
 import socket
 import urllib.error
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
 
 from .engines import EnginePrompt, EngineSampling
+from .engines_vllm import SEED_SPAN
 from .plans import SamplingPlan
 from .types import PromptBatch, Rollout
 
@@ -60,6 +71,24 @@ def sampling_options(sampling: EngineSampling) -> dict:
     return {"temperature": 0.0 if sampling.greedy else sampling.temperature, "top_p": sampling.top_p,
             "top_k": sampling.top_k if sampling.top_k > 0 else -1, "stop_token_ids": list(sampling.stop_ids),
             "skip_special_tokens": False, "logit_bias": {str(token): -100.0 for token in sampling.suppress_ids}}
+
+
+MAX_CONCURRENT = 16  # vLLM: the most group requests in flight at once
+
+
+def prompt_groups(batch: PromptBatch, prompts: list[EnginePrompt]) -> list[range]:
+    """The samples of `batch` as runs of consecutive samples that share their group id (where the batch has ids) and
+    their prompt: one vLLM request each."""
+    def same(a: int, b: int) -> bool:
+        grouped = batch.group_ids is None or int(batch.group_ids[a]) == int(batch.group_ids[b])
+        return grouped and prompts[a].prompt_ids == prompts[b].prompt_ids
+
+    runs, start = [], 0
+    for j in range(1, len(prompts) + 1):
+        if j == len(prompts) or not same(j - 1, j):
+            runs.append(range(start, j))
+            start = j
+    return runs
 
 
 class ServerEngine:
@@ -118,18 +147,24 @@ class ServerEngine:
 
     # -------------------------------------------------------------------------------------------------- sampling
     def sample(self, batch: PromptBatch, plan: SamplingPlan, *, generator: torch.Generator | None = None) -> Rollout:
-        """The server's rollout of `batch`: its tokens and log-probs in the policy's replayable rollout. `generator`
-        is not read (the server draws with its own seeds)."""
+        """The server's rollout of `batch`: its tokens and log-probs in the policy's replayable rollout, in the batch's
+        order. The request seeds are drawn from `generator` (see the module docstring); without it, no seed."""
         prompts = self.policy.engine_prompts(batch)
         sampling = self.policy.engine_sampling(plan)
         self.sent = [list(p.prompt_ids) for p in prompts]
-        tokens, log_probs = (self._sglang if self.engine == "sglang" else self._vllm)(prompts, sampling)
+        if self.engine == "sglang":
+            seeds = None if generator is None else torch.randint(SEED_SPAN, (len(prompts),),
+                                                                 generator=generator).tolist()  # [N]: one per sample
+            tokens, log_probs = self._sglang(prompts, sampling, seeds)
+        else:
+            tokens, log_probs = self._vllm(batch, prompts, sampling, generator)
         return self.policy.engine_rollout(batch, prompts, tokens, log_probs, sampling.max_tokens)
 
-    def _sglang(self, prompts: list[EnginePrompt], sampling: EngineSampling) -> tuple[list, list]:
+    def _sglang(self, prompts: list[EnginePrompt], sampling: EngineSampling,
+                seeds: list[int] | None) -> tuple[list, list]:
+        params = {"max_new_tokens": sampling.max_tokens, "no_stop_trim": True, **sampling_options(sampling)}
         payload = {"input_ids": self.sent, "return_logprob": True,
-                   "sampling_params": {"max_new_tokens": sampling.max_tokens, "no_stop_trim": True,
-                                       **sampling_options(sampling)}}
+                   "sampling_params": params if seeds is None else [{**params, "sampling_seed": s} for s in seeds]}
         if any(p.images for p in prompts):
             payload["image_data"] = [[png_data_url(image) for image in p.images] for p in prompts]
         answers = self.post("/generate", payload)
@@ -146,14 +181,27 @@ class ServerEngine:
                                     f"meta_info.output_token_logprobs ({err!r}); is it an SGLang server?") from None
         return tokens, log_probs
 
-    def _vllm(self, prompts: list[EnginePrompt], sampling: EngineSampling) -> tuple[list, list]:
+    def _vllm(self, batch: PromptBatch, prompts: list[EnginePrompt], sampling: EngineSampling,
+              generator: torch.Generator | None) -> tuple[list, list]:
         if any(p.images for p in prompts):
             raise EngineServerError("rollout.engine: vllm with rollout.mode: server samples text prompts only (vLLM's "
                                     "completions API takes no images): use rollout.mode: colocate, or "
                                     "rollout.engine: sglang as the server.")
-        payload = {"model": self.adapter or self.served_model(), "prompt": self.sent,
-                   "max_tokens": sampling.max_tokens, "logprobs": 1, "return_token_ids": True, "n": 1,
-                   **sampling_options(sampling)}
+        base = {"model": self.adapter or self.served_model(), "max_tokens": sampling.max_tokens, "logprobs": 1,
+                "return_token_ids": True, **sampling_options(sampling)}
+        if generator is None:  # one request, no seed: the server draws its own noise
+            return self._complete({**base, "prompt": self.sent, "n": 1})
+        groups = prompt_groups(batch, prompts)
+        seeds = torch.randint(SEED_SPAN, (len(groups),), generator=generator).tolist()  # [groups]: member i: seed + i
+        payloads = [{**base, "prompt": [self.sent[group[0]]], "n": len(group), "seed": seed}
+                    for group, seed in zip(groups, seeds)]
+        with ThreadPoolExecutor(max_workers=min(len(payloads), MAX_CONCURRENT)) as pool:
+            answers = list(pool.map(self._complete, payloads))  # in the groups' order
+        return [t for tokens, _ in answers for t in tokens], [lp for _, log_probs in answers for lp in log_probs]
+
+    def _complete(self, payload: dict) -> tuple[list, list]:
+        """The choices' tokens and log-probs of one ``/v1/completions`` request, in the choices' order (prompt by
+        prompt, each prompt's ``n`` children in order)."""
         answer = self.post("/v1/completions", payload)
         try:
             choices = sorted(answer["choices"], key=lambda choice: choice["index"])
@@ -162,9 +210,10 @@ class ServerEngine:
         except (KeyError, TypeError, ValueError) as err:
             raise EngineServerError(f"rollout server {self.url}/v1/completions: an answer lacks choices[].token_ids "
                                     f"or logprobs.token_logprobs ({err!r}); is it a vLLM server?") from None
-        if len(tokens) != len(prompts):
+        expected = len(payload["prompt"]) * payload["n"]
+        if len(tokens) != expected:
             raise EngineServerError(f"rollout server {self.url}/v1/completions answered {len(tokens)} choices for "
-                                    f"{len(prompts)} prompts.")
+                                    f"{expected} completions.")
         return tokens, log_probs
 
     def served_model(self) -> str:

@@ -9,6 +9,13 @@ model then sees (`prompts_seen`). Decoding is a plain loop over the model's full
 temperature 0, otherwise a draw from ``softmax((logits + bias) / T)`` after top-k / top-p; a token's log-prob is
 that of the tempered, biased distribution (what vLLM calls processed log-probs, truncation aside).
 
+Seeds, as the real servers define them: a sample's draws come from a ``torch.Generator`` seeded with its seed. vLLM: a
+completions request's ``seed`` applies to each of its prompts, and its ``n`` children of a prompt draw with ``seed +
+i`` (child ``i``), the choices prompt by prompt, children in order. SGLang: each prompt's ``sampling_params`` entry
+(one dict for all, or a list with one per prompt) may carry ``sampling_seed``; the stand-in honours it as an SGLang
+server launched with ``--enable-deterministic-inference`` does. Without a seed a sample draws fresh noise. Every
+request's route and body are kept in `requests`.
+
 Faults for the error tests (`fault`): ``"stall"`` (no answer until the server stops), ``"drop"`` (the connection
 closed without an answer).
 """
@@ -41,6 +48,7 @@ class TinyEngineServer:
         self.processor = AutoProcessor.from_pretrained(model_dir)
         self.adapters: dict[str, torch.nn.Module] = {}
         self.prompts_seen: list[list[int]] = []
+        self.requests: list[tuple[str, dict]] = []  # (route, body) of every POST, in arrival order
         self.fault: str | None = None
         self.release = threading.Event()
         self.lock = threading.Lock()
@@ -64,6 +72,7 @@ class TinyEngineServer:
                     self.close_connection = True
                     return
                 with server.lock:
+                    server.requests.append((self.path, body))
                     server.route(self, self.path, body)
 
         self.http = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
@@ -119,8 +128,10 @@ class TinyEngineServer:
             self.reply(handler, {"error": f"no route {path}"}, status=404)
 
     # ---------------------------------------------------------------------------------------------- decoding
-    def decode(self, model, ids: list[int], images: list, options: dict, max_tokens: int) -> tuple[list, list]:
-        """The completion tokens and their log-probs of prompt `ids` (one placeholder per image) and `images`."""
+    def decode(self, model, ids: list[int], images: list, options: dict, max_tokens: int,
+               seed: int | None) -> tuple[list, list]:
+        """The completion tokens and their log-probs of prompt `ids` (one placeholder per image) and `images`, drawn
+        with `seed` (fresh noise when None)."""
         text = self.processor.tokenizer.decode(ids, skip_special_tokens=False)
         inputs = self.processor(text=[text], images=images or None, return_tensors="pt")
         self.prompts_seen.append(inputs["input_ids"][0].tolist())
@@ -130,7 +141,11 @@ class TinyEngineServer:
         temperature = float(options.get("temperature", 1.0))
         top_k, top_p = int(options.get("top_k", -1)), float(options.get("top_p", 1.0))
         stops = set(options.get("stop_token_ids", []))
-        generator = torch.Generator().manual_seed(len(self.prompts_seen))
+        generator = torch.Generator()
+        if seed is None:
+            generator.seed()  # nondeterministic, as a server's own noise
+        else:
+            generator.manual_seed(seed)
         tokens, log_probs = [], []
         for _ in range(max_tokens):
             n = inputs["input_ids"].shape[1]
@@ -160,11 +175,12 @@ class TinyEngineServer:
 
     def generate_sglang(self, body: dict) -> list[dict]:
         images = body.get("image_data") or [[] for _ in body["input_ids"]]
-        options = body["sampling_params"]
+        params = body["sampling_params"]
+        params = params if isinstance(params, list) else [params] * len(body["input_ids"])
         answers = []
-        for ids, urls in zip(body["input_ids"], images):
+        for ids, urls, options in zip(body["input_ids"], images, params):
             tokens, log_probs = self.decode(self.model, ids, [decode_image(u) for u in urls], options,
-                                            options["max_new_tokens"])
+                                            options["max_new_tokens"], options.get("sampling_seed"))
             answers.append({"text": self.processor.tokenizer.decode(tokens), "output_ids": tokens,
                             "meta_info": {"output_token_logprobs": [[lp, t, None] for lp, t in zip(log_probs, tokens)],
                                           "finish_reason": {"type": "stop"}}})
@@ -172,11 +188,13 @@ class TinyEngineServer:
 
     def complete_vllm(self, body: dict) -> dict:
         model = self.adapters[body["model"]] if body["model"] in self.adapters else self.model
-        choices = []
-        for index, ids in enumerate(body["prompt"]):
-            tokens, log_probs = self.decode(model, ids, [], body, body["max_tokens"])
-            choices.append({"index": index, "text": self.processor.tokenizer.decode(tokens), "token_ids": tokens,
-                            "logprobs": {"token_logprobs": log_probs}})
+        choices, seed = [], body.get("seed")
+        for ids in body["prompt"]:
+            for child in range(body.get("n", 1)):
+                tokens, log_probs = self.decode(model, ids, [], body, body["max_tokens"],
+                                                None if seed is None else seed + child)
+                choices.append({"index": len(choices), "text": self.processor.tokenizer.decode(tokens),
+                                "token_ids": tokens, "logprobs": {"token_logprobs": log_probs}})
         return {"object": "text_completion", "choices": choices}
 
 
