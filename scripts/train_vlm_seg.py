@@ -24,7 +24,8 @@ room::
 
 ``--prior-quadrant`` / ``--prior-share`` skew the supervised questions towards one quadrant (the held-out ones stay
 uniform), ``--final-lr-ratio`` lets the learning rate decay along a cosine; with ``--init data/weights/vlm_seg`` they
-continue the shipped base into the skewed bases of `docs/results/seg_shapes.md`.
+continue the shipped base into the skewed bases of `docs/results/seg_shapes_top_left.md`; ``--ood`` trains the
+default's base (`docs/results/seg_shapes.md`).
 
 Writes the model, the processor and ``metrics.json`` (held-out gIoU / cIoU curve, steps, seconds) to ``--out``;
 with ``--keep``, the model of every evaluation too, in ``OUT/checkpoint-STEP``. ``--eval-seed`` evaluates on other
@@ -120,10 +121,11 @@ class QuadrantPrior:
 
 def supervised_source(args: argparse.Namespace) -> SegShapes:
     """The script's `seg_shapes` source: items with their supervised completion, whose held-out items are the scenes
-    of ``--eval-seed`` (the supervised stream itself is read by scene index from `SFT_FIRST` on, whatever the seed)."""
+    of ``--eval-seed`` (the supervised stream itself is read by scene index from `SFT_FIRST` on, whatever the seed);
+    with ``--ood``, no item asks a combination of `seg_shapes.HELD_OUT` but those of the ``ood`` split."""
     return SegShapes(SegShapesConfig(n_train=0, n_eval=args.n_eval, size=args.size, prompt_template=args.template,
                                      with_targets=True, thought=args.thought,  # metadata["completion"]: the target
-                                     seed=args.eval_seed))
+                                     seed=args.eval_seed, ood=args.ood))
 
 
 @torch.no_grad()
@@ -177,6 +179,10 @@ def main(argv=None) -> dict:
                         help="seg_shapes' data.seed of the evaluated scenes: 0, the RL configs' held-out scenes; "
                              "another seed, validation scenes that neither those configs nor the supervised stream use "
                              "(to choose a base without looking at the held-out set)")
+    parser.add_argument("--ood", action="store_true",
+                        help="never train on a question whose (kind, shape, colour) combination seg_shapes' data.ood "
+                             "holds out, and record the held-out gIoU of its ood split too (the base of an RL config "
+                             "with data.ood: true, for which that split is then out of distribution)")
     parser.add_argument("--keep", action="store_true",
                         help="also keep the model of every evaluation in OUT/checkpoint-STEP (--out is overwritten)")
     parser.add_argument("--stop-giou", type=float, default=0.55)
@@ -211,7 +217,7 @@ def main(argv=None) -> dict:
     model.train()
     optimizer, schedule = build_optimizer(model.parameters(), optimizer_config(args))
     source = supervised_source(args)
-    evaluation = source.eval_items()
+    splits = source.eval_splits()  # eval (and ood with --ood): the stop rule reads eval
     longest = 0
     for index in range(SFT_FIRST, SFT_FIRST + 200):
         item = source.item(index)
@@ -234,7 +240,9 @@ def main(argv=None) -> dict:
         if step % args.eval_every == 0:
             model.save_pretrained(args.out)
             processor.save_pretrained(args.out)
-            scores = held_out(args.out, args.sam, evaluation, args.max_new_tokens)
+            scores = held_out(args.out, args.sam, splits["eval"], args.max_new_tokens)
+            if args.ood:
+                scores["ood"] = held_out(args.out, args.sam, splits["ood"], args.max_new_tokens)
             model.train()
             if args.keep:
                 model.save_pretrained(Path(args.out, f"checkpoint-{step}"))

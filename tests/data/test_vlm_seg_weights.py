@@ -58,12 +58,12 @@ def _greedy_answers(name: str, n: int):
     return items, batch, policy.sample(batch, TokenPlan.deterministic(144)).outputs
 
 
-@pytest.mark.parametrize("name", ["vlm_seg", "vlm_seg_skewed", "vlm_seg_top_left"])
+@pytest.mark.parametrize("name", ["vlm_seg", "vlm_seg_skewed", "vlm_seg_top_left", "vlm_seg_in_dist"])
 def test_shipped_vlm_seg_base_is_imperfect_and_prompts_sam(name):
     from mmgrpo.rewards.sam_mask import SamMask, SamMaskConfig
 
     metrics = json.loads(Path(resolve_pretrained(f"mmgrpo:{name}"), "metrics.json").read_text(encoding="utf-8"))
-    assert 0.25 <= metrics["held_out_giou"] <= 0.6  # clearly imperfect: RL has room
+    assert 0.25 <= metrics["held_out_giou"] <= 0.75  # clearly imperfect: RL has room
     _, batch, outputs = _greedy_answers(name, 12)
     result = SamMask(SamMaskConfig(model="mmgrpo:tiny_sam2", coords="original", device="cpu"))(outputs, batch)
     assert float(result.components["no_box"].mean()) <= 0.25  # answers parse into boxes
