@@ -33,7 +33,7 @@ def test_readme_keeps_the_two_commands_and_stays_short():
 
 
 def test_results_pages_exist_for_every_embedded_default():
-    for name in ("t2i_shapes", "t2v_shapes", "edit_shapes", "vlm_count", "mdlm_arith"):
+    for name in ("t2i_shapes", "t2v_shapes", "edit_shapes", "vlm_count", "mdlm_arith", "seg_shapes"):
         assert (ROOT / "configs" / "tiny" / f"{name}.yaml").is_file()
         page = (ROOT / "docs" / "results" / f"{name}.md").read_text()
         assert f"configs/tiny/{name}.yaml" in page and "seed" in page
