@@ -33,14 +33,6 @@ pytest_plugins = sorted(f"builders.{p.stem}" for p in (Path(__file__).parent / "
 @pytest.fixture(scope="session")
 def load_bench():
     """Imports a script of `bench/` by name (the folder is not a package), e.g. ``load_bench("vlm_vs_trl")``."""
-    import importlib.util
-    from pathlib import Path
+    from builders._repo_files import load_repo_script
 
-    def load(name: str):
-        path = Path(__file__).resolve().parent.parent / "bench" / f"{name}.py"
-        spec = importlib.util.spec_from_file_location(name, path)
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-        return module
-
-    return load
+    return lambda name: load_repo_script("bench", name)

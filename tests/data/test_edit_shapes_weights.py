@@ -8,6 +8,7 @@ from pathlib import Path
 from mmgrpo import config as config_mod
 from mmgrpo.hub import resolve_pretrained
 
+from builders._repo_files import load_repo_script
 from builders._runs import held_out_flow_rollout
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -51,12 +52,8 @@ def test_shipped_model_loads_in_the_stock_pipeline_and_edits_through_the_policy(
 
 
 def test_script_defaults_build_the_shipped_architecture(monkeypatch):
-    import importlib.util
-
     monkeypatch.syspath_prepend(str(ROOT / "scripts"))
-    spec = importlib.util.spec_from_file_location("train_edit_shapes", ROOT / "scripts" / "train_edit_shapes.py")
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
+    script = load_repo_script("scripts", "train_edit_shapes")
     args = script.parse_args(["--output", "unused"])
     path, metrics = shipped()
     assert {k: v for k, v in vars(args).items() if k != "output"} == metrics["args"]

@@ -8,6 +8,7 @@ from pathlib import Path
 from mmgrpo import config as config_mod
 from mmgrpo.hub import resolve_pretrained
 
+from builders._repo_files import load_repo_script
 from builders._runs import held_out_flow_rollout
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -39,12 +40,8 @@ def test_shipped_model_samples_clips_through_the_wan_policy(monkeypatch):
 
 
 def test_script_defaults_build_the_shipped_architecture(monkeypatch):
-    import importlib.util
-
     monkeypatch.syspath_prepend(str(ROOT / "scripts"))  # the script imports its image sibling's schedule
-    spec = importlib.util.spec_from_file_location("train_t2v_shapes", ROOT / "scripts" / "train_t2v_shapes.py")
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
+    script = load_repo_script("scripts", "train_t2v_shapes")
     args = script.parse_args(["--output", "unused"])
     path = Path(resolve_pretrained("mmgrpo:t2v_shapes"))
     shipped = json.loads((path / "metrics.json").read_text(encoding="utf-8"))

@@ -2,7 +2,6 @@
 --max-objects 3``): its training scenes are drawn with the RL configs' ``data.max_objects``, so the ``ood`` split
 (scenes with more shapes) and counts above it were never trained; it was stopped by the script's rule, imperfect."""
 
-import importlib.util
 import json
 import re
 from pathlib import Path
@@ -12,17 +11,14 @@ import pytest
 from mmgrpo import config as config_mod
 from mmgrpo.data.vlm_shapes import VLMShapes, VLMShapesConfig
 from mmgrpo.hub import resolve_pretrained
+from builders._repo_files import load_repo_script
 
 ROOT = Path(__file__).resolve().parents[2]
-SCRIPT = ROOT / "scripts" / "train_vlm_shapes.py"
 CONFIGS = [ROOT / "configs" / "tiny" / "vlm_count_in_dist.yaml", ROOT / "configs" / "tiny" / "vlm_count_in_dist_sft.yaml"]
 
 
 def _script():
-    spec = importlib.util.spec_from_file_location("train_vlm_shapes", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_repo_script("scripts", "train_vlm_shapes")
 
 
 def _shapes_in(target: str) -> int:

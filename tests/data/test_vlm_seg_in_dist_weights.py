@@ -1,26 +1,22 @@
 """The segmentation default's base (``mmgrpo:vlm_seg_in_dist``, ``scripts/train_vlm_seg.py --ood``): its supervised
 stream never asks a question in one of the combinations that `seg_shapes`' ``ood`` split holds out, so that split is
-out of distribution for it as for the RL and SFT runs that continue it; it was chosen on validation scenes and is
-clearly imperfect."""
+out of distribution for it as for the RL and SFT runs that continue it; its training evaluated it on validation
+scenes, not on the configs' held-out ones."""
 
-import importlib.util
 import json
 from pathlib import Path
 
 from mmgrpo import config as config_mod
 from mmgrpo.data.seg_shapes import HELD_OUT, SegShapes, SegShapesConfig
 from mmgrpo.hub import resolve_pretrained
+from builders._repo_files import load_repo_script
 
 ROOT = Path(__file__).resolve().parents[2]
-SCRIPT = ROOT / "scripts" / "train_vlm_seg.py"
 CONFIGS = [ROOT / "configs" / "tiny" / "seg_shapes.yaml", ROOT / "configs" / "tiny" / "seg_shapes_sft.yaml"]
 
 
 def _script():
-    spec = importlib.util.spec_from_file_location("train_vlm_seg", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_repo_script("scripts", "train_vlm_seg")
 
 
 def _combinations(source: SegShapes, first: int, count: int) -> set[tuple]:

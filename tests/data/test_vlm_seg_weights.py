@@ -2,7 +2,6 @@
 `seg_shapes` questions in Seg-Zero's layout with boxes the shipped tiny SAM 2 turns into masks, and is clearly
 imperfect (RL has room); the supervised completions it was trained on hold the true box and points inside the mask."""
 
-import importlib.util
 import json
 from pathlib import Path
 
@@ -16,15 +15,12 @@ from mmgrpo.hub import resolve_pretrained
 from mmgrpo.prompt_stream import items_to_batch
 from mmgrpo.rewards._seg_parse import parse_prompt
 from mmgrpo.rewards.box_iou import BoxIoU
+from builders._repo_files import load_repo_script
 
-SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "train_vlm_seg.py"
 
 
 def _script():
-    spec = importlib.util.spec_from_file_location("train_vlm_seg", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_repo_script("scripts", "train_vlm_seg")
 
 
 def test_supervised_completions_give_the_true_box_and_points_inside_the_mask():
@@ -166,7 +162,7 @@ def test_eval_seed_moves_the_evaluated_scenes_off_the_rl_held_out_set():
     from argparse import Namespace
 
     script = _script()
-    args = Namespace(n_eval=30, size=56, template=script.TEMPLATE, thought="labelled", eval_seed=0)
+    args = Namespace(n_eval=30, size=56, template=script.TEMPLATE, thought="labelled", eval_seed=0, ood=False)
     held_out = script.supervised_source(args).eval_items()
     rl = SegShapes(SegShapesConfig(n_train=0, n_eval=30, prompt_template=script.TEMPLATE)).eval_items()
     assert [i["prompt"] for i in held_out] == [i["prompt"] for i in rl]

@@ -11,6 +11,7 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 import pytest
 import torch
 
+from builders._repo_files import load_repo_script
 from builders._tokenizers import clip_tokenizer, t5_tokenizer
 from builders.flux import tiny_flux_pipeline
 from builders.sd3 import TEXT_PAD_LENGTH, load_sd3_pipeline, tiny_sd3_pipeline
@@ -119,13 +120,8 @@ SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
 
 
 def load_script(name: str):
-    """Imports a base-model training script of `scripts/` (a folder of scripts, not a package) by its stem."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location(name, SCRIPTS / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    """Imports a base-model training script of `scripts/` by its stem."""
+    return load_repo_script("scripts", name)
 
 
 @pytest.mark.parametrize("name", sorted(p.stem for p in SCRIPTS.glob("train_*.py")))
