@@ -129,9 +129,10 @@ def supervised_source(args: argparse.Namespace) -> SegShapes:
 
 
 @torch.no_grad()
-def held_out(path: str, sam: str, items: list[dict], max_new_tokens: int) -> dict:
-    """Greedy answers of the model at `path` to `items`, scored through the tiny SAM 2 at `sam`: gIoU, cIoU, and the
-    share of answers without a usable box."""
+def held_out(path: str, sam: str, splits: dict[str, list[dict]], max_new_tokens: int) -> dict[str, dict]:
+    """Greedy answers of the model at `path` to the items of each split in `splits`, scored through the tiny SAM 2 at
+    `sam`: per split, gIoU, cIoU, and the share of answers without a usable box. The model and the segmenter are
+    loaded once for all splits."""
     from mmgrpo.pipelines.qwen_vl import QwenVLConfig, QwenVLPolicy
     from mmgrpo.prompt_stream import items_to_batch
     from mmgrpo.rewards.sam_mask import SamMask, SamMaskConfig
@@ -139,17 +140,20 @@ def held_out(path: str, sam: str, items: list[dict], max_new_tokens: int) -> dic
 
     policy = QwenVLPolicy(QwenVLConfig(pretrained=path, max_new_tokens=max_new_tokens, lora_rank=0))
     reward = SamMask(SamMaskConfig(model=sam, coords="original", device="cpu", attach_masks=False))
-    columns = {"iou": [], "intersection": [], "union": [], "no_box": []}
-    for start in range(0, len(items), 50):
-        batch = items_to_batch(items[start : start + 50])
-        batch.group_ids = torch.arange(len(batch))
-        rollout = policy.sample(batch, TokenPlan.deterministic(max_new_tokens))
-        result = reward(rollout.outputs, batch)
-        for name in columns:
-            columns[name].append(result.components[name])
-    c = {name: torch.cat(v) for name, v in columns.items()}  # [n] each
-    return {"giou": float(c["iou"].mean()), "ciou": float(c["intersection"].mean() / c["union"].mean()),
-            "no_box": float(c["no_box"].mean())}
+    scores = {}
+    for split, items in splits.items():
+        columns = {"iou": [], "intersection": [], "union": [], "no_box": []}
+        for start in range(0, len(items), 50):
+            batch = items_to_batch(items[start : start + 50])
+            batch.group_ids = torch.arange(len(batch))
+            rollout = policy.sample(batch, TokenPlan.deterministic(max_new_tokens))
+            result = reward(rollout.outputs, batch)
+            for name in columns:
+                columns[name].append(result.components[name])
+        c = {name: torch.cat(v) for name, v in columns.items()}  # [n] each
+        scores[split] = {"giou": float(c["iou"].mean()), "ciou": float(c["intersection"].mean() / c["union"].mean()),
+                         "no_box": float(c["no_box"].mean())}
+    return scores
 
 
 def main(argv=None) -> dict:
@@ -240,9 +244,10 @@ def main(argv=None) -> dict:
         if step % args.eval_every == 0:
             model.save_pretrained(args.out)
             processor.save_pretrained(args.out)
-            scores = held_out(args.out, args.sam, splits["eval"], args.max_new_tokens)
+            by_split = held_out(args.out, args.sam, splits, args.max_new_tokens)
+            scores = by_split["eval"]
             if args.ood:
-                scores["ood"] = held_out(args.out, args.sam, splits["ood"], args.max_new_tokens)
+                scores["ood"] = by_split["ood"]
             model.train()
             if args.keep:
                 model.save_pretrained(Path(args.out, f"checkpoint-{step}"))
