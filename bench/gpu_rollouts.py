@@ -9,7 +9,9 @@ one short script that checks what the CPU tests cannot.
    the initial weights; after the LoRA weights are perturbed (the trainer's output changes), the engine's output is
    still the old one until ``sync_weights``, then equals the trainer's new greedy output.
 4. **Mismatch**: on sampled rollouts (temperature 1), the trainer's log-probs of the engine's tokens against the
-   engine's (``rollout_corr/*``: KL, ratio quantiles, largest log-prob difference).
+   engine's (``rollout_corr/*``: KL, ratio quantiles, largest log-prob difference); and two sampled rollouts of the
+   same batch with generators of the same seed give the same tokens (the engine's per-sample seeds come from the
+   step's generator).
 5. **Step time**: ``--steps`` GRPO trainer steps (``configs/tiny/vlm_count.yaml`` on this model, LoRA, bfloat16 base)
    with ``rollout.engine: local`` and with ``rollout.engine: vllm`` (colocated), the median step time of each.
 
@@ -128,8 +130,11 @@ def engine_checks(trainer) -> dict:
     out["greedy_equal_after_sync"] = synced.outputs["texts"] == changed.outputs["texts"]
     out["greedy_tokens_equal_after_sync"] = bool(torch.equal(synced.trajectory["completion_ids"],
                                                              changed.trajectory["completion_ids"]))
-    sampled = engine.sample(batch, TokenPlan(num_steps=steps, train_units=[list(range(steps))]),
-                            generator=torch.Generator().manual_seed(0))
+    plan = TokenPlan(num_steps=steps, train_units=[list(range(steps))])
+    sampled = engine.sample(batch, plan, generator=torch.Generator().manual_seed(0))
+    repeated = engine.sample(batch, plan, generator=torch.Generator().manual_seed(0))
+    out["seeded_rollouts_equal"] = bool(torch.equal(sampled.trajectory["completion_ids"],
+                                                    repeated.trajectory["completion_ids"]))
     with torch.no_grad():
         old = policy.log_prob(sampled, list(range(steps))).log_prob.float().cpu()  # [N, S]
     out["mismatch"] = mismatch_metrics(old, sampled.engine_log_probs.float(), sampled.mask, None, sampled.mask)
@@ -176,5 +181,5 @@ def main(argv: list[str] | None = None) -> dict:
 if __name__ == "__main__":
     checks = main()
     names = ("prompt_tokens_equal", "greedy_equal_initial", "trainer_output_changed", "engine_unchanged_before_sync",
-             "greedy_equal_after_sync", "greedy_tokens_equal_after_sync")
+             "greedy_equal_after_sync", "greedy_tokens_equal_after_sync", "seeded_rollouts_equal")
     sys.exit(0 if all(checks[name] for name in names) else 1)
