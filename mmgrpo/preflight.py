@@ -23,6 +23,7 @@ from .memory_check import check_memory
 from .overlapped_scoring import check_pipeline as check_chunked_sampling
 from .plans import FEATURE_SCORE_FIELDS, FlowPlan, SamplingPlan
 from .validation import ConfigError
+from .weight_ema import refuse_averaged_checkpoint
 
 
 @contextlib.contextmanager
@@ -294,14 +295,17 @@ def check_output_dir(config: ExperimentConfig) -> None:
 
 def check_checkpoint(config: ExperimentConfig, resuming: bool) -> None:
     """The checkpoint ``checkpoint.resume_from`` names holds readable weights and, when `resuming` training, training
-    state that this version reads (an older one, with pickled state, is refused with the conversion command) and whose
-    files are all present and readable; checked before any model loads. An evaluation reads only the weights."""
+    state that this version reads (an older one, with pickled state, is refused with the conversion command), whose
+    files are all present and readable, and which holds the trained weights unless the run sets ``train.ema``; checked
+    before any model loads. An evaluation reads only the weights."""
     from . import checkpoint
 
     root, resume_from = Path(config.output_dir) / "checkpoints", config.checkpoint.resume_from
     if not resume_from or resume_from == "auto" and not checkpoint.complete_checkpoints(root):  # auto: fresh start
         return
     path = checkpoint.resolve(resume_from, root)
+    if resuming and config.train.ema is None:  # weights/ holding an average would become the trained weights
+        refuse_averaged_checkpoint(path)
     try:
         if resuming:
             checkpoint.check_format(path)

@@ -5,7 +5,7 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from mmgrpo import checkpoint, config as config_mod
+from mmgrpo import checkpoint, config as config_mod, preflight
 from mmgrpo.trainer import Trainer
 from mmgrpo.validation import ConfigError
 from mmgrpo.weight_ema import TRAINED_FILE, EMAConfig, WeightEMA
@@ -108,6 +108,8 @@ def test_resume_with_the_average_is_exact(tmp_path, tiny_sd3_dir):
     plain = make_config(tmp_path / "b", tiny_sd3_dir)
     plain["checkpoint"]["resume_from"] = "latest"
     plain["train"]["max_steps"] = 6
+    with pytest.raises(ConfigError, match="train.ema"):  # `mmgrpo train`'s checks, before any model loads
+        preflight.check_checkpoint(config_mod.from_dict(plain), resuming=True)
     with pytest.raises(ConfigError, match="train.ema"):
         Trainer(config_mod.from_dict(plain))
     assert [p.name for p in checkpoint.complete_checkpoints(tmp_path / "b" / "run" / "checkpoints")] == \
