@@ -7,7 +7,9 @@ in-distribution one, and any split it generates by a rule no training item satis
 chooses among them (default: all). The ``eval`` split is logged as ``eval/score`` and ``eval/<component>``, per prompt
 in ``eval/step_*.json`` and with samples in ``samples/``; another split ``S`` as ``eval/S/score`` and
 ``eval/S/<component>``, in ``eval/S/step_*.json`` and ``samples/S/`` (its samples are not sent to the trackers, whose
-sample tags leave folders out)."""
+sample tags leave folders out). Items whose metadata name a ``kind`` (the shapes tasks': ``single`` / ``counting`` /
+..., ``recolor`` / ``remove`` / ``move``) add the headline metric's mean per kind, ``eval/kind/<kind>/<metric>`` (or
+``eval/S/kind/...``), when the split holds 2 to `KIND_LIMIT` kinds: which kinds RL improves, and which it does not."""
 
 from __future__ import annotations
 
@@ -20,6 +22,8 @@ from .seeding import mix_seed
 from .types import RewardResult
 from .plans import SamplingPlan, deterministic_plan
 from .held_out_splits import DEFAULT_SPLIT, split_path
+
+KIND_LIMIT = 16  # at most this many kinds get their own metric (a free-form metadata field could name thousands)
 
 
 def evaluation_due(every: int, every_seconds: float, step: int, train_seconds: float, last_mark: float) -> bool:
@@ -101,6 +105,28 @@ def reward_metrics(scores: torch.Tensor, group_ids: torch.Tensor, components: di
     return metrics
 
 
+def kind_metrics(per_item: list[tuple[str, float, float, int]], items: list[dict], metric: str,
+                 prefix: str) -> dict[str, float]:
+    """The headline metric's mean over the evaluated items of each kind (``item["metadata"]["kind"]``, a string), as
+    ``<prefix>kind/<kind>/<metric>``; NaN values are left out. Empty unless the items hold 2 to `KIND_LIMIT` kinds.
+
+    Args:
+        per_item (`list[tuple[str, float, float, int]]`): ``(prompt, reward, metric, index)`` per evaluated item, its
+            index in `items`.
+        items (`list[dict]`): the split's held-out items.
+        metric (`str`), prefix (`str`): the headline metric's name and the split's metric prefix (``eval/``).
+    """
+    values: dict[str, list[float]] = {}
+    for _, _, value, index in per_item:
+        metadata = items[index].get("metadata")
+        kind = metadata.get("kind") if isinstance(metadata, dict) else None
+        if isinstance(kind, str) and value == value:
+            values.setdefault(kind, []).append(value)
+    if not 2 <= len(values) <= KIND_LIMIT:
+        return {}
+    return {f"{prefix}kind/{kind}/{metric}": sum(v) / len(v) for kind, v in sorted(values.items())}
+
+
 def gather_rewards(accelerator, result: RewardResult, group_ids: torch.Tensor,
                    group_stage=None) -> tuple[RewardResult, torch.Tensor]:
     """Gathers this process's reward `result` (``scores`` `[n]`, ``components`` each `[n]`, ``features`` `[n, ...]`)
@@ -172,6 +198,7 @@ def evaluate_held_out(policy, reward, items: list, eval_config, accelerator, out
     metric = whole.components.get(eval_config.metric, whole.scores)[rank * n : (rank + 1) * n]  # [n] headline
     per_item = list(zip(prompts, scores.tolist(), metric.tolist(), range(first, first + n)))  # held-out indices
     per_item = gather_object(per_item) if world > 1 else per_item
+    out.update(kind_metrics(per_item, items, eval_config.metric, prefix))
     if accelerator.is_main_process:
         write_per_prompt_scores(per_item, split_path(Path(output_dir) / "eval", split) / f"step_{step:05d}.json",
                                 eval_config.metric)

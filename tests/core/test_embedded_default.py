@@ -36,6 +36,10 @@ def test_cli_train_then_eval_a_few_steps(tmp_path):
     assert len({r["prompt"] for r in rows}) == len(rows) and sum(r["n"] for r in rows) == 16
     assert [r["strict"] for r in rows] == sorted(r["strict"] for r in rows)
     assert sum(r["n"] * r["strict"] for r in rows) / 16 == pytest.approx(summary["eval_strict_last"], abs=1e-6)
+    # the headline per kind of held-out prompt (single, counting, ...): the overall mean lies among the kinds' means
+    last = [r for r in records if "eval/strict" in r][-1]
+    by_kind = [value for key, value in last.items() if key.startswith("eval/kind/") and key.endswith("/strict")]
+    assert len(by_kind) >= 2 and min(by_kind) - 1e-9 <= last["eval/strict"] <= max(by_kind) + 1e-9
     evaluate = subprocess.run(
         [sys.executable, "-m", "mmgrpo.cli", "eval", str(CONFIG), "--checkpoint", str(out / "checkpoints" / "step_0000002"),
          *common, f"output_dir={tmp_path / 'eval'}"],
