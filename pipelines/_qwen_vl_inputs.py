@@ -138,13 +138,17 @@ class PromptEncoder:
                 "max_pixels."
             ) from err
 
+    def chat_text(self, messages: list[dict]) -> str:
+        """The chat template's text of `messages`, ending in the assistant's turn (the generation prompt)."""
+        return self.processor.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+
     def encode(self, prompt: str, images: list, videos: list, dtype: torch.dtype) -> dict[str, torch.Tensor]:
         """One prompt through the chat template, ``process_vision_info`` (the one resize) and the processor (no
         resize): ``input_ids`` `[L]`, ``mm_token_type_ids`` `[L]` and the vision tensors (``pixel_values``
         `[patches, D]` in `dtype`, ``image_grid_thw`` `[images, 3]`, video counterparts, ``second_per_grid_ts``
         `[videos]`), on the CPU."""
         messages = self.messages(prompt, images, videos)
-        text = self.processor.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        text = self.chat_text(messages)
         image_inputs, video_inputs, video_kwargs = self._resize(messages)
         kwargs = dict(video_kwargs or {}) if video_inputs else {}
         if video_inputs:  # no resize happens here; set only to silence the processor's warning about the cap
@@ -174,7 +178,7 @@ class PromptEncoder:
         texts, images, counts = [], [], []
         for i in batched:
             messages = self.messages(prompts[i][0], prompts[i][1], [])
-            texts.append(self.processor.apply_chat_template(messages, tokenize=False, add_generation_prompt=True))
+            texts.append(self.chat_text(messages))
             resized = (self._resize(messages)[0] or []) if prompts[i][1] else []  # images resized once
             images += resized
             counts.append(len(resized))
