@@ -45,22 +45,42 @@ def save_image_grid(images, captions: list[str], path: str | Path, columns: int 
     _close(fig)
 
 
+KIND_COLORS = ("tab:green", "tab:purple", "tab:brown", "tab:orange", "tab:pink", "tab:olive", "tab:cyan", "tab:gray")
+
+
+def reward_curves(records: list[dict], eval_metric: str) -> dict[str, list[tuple[int, float]]]:
+    """The curves of [`plot_reward_curve`] from ``metrics.jsonl`` records, by label: the training reward per step, the
+    held-out `eval_metric` per evaluation and, where the evaluations report kinds (``eval/kind/<kind>/<metric>``), the
+    metric of each kind; a logged null is NaN (a gap in the curve). Curves without a point are left out."""
+    nan = float("nan")
+    keys = {"train reward (mean)": "reward/mean", f"held-out {eval_metric}": f"eval/{eval_metric}"}
+    prefix, suffix = "eval/kind/", f"/{eval_metric}"
+    kinds = sorted({key for r in records for key in r if key.startswith(prefix) and key.endswith(suffix)})
+    keys.update({f"held-out {eval_metric}, {key[len(prefix) : -len(suffix)]}": key for key in kinds})
+    curves = {label: [(r["step"], nan if r[key] is None else r[key]) for r in records if key in r]
+              for label, key in keys.items()}
+    return {label: points for label, points in curves.items() if points}
+
+
 def plot_reward_curve(metrics_file: str | Path, path: str | Path, eval_metric: str) -> None:
-    """Plots training reward per step and held-out `eval_metric` per evaluation from ``metrics.jsonl``."""
-    records = read_records(metrics_file)  # a torn last line (a crash mid-write) is skipped
-    nan = float("nan")  # a non-finite value is logged as null: a gap in the curve
-    train = [(r["step"], nan if r["reward/mean"] is None else r["reward/mean"]) for r in records if "reward/mean" in r]
-    evals = [(r["step"], nan if r[f"eval/{eval_metric}"] is None else r[f"eval/{eval_metric}"])
-             for r in records if f"eval/{eval_metric}" in r]
+    """Plots training reward per step, held-out `eval_metric` per evaluation and, thinner, the metric of each kind of
+    held-out item ([`reward_curves`]) from ``metrics.jsonl``."""
+    curves = reward_curves(read_records(metrics_file), eval_metric)  # a torn last line (a crash mid-write) is skipped
     fig, ax = plt.subplots(figsize=(6, 3.6))
-    if train:
-        ax.plot(*zip(*train), color="tab:blue", alpha=0.5, label="train reward (mean)")
-    if evals:
-        ax.plot(*zip(*evals), "o-", color="tab:red", label=f"held-out {eval_metric}")
+    kinds = 0
+    for label, points in curves.items():
+        if label == "train reward (mean)":
+            ax.plot(*zip(*points), color="tab:blue", alpha=0.5, label=label)
+        elif label == f"held-out {eval_metric}":
+            ax.plot(*zip(*points), "o-", color="tab:red", label=label)
+        else:  # the kinds' curves: thinner, in colours other than the two above
+            ax.plot(*zip(*points), ".--", linewidth=1, alpha=0.8, color=KIND_COLORS[kinds % len(KIND_COLORS)],
+                    label=label)
+            kinds += 1
     ax.set_xlabel("step")
     ax.set_ylabel("reward")
     ax.grid(alpha=0.3)
-    ax.legend()
+    ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     _close(fig)

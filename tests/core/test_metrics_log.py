@@ -2,6 +2,7 @@
 by the reward curve and by the bench scripts."""
 
 import json
+import math
 
 import pytest
 
@@ -74,3 +75,24 @@ def test_non_finite_values_are_written_as_json_null(tmp_path):
     assert json.loads(line) == {"step": 1, "reward/mean": None, "loss": None, "grad_norm": None, "lr": 1e-3}
     plot_reward_curve(tmp_path / "metrics.jsonl", tmp_path / "curve.png", "jpeg_kb")  # a null is a gap, not an error
     assert (tmp_path / "curve.png").is_file()
+
+
+def test_reward_curves_add_one_curve_per_kind_of_held_out_item(tmp_path):
+    from mmgrpo.visualize import reward_curves
+
+    records = [{"step": 0, "eval/strict": 0.2, "eval/kind/move/strict": 0.3, "eval/kind/remove/strict": 0.1,
+                "eval/kind/move/edit_change": 0.9},
+               {"step": 1, "reward/mean": 0.25},
+               {"step": 2, "reward/mean": None, "eval/strict": 0.4, "eval/kind/move/strict": 0.7,
+                "eval/kind/remove/strict": None}]
+    curves = reward_curves(records, "strict")
+    assert list(curves) == ["train reward (mean)", "held-out strict", "held-out strict, move",
+                            "held-out strict, remove"]
+    assert curves["held-out strict, move"] == [(0, 0.3), (2, 0.7)]
+    assert curves["held-out strict, remove"][0] == (0, 0.1) and math.isnan(curves["held-out strict, remove"][1][1])
+    assert curves["train reward (mean)"][0] == (1, 0.25) and math.isnan(curves["train reward (mean)"][1][1])
+    assert list(reward_curves(records[1:2], "strict")) == ["train reward (mean)"]  # no evaluation yet
+    path = tmp_path / "metrics.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    plot_reward_curve(path, tmp_path / "curve.png", "strict")
+    assert (tmp_path / "curve.png").stat().st_size > 1000
