@@ -15,6 +15,8 @@ from mmgrpo.model_limits import (
     PIXELS_LIMIT, TOKEN_LIMIT, VOCAB_LIMIT, check_limit, check_lora, check_temperature, find_int, hidden_size,
     max_positions, read_json,
 )
+from mmgrpo.pipelines._qwen_vl_compile import COMPILED_FAMILIES
+from mmgrpo.pipelines._qwen_vl_decode import LEAN_ATTENTION
 from mmgrpo.validation import ConfigError, check_fields, check_range
 
 
@@ -83,6 +85,12 @@ class QwenVLConfig:
         gradient_checkpointing (`bool`): recompute each decoder layer (and vision block) in the backward pass (same
             gradients, activations of one layer at a time, about one more forward per backward). It needs
             ``prefix_sharing: false``: a checkpointed layer cannot fill the KV cache the group forward shares.
+        compile_decode (`bool`): run each decode step of sampling (embedding, decoder layers, norm, LM head) under
+            ``torch.compile`` (see `_qwen_vl_compile.py`): the first rollout compiles it (seconds to a minute on a
+            CPU), and a second batch shape once more. The families of full-attention layers (Qwen2-VL, Qwen2.5-VL,
+            Qwen3-VL, Qwen3-VL-MoE; not Qwen3.5) with ``attn_implementation`` ``"sdpa"`` or ``"eager"``; a sharded
+            model (``train.sharding``) decodes eagerly. The same tokens for the same generator as eager decoding
+            (unless a draw falls on a float32 rounding tie), log-probs equal to about 1e-6.
     """
 
     pretrained: str
@@ -108,6 +116,7 @@ class QwenVLConfig:
     weights_dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     attn_implementation: str = "sdpa"
     gradient_checkpointing: bool = False
+    compile_decode: bool = False
 
     @property
     def num_steps(self) -> int:
@@ -158,6 +167,19 @@ class QwenVLConfig:
             raise ConfigError("gradient_checkpointing needs prefix_sharing: false (a checkpointed layer runs without "
                               "the KV cache that the prefix-shared group forward expands): set "
                               "pipeline.prefix_sharing: false, or gradient_checkpointing: false.")
+        if self.compile_decode:
+            check_compile_decode(model.get("model_type"), self.attn_implementation)
+
+
+def check_compile_decode(model_type: str | None, attn_implementation: str) -> None:
+    """Refuses ``compile_decode`` for a family or an attention backend whose decode step does not compile to one graph
+    (`model_type` None: the checkpoint's config is not readable here, checked when the model loads)."""
+    if model_type is not None and model_type not in COMPILED_FAMILIES:
+        raise ConfigError(f"compile_decode takes the families of full-attention layers {list(COMPILED_FAMILIES)}; "
+                          f"the model is a {model_type!r}: set pipeline.compile_decode: false.")
+    if attn_implementation not in LEAN_ATTENTION:
+        raise ConfigError(f"compile_decode needs attn_implementation in {list(LEAN_ATTENTION)} (the lean decode loop's "
+                          f"4-D masks), got {attn_implementation!r}: change it, or set compile_decode: false.")
 
 
 def vision_cell(model: dict) -> int:

@@ -15,6 +15,9 @@ A hybrid model (Qwen3.5's linear-attention layers) keeps the prefix's dynamic ca
 in place anyway); its full-attention layers get the same precomputed masks, cut to the keys seen so far, and its
 linear-attention layers no mask (transformers passes none in single-token decoding).
 
+With ``compiled`` (``pipeline.compile_decode``) a model of full-attention layers only, not sharded, runs each step
+through [`~_qwen_vl_compile.token_logits`] under ``torch.compile`` (see `_qwen_vl_compile.py`); otherwise eagerly.
+
 Under FSDP2 (``train.sharding``) each decoder layer gathers its own parameters when called, as in the model's forward;
 the parameters outside the layers (embedding, final norm, LM head), which the sharded model's own forward would
 gather, are gathered once per rollout ([`LeanStep.finish`] frees them), so every world size samples the same tokens.
@@ -35,6 +38,7 @@ from typing import Callable
 
 import torch
 
+from mmgrpo.pipelines._qwen_vl_compile import compiled_token_logits
 from mmgrpo.sharding import any_process
 
 LEAN_ATTENTION = ("sdpa", "eager")  # attention implementations that take a 4-D mask (what LeanStep precomputes)
@@ -90,9 +94,11 @@ class LeanStep:
         prompt_mask (`torch.LongTensor` of shape `[N, P]`), start (`torch.LongTensor` of shape `[N]`): as for
             [`ModelStep`].
         steps (`int`): the completion tokens to decode, `S` (tokens ``0 .. S - 2`` are forwarded).
+        compiled (`bool`): run each step compiled when the model allows it (static cache, not sharded).
     """
 
-    def __init__(self, model, cache, prompt_mask: torch.Tensor, start: torch.Tensor, steps: int):
+    def __init__(self, model, cache, prompt_mask: torch.Tensor, start: torch.Tensor, steps: int,
+                 compiled: bool = False):
         from torch.distributed.fsdp import FSDPModule
         from transformers.cache_utils import StaticCache
         from transformers.masking_utils import create_causal_mask
@@ -101,7 +107,7 @@ class LeanStep:
         if self.sharded is not None:  # the parameters outside the decoder layers, gathered for the rollout
             self.sharded.unshard()
         text = model.model.language_model
-        self.head, self.embed, self.norm = model.lm_head, text.embed_tokens, text.norm
+        self.head, self.embed, self.norm, self.text_config = model.lm_head, text.embed_tokens, text.norm, text.config
         self.layers = list(text.layers[: text.config.num_hidden_layers])
         self.kinds = layer_kinds(model)
         n, prompt = prompt_mask.shape
@@ -124,11 +130,15 @@ class LeanStep:
         positions = start[:, None] + torch.arange(fed, device=start.device)  # [N, S - 1]
         cos, sin = text.rotary_emb(shape, positions[None].expand(3, -1, -1))  # [N, S - 1, D] each
         self.rotary = [(cos[:, t : t + 1], sin[:, t : t + 1]) for t in range(fed)]
+        self.compiled = compiled and self.static and self.sharded is None
 
     def __call__(self, tokens: torch.Tensor, t: int) -> torch.Tensor:
         """Forwards completion token `t` of every sample, `tokens` `[N]`; returns the next logits `[N, V]`."""
         keys = self.masks.shape[-1] if self.static else self.prompt + t + 1  # the dynamic cache holds P + t + 1
         mask = self.masks[:, :, t : t + 1, :keys]  # [N, 1, 1, keys]
+        if self.compiled:
+            return compiled_token_logits(self.text_config, self.embed, self.layers, self.norm, self.head, self.cache,
+                                         tokens, mask, *self.rotary[t])
         hidden = self.embed(tokens[:, None])  # [N, 1, H]
         for layer, kind in zip(self.layers, self.kinds):
             hidden = layer(hidden, attention_mask=mask if kind == "full_attention" else None, position_ids=None,

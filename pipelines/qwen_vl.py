@@ -187,8 +187,10 @@ class QwenVLPolicy:
         prefix = collate_prompts(unique, self.pad_id, self.device)
         logits, cache, prompt_mask, start = module.prefix(prefix, inverse)  # [N, V], cache of N rows
         model = module.model
-        step = LeanStep(model, cache, prompt_mask, start, steps) if lean_supported(model) \
-            else ModelStep(module, cache, prompt_mask, start)
+        if lean_supported(model):
+            step = LeanStep(model, cache, prompt_mask, start, steps, compiled=self.config.compile_decode)
+        else:
+            step = ModelStep(module, cache, prompt_mask, start)
         tokens, log_probs, mask = decode(
             step, logits, steps, log_softmax=lambda x: module.log_softmax(x, self.config.temperature),
             choose=TokenSampler(greedy=plan.greedy, top_k=self.config.top_k, top_p=self.config.top_p,

@@ -1,0 +1,105 @@
+"""The compiled decode step of the Qwen-VL adapter (``pipeline.compile_decode``): one completion token of every sample
+through the language model's modules (token embedding, decoder layers, final norm, LM head), as [`LeanStep`] runs it
+with a static cache, under ``torch.compile``.
+
+The compiled function takes everything that changes from one token to the next as a tensor: the token ids, the
+step's row of the precomputed attention mask and its rotary cos / sin. The cache's write position is the static
+cache's own counter tensor. So one graph serves every token of a rollout, with no graph break (``fullgraph=True``).
+Its shapes are static at the first call; a call with another shape (another number of samples, or another prompt
+length) compiles once more with dynamic shapes, which then serve every shape (torch's automatic dynamic shapes).
+
+Its attention is [`decode_attention`], transformers' sdpa attention as it runs eagerly for one query token.
+transformers' own sdpa function, under ``torch.compile``, repeats the keys and values of a grouped-query model to every
+query head instead: a copy of the whole cache per layer and step, whose cost grows with the rows and the cache length
+(with it the compiled step lost to the eager one at 32 rows of the tiny model). [`compiled_token_logits`] switches the
+language model's attention to it for the call only.
+
+The weights stay inputs of the graph (no freezing): an optimizer step that updates them in place is seen by the next
+rollout without recompiling.
+
+Not a plugin: the name starts with an underscore and it defines no ``PLUGIN``.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable
+
+import torch
+
+# the families whose decode step compiles to one graph: full-attention layers only (a static cache). Qwen3.5's
+# linear-attention layers keep a dynamic cache that grows at every token.
+COMPILED_FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe")
+DECODE_ATTENTION = "mmgrpo_decode_sdpa"  # the name [`decode_attention`] is registered under in transformers
+
+
+def decode_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                     attention_mask: torch.Tensor, dropout: float = 0.0, scaling: float | None = None,
+                     **kwargs) -> tuple[torch.Tensor, None]:
+    """sdpa attention of one query token per row, the query heads that share a key / value head packed as that
+    head's queries (transformers' ``pack_gqa``, as its sdpa attention runs eagerly for one token), so the cache is
+    read in place.
+
+    Args:
+        module: the attention module (its ``num_key_value_groups``).
+        query (`torch.FloatTensor` of shape `[N, heads, 1, D]`), key, value (`torch.FloatTensor` of shape
+            `[N, kv_heads, K, D]`): the step's queries and the cache's keys and values.
+        attention_mask (`torch.FloatTensor` of shape `[N, 1, 1, K]`): the additive mask.
+
+    Returns:
+        `tuple`: the attention output `[N, 1, heads, D]` and None (no weights).
+    """
+    from transformers.integrations.sdpa_attention import pack_gqa
+
+    groups = module.num_key_value_groups
+    if groups > 1:
+        query, attention_mask = pack_gqa(query, groups), pack_gqa(attention_mask, groups)  # [N, kv_heads, groups, D]
+    out = torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask,
+                                                           dropout_p=dropout, scale=scaling)
+    return out.reshape(out.shape[0], -1, 1, value.shape[-1]).transpose(1, 2).contiguous(), None  # [N, 1, heads, D]
+
+
+
+def token_logits(embed: torch.nn.Module, layers: list[torch.nn.Module], norm: torch.nn.Module, head: torch.nn.Module,
+                 cache, tokens: torch.Tensor, mask: torch.Tensor, cos: torch.Tensor,
+                 sin: torch.Tensor) -> torch.Tensor:
+    """The next logits after one completion token of every sample.
+
+    Args:
+        embed, layers, norm, head: the language model's token embedding, decoder layers (all full attention), final
+            norm and the LM head.
+        cache (``transformers.StaticCache``): the cache the layers write this token's keys and values into.
+        tokens (`torch.LongTensor` of shape `[N]`): the token of every sample.
+        mask (`torch.FloatTensor` of shape `[N, 1, 1, K]`): the step's attention mask over the cache's `K` positions.
+        cos, sin (`torch.FloatTensor` of shape `[N, 1, D]`): the step's rotary tables.
+
+    Returns:
+        `torch.FloatTensor` of shape `[N, V]`: the logits.
+    """
+    hidden = embed(tokens[:, None])  # [N, 1, H]
+    for layer in layers:
+        hidden = layer(hidden, attention_mask=mask, position_ids=None, cache=cache, use_cache=True,
+                       position_embeddings=(cos, sin))
+    return head(norm(hidden)[:, -1])  # [N, V]
+
+
+@functools.cache
+def compiled() -> Callable:
+    """[`token_logits`] under ``torch.compile`` (one wrapper per process: its compiled graphs serve every rollout),
+    with [`decode_attention`] registered in transformers' attention functions."""
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(DECODE_ATTENTION, decode_attention)
+    return torch.compile(token_logits, fullgraph=True, dynamic=None)
+
+
+def compiled_token_logits(config, *args: Any) -> torch.Tensor:
+    """[`token_logits`] of `args`, compiled, with the attention of the language model's `config` switched to
+    [`decode_attention`] for the call (restored after it, also on an error)."""
+    step = compiled()
+    saved = config._attn_implementation
+    config._attn_implementation = DECODE_ATTENTION
+    try:
+        return step(*args)
+    finally:
+        config._attn_implementation = saved
