@@ -30,7 +30,7 @@ for the benchmark only (the extra ``bench``), without touching the pinned stack:
     pip install --no-deps trl==1.16.0 datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19 pandas==3.1.1 \\
         pyarrow==26.0.1 xxhash==4.1.0
     HF_HUB_OFFLINE=1 python bench/vlm_vs_trl.py --output outputs/bench_vlm_vs_trl [--steps 4] [--prompts 16] \\
-        [--image-size 224]
+        [--image-size 224] [--mmgrpo-override pipeline.compile_decode=true]
 
 On a machine shared with other jobs, ``OMP_NUM_THREADS=1`` (one torch thread per measurement) keeps the times stable.
 
@@ -158,6 +158,7 @@ def run_mmgrpo(args) -> dict:
             f"train.prompts_per_step={args.prompts}", f"train.group_size={args.group_size}",
             f"train.minibatch_size={n}", "train.updates_per_step=1", f"train.learning_rate={args.learning_rate}",
             f"train.max_steps={args.warmup + args.steps}", "train.max_seconds=0", "eval.every=0", "checkpoint.every=0",
+            *args.mmgrpo_override,
         ])
         trainer = Trainer(config)
         policy = trainer.policy
@@ -279,6 +280,8 @@ def measure(args, framework: str, group_size: int) -> dict:
     for key in ("model", "config", "prompts", "max_new_tokens", "steps", "warmup", "learning_rate", "n_train",
                 "image_size"):
         command += [f"--{key.replace('_', '-')}", str(getattr(args, key))]
+    for override in args.mmgrpo_override:
+        command += ["--mmgrpo-override", override]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
            "TOKENIZERS_PARALLELISM": "false", "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
     started = time.perf_counter()
@@ -432,6 +435,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--timeout", type=float, default=600, help="seconds allowed per measurement")
     parser.add_argument("--rounds", type=int, default=1,
                         help="interleaved rounds of every measurement (median step times and per-round ratios)")
+    parser.add_argument("--mmgrpo-override", action="append", default=[], metavar="KEY=VALUE",
+                        help="a config override of mmgrpo's side, after the benchmark's own (repeatable), e.g. "
+                        "pipeline.compile_decode=true")
     parser.add_argument("--worker", choices=["mmgrpo", "trl"], help=argparse.SUPPRESS)
     parser.add_argument("--group-size", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--n-train", type=int, default=None, help=argparse.SUPPRESS)
