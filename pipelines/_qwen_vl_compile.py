@@ -59,16 +59,16 @@ def decode_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Te
     return out.reshape(out.shape[0], -1, 1, value.shape[-1]).transpose(1, 2).contiguous(), None  # [N, 1, heads, D]
 
 
-
-def token_logits(embed: torch.nn.Module, layers: list[torch.nn.Module], norm: torch.nn.Module, head: torch.nn.Module,
-                 cache, tokens: torch.Tensor, mask: torch.Tensor, cos: torch.Tensor,
+def token_logits(embed: torch.nn.Module, layers: list[torch.nn.Module], kinds: list[str], norm: torch.nn.Module,
+                 head: torch.nn.Module, cache, tokens: torch.Tensor, mask: torch.Tensor, cos: torch.Tensor,
                  sin: torch.Tensor) -> torch.Tensor:
-    """The next logits after one completion token of every sample.
+    """The next logits after one completion token of every sample (eagerly, or compiled by [`compiled`]).
 
     Args:
-        embed, layers, norm, head: the language model's token embedding, decoder layers (all full attention), final
-            norm and the LM head.
-        cache (``transformers.StaticCache``): the cache the layers write this token's keys and values into.
+        embed, layers, norm, head: the language model's token embedding, decoder layers, final norm and the LM head.
+        kinds (`list[str]`): each layer's kind; a ``"full_attention"`` layer takes `mask`, the others none (as
+            transformers passes in single-token decoding).
+        cache: the cache the layers write this token's keys and values (or recurrent states) into.
         tokens (`torch.LongTensor` of shape `[N]`): the token of every sample.
         mask (`torch.FloatTensor` of shape `[N, 1, 1, K]`): the step's attention mask over the cache's `K` positions.
         cos, sin (`torch.FloatTensor` of shape `[N, 1, D]`): the step's rotary tables.
@@ -77,9 +77,9 @@ def token_logits(embed: torch.nn.Module, layers: list[torch.nn.Module], norm: to
         `torch.FloatTensor` of shape `[N, V]`: the logits.
     """
     hidden = embed(tokens[:, None])  # [N, 1, H]
-    for layer in layers:
-        hidden = layer(hidden, attention_mask=mask, position_ids=None, cache=cache, use_cache=True,
-                       position_embeddings=(cos, sin))
+    for layer, kind in zip(layers, kinds):
+        hidden = layer(hidden, attention_mask=mask if kind == "full_attention" else None, position_ids=None,
+                       cache=cache, use_cache=True, position_embeddings=(cos, sin))
     return head(norm(hidden)[:, -1])  # [N, V]
 
 

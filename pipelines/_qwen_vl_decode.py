@@ -15,8 +15,8 @@ A hybrid model (Qwen3.5's linear-attention layers) keeps the prefix's dynamic ca
 in place anyway); its full-attention layers get the same precomputed masks, cut to the keys seen so far, and its
 linear-attention layers no mask (transformers passes none in single-token decoding).
 
-With ``compiled`` (``pipeline.compile_decode``) a model of full-attention layers only, not sharded, runs each step
-through [`~_qwen_vl_compile.token_logits`] under ``torch.compile`` (see `_qwen_vl_compile.py`); otherwise eagerly.
+A step is [`~_qwen_vl_compile.token_logits`]: eagerly, or with ``compiled`` (``pipeline.compile_decode``), for a model
+of full-attention layers only and not sharded, under ``torch.compile`` (see `_qwen_vl_compile.py`).
 
 Under FSDP2 (``train.sharding``) each decoder layer gathers its own parameters when called, as in the model's forward;
 the parameters outside the layers (embedding, final norm, LM head), which the sharded model's own forward would
@@ -38,7 +38,7 @@ from typing import Callable
 
 import torch
 
-from mmgrpo.pipelines._qwen_vl_compile import compiled_token_logits
+from mmgrpo.pipelines._qwen_vl_compile import compiled_token_logits, token_logits
 from mmgrpo.sharding import any_process
 
 LEAN_ATTENTION = ("sdpa", "eager")  # attention implementations that take a 4-D mask (what LeanStep precomputes)
@@ -136,14 +136,8 @@ class LeanStep:
         """Forwards completion token `t` of every sample, `tokens` `[N]`; returns the next logits `[N, V]`."""
         keys = self.masks.shape[-1] if self.static else self.prompt + t + 1  # the dynamic cache holds P + t + 1
         mask = self.masks[:, :, t : t + 1, :keys]  # [N, 1, 1, keys]
-        if self.compiled:
-            return compiled_token_logits(self.text_config, self.embed, self.layers, self.norm, self.head, self.cache,
-                                         tokens, mask, *self.rotary[t])
-        hidden = self.embed(tokens[:, None])  # [N, 1, H]
-        for layer, kind in zip(self.layers, self.kinds):
-            hidden = layer(hidden, attention_mask=mask if kind == "full_attention" else None, position_ids=None,
-                           cache=self.cache, use_cache=True, position_embeddings=self.rotary[t])
-        return self.head(self.norm(hidden)[:, -1])  # [N, V]
+        args = (self.embed, self.layers, self.kinds, self.norm, self.head, self.cache, tokens, mask, *self.rotary[t])
+        return compiled_token_logits(self.text_config, *args) if self.compiled else token_logits(*args)
 
     def finish(self) -> None:
         """Frees the parameters gathered for the rollout (sharded models)."""
