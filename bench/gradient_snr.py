@@ -120,13 +120,18 @@ def gradient_agreement(grads: torch.Tensor, generator: torch.Generator | None = 
             "parameters": int(len(snr))}
 
 
+def off_diagonal_mean(products: torch.Tensor) -> float:
+    """The mean of ``products[i, j]`` over ``i != j`` (`products` `[K, K]`, `K` >= 2): products of different,
+    independent batches only."""
+    k = len(products)
+    return float((products.sum() - products.diagonal().sum()) / (k * (k - 1)))
+
+
 def signal_share(gram: torch.Tensor) -> float:
     """The share of one batch's squared gradient norm that is the expected gradient: ``mean_{i != j} g_i . g_j`` (an
     unbiased estimate of ``|E g|^2`` over independent batches) over ``mean_k |g_k|^2``, from the batches' Gram matrix
     `gram` `[K, K]`. Near 0 when each batch's gradient is mostly noise; it does not depend on `K` (the cosines do)."""
-    k = len(gram)
-    off = (gram.sum() - gram.diagonal().sum()) / (k * (k - 1))
-    return float(off / gram.diagonal().mean())
+    return off_diagonal_mean(gram) / float(gram.diagonal().mean())
 
 
 def expected_cosine(cross: torch.Tensor, gram_a: torch.Tensor, gram_b: torch.Tensor) -> float:
@@ -141,22 +146,8 @@ def expected_cosine(cross: torch.Tensor, gram_a: torch.Tensor, gram_b: torch.Ten
     Returns:
         `float`: NaN when the expected gradient of A or B is not measurable (its estimate of ``|E g|^2`` <= 0).
     """
-    k = len(cross)
-
-    def off(matrix: torch.Tensor) -> float:
-        return float((matrix.sum() - matrix.diagonal().sum()) / (k * (k - 1)))
-
-    own = off(gram_a) * off(gram_b)
-    return off(cross) / math.sqrt(own) if own > 0 and off(gram_a) > 0 else float("nan")
-
-
-def equal_reward_share(scores: torch.Tensor, group_ids: torch.Tensor) -> float:
-    """The share of groups whose finite rewards are all equal (`scores`, `group_ids` `[N]`)."""
-    flat = []
-    for gid in torch.unique(group_ids):
-        group = scores[(group_ids == gid) & torch.isfinite(scores)]
-        flat.append(len(group) == 0 or bool((group == group[0]).all()))
-    return sum(flat) / len(flat)
+    own_a, own_b = off_diagonal_mean(gram_a), off_diagonal_mean(gram_b)
+    return off_diagonal_mean(cross) / math.sqrt(own_a * own_b) if own_a > 0 and own_b > 0 else float("nan")
 
 
 # ------------------------------------------------------------------------------------------------------ gradients
@@ -184,6 +175,7 @@ def batch_gradient(trainer, step: int) -> tuple[torch.Tensor, dict[str, float]]:
     """
     from mmgrpo import updates
     from mmgrpo.advantages import groups_with_signal, kept_samples
+    from mmgrpo.evaluation import reward_metrics
     from mmgrpo.rollout_correction import correct_rollout
 
     start = time.perf_counter()
@@ -196,22 +188,21 @@ def batch_gradient(trainer, step: int) -> tuple[torch.Tensor, dict[str, float]]:
                                                           plan, rollout.old_log_probs)
     rewarded = torch.isfinite(whole.scores.float())  # [N]
     with_signal = groups_with_signal(advantages, groups)  # [N]
-    scored = rewarded & with_signal if traits.zero_advantage_is_inert else rewarded  # [N]
-    taken = bool(plan.train_units) and bool(scored.any()) and bool(with_signal.any() or traits.needs_reference)
+    scored, takes_update = updates.samples_to_score(traits, with_signal, rewarded)  # [N], bool
+    taken = bool(plan.train_units) and takes_update
     trainer.optimizer.zero_grad(set_to_none=True)
     if taken:
         parts = math.ceil(len(rollout) / train.minibatch_size)
-        if traits.drop_zero_advantage:  # Flow-GRPO's filter: the kept samples in as many minibatches
-            minibatches = list(kept_samples(advantages, parts, inputs.generator).tensor_split(parts))
-        else:
-            minibatches = list(torch.arange(len(rollout)).split(train.minibatch_size))
+        kept = kept_samples(advantages, parts, inputs.generator) if traits.drop_zero_advantage else None
+        minibatches = updates.epoch_minibatches(len(rollout), train.minibatch_size, kept, inputs.generator)
         entries = updates.count_rollout_entries(trainer, rollout, plan.train_units) \
             if traits.update_mean == "rollout_entries" else None
         updates.accumulate(trainer, rollout, plan.train_units, minibatches, scored, advantages, entries)
     grad = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).detach().float().flatten().cpu()
                       for p in params])  # [P]
     trainer.optimizer.zero_grad(set_to_none=True)
-    info = {"equal_reward_groups": equal_reward_share(whole.scores.float(), groups),
+    equal = reward_metrics(whole.scores.float(), groups, {})["reward/zero_std_groups"]
+    info = {"equal_reward_groups": equal,
             "reward": float(whole.scores.float()[rewarded].mean()), "taken": taken,
             "seconds": time.perf_counter() - start}
     return grad, info

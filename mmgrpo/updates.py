@@ -62,8 +62,8 @@ def update(run: UpdateRun, rollout, plan: SamplingPlan, advantages, with_signal,
         return {}
     rewarded = torch.ones_like(with_signal) if rewarded is None else rewarded
     traits = run.algorithm.traits
-    scored = rewarded & with_signal if traits.zero_advantage_is_inert else rewarded  # [N] samples to score
-    if not scored.any() or (not with_signal.any() and not traits.needs_reference):
+    scored, takes_update = samples_to_score(traits, with_signal, rewarded)  # [N], bool
+    if not takes_update:
         # no reward at all, or nothing but weight decay to apply: no update, and the schedule does not advance
         run.skipped_updates += planned_updates(run, len(rollout))
         return {"train/skipped_updates": run.skipped_updates, "train/unscored_share": 1.0}
@@ -74,10 +74,7 @@ def update(run: UpdateRun, rollout, plan: SamplingPlan, advantages, with_signal,
         else None
     passes, grad_norms = [], []  # the loss metrics of each weighted backward pass; the norm of each update
     for _ in range(cfg.inner_epochs):
-        if kept is None:
-            minibatches = list(torch.randperm(len(rollout), generator=generator).split(cfg.minibatch_size))
-        else:  # the kept samples in as many minibatches, which shrink
-            minibatches = list(kept[torch.randperm(len(kept), generator=generator)].tensor_split(parts))
+        minibatches = epoch_minibatches(len(rollout), cfg.minibatch_size, kept, generator)
         per_update = math.ceil(len(minibatches) / cfg.updates_per_step)
         for u in range(0, len(minibatches), per_update):
             group = minibatches[u : u + per_update]
@@ -106,6 +103,32 @@ def update(run: UpdateRun, rollout, plan: SamplingPlan, advantages, with_signal,
     metrics["train/skipped_updates"] = run.skipped_updates
     metrics["train/unscored_share"] = 1.0 - scored.float().mean().item()  # of the global batch
     return metrics
+
+
+def samples_to_score(traits, with_signal: torch.Tensor, rewarded: torch.Tensor) -> tuple[torch.Tensor, bool]:
+    """The samples an update scores and whether the rollout batch gives an update at all (the skip rules of
+    [`update`]).
+
+    Args:
+        traits: the algorithm's traits (``zero_advantage_is_inert``, ``needs_reference``).
+        with_signal, rewarded (`torch.BoolTensor` of shape `[N]`): as for [`update`].
+
+    Returns:
+        `(torch.BoolTensor of shape [N], bool)`: the samples to score; False when nothing is rewarded, or when no
+        group has signal and the algorithm has no reference term (nothing but weight decay to apply).
+    """
+    scored = rewarded & with_signal if traits.zero_advantage_is_inert else rewarded  # [N]
+    return scored, bool(scored.any()) and bool(with_signal.any() or traits.needs_reference)
+
+
+def epoch_minibatches(n: int, minibatch_size: int, kept: torch.Tensor | None,
+                      generator: torch.Generator | None) -> list[torch.Tensor]:
+    """One inner epoch's minibatches of sample indices: a random order of the `n` samples cut into `minibatch_size`
+    pieces, or, with `kept` (Flow-GRPO's filter, [`~mmgrpo.advantages.kept_samples`]), the kept samples in a random
+    order cut into as many minibatches as the whole batch makes, which shrink."""
+    if kept is None:
+        return list(torch.randperm(n, generator=generator).split(minibatch_size))
+    return list(kept[torch.randperm(len(kept), generator=generator)].tensor_split(math.ceil(n / minibatch_size)))
 
 
 def planned_updates(run: UpdateRun, n: int) -> int:

@@ -45,13 +45,6 @@ def test_signal_share_and_expected_cosine_take_the_noise_out(load_bench):
     assert "| a | 1.00 |" in table and "noise" not in table  # a direction below the measurable share is not tabled
 
 
-def test_equal_reward_share_counts_flat_groups(load_bench):
-    bench = load_bench("gradient_snr")
-    scores = torch.tensor([1.0, 1.0, 0.0, 1.0, 0.5, 0.5])
-    groups = torch.tensor([0, 0, 1, 1, 2, 2])
-    assert bench.equal_reward_share(scores, groups) == pytest.approx(2 / 3)
-
-
 def test_batch_gradient_is_the_direction_of_the_first_training_update(load_bench, tmp_path):
     """The same batch of step 1 in two trainers of one config: the first measures its gradient, the second takes its
     training step (one update over the whole batch). Adam's first update is ``-lr * g / (|g| + eps)`` whatever the

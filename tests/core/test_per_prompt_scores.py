@@ -53,3 +53,14 @@ def test_kind_means_weighted_by_their_counts_give_the_overall_mean(rows):
     assert set(out) == {f"eval/kind/{kind}/strict" for kind in counts}
     weighted = sum(counts[kind] * out[f"eval/kind/{kind}/strict"] for kind in counts) / len(finite)
     assert weighted == pytest.approx(sum(value for _, value in finite) / len(finite), abs=1e-9)
+
+
+def test_zero_std_groups_counts_the_groups_whose_finite_rewards_are_equal():
+    import torch
+
+    from mmgrpo.evaluation import reward_metrics
+
+    scores = torch.tensor([1.0, 1.0, 0.0, 1.0, 0.5, 0.5, float("nan"), 0.0])
+    groups = torch.tensor([0, 0, 1, 1, 2, 2, 3, 3])  # group 3: one finite reward, so equal
+    assert reward_metrics(scores[:6], groups[:6], {})["reward/zero_std_groups"] == pytest.approx(2 / 3)
+    assert reward_metrics(scores, groups, {})["reward/zero_std_groups"] == pytest.approx(3 / 4)
