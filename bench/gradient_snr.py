@@ -5,8 +5,8 @@ For each flow algorithm's tiny config (``configs/tiny/t2i_shapes_<algorithm>.yam
 1..K of a run with ``--seed`` (the same prompts for every algorithm: the prompt stream depends only on the seed), it
 
 1. samples and rewards the batch exactly as a training step does (``prompts_per_step x group_size`` samples, the
-   step's plan and noise: [`~mmgrpo.trainer.Trainer`]'s step inputs and sampling), and computes the advantages on it
-   ([`~mmgrpo.trainer.Trainer.global_advantages`]);
+   step's plan and noise) and computes its advantages, through
+   [`~mmgrpo.trainer.Trainer.rollout_batch`], the same code as a training step;
 2. back-propagates the algorithm's loss over the whole batch as ONE update ([`mmgrpo.updates.accumulate`], the
    trainer's own scoring, weighting and skip rules): with several minibatches or updates per step (``minibatch_size``
    64 of 128, ``updates_per_step: 2``) this is the gradient of the first, on-policy update accumulated over the whole
@@ -174,36 +174,29 @@ def batch_gradient(trainer, step: int) -> tuple[torch.Tensor, dict[str, float]]:
         the update) and ``seconds``.
     """
     from mmgrpo import updates
-    from mmgrpo.advantages import groups_with_signal, kept_samples
+    from mmgrpo.advantages import kept_samples
     from mmgrpo.evaluation import reward_metrics
-    from mmgrpo.rollout_correction import correct_rollout
 
     start = time.perf_counter()
     train, traits, params = trainer.config.train, trainer.algorithm.traits, trainer.policy.trainable_parameters()
-    inputs = trainer._step_inputs(step)  # the step's prompts, plan and generator, as train_step draws them
-    rollout, scores = trainer._sample_and_score(inputs)
-    plan = inputs.plan
-    rollout, _ = correct_rollout(rollout, trainer.policy, trainer.algorithm, plan.train_units, train.minibatch_size)
-    whole, groups, advantages = trainer.global_advantages(scores.result(), rollout.group_ids, inputs.batch.member_ids,
-                                                          plan, rollout.old_log_probs)
-    rewarded = torch.isfinite(whole.scores.float())  # [N]
-    with_signal = groups_with_signal(advantages, groups)  # [N]
+    batch = trainer.rollout_batch(step)  # the step's prompts, plan and generator, as train_step draws them
+    rollout, plan, advantages, rewarded = batch.rollout, batch.inputs.plan, batch.advantages, batch.rewarded
+    with_signal, generator = batch.with_signal, batch.inputs.generator
     scored, takes_update = updates.samples_to_score(traits, with_signal, rewarded)  # [N], bool
     taken = bool(plan.train_units) and takes_update
     trainer.optimizer.zero_grad(set_to_none=True)
     if taken:
         parts = math.ceil(len(rollout) / train.minibatch_size)
-        kept = kept_samples(advantages, parts, inputs.generator) if traits.drop_zero_advantage else None
-        minibatches = updates.epoch_minibatches(len(rollout), train.minibatch_size, kept, inputs.generator)
+        kept = kept_samples(advantages, parts, generator) if traits.drop_zero_advantage else None
+        minibatches = updates.epoch_minibatches(len(rollout), train.minibatch_size, kept, generator)
         entries = updates.count_rollout_entries(trainer, rollout, plan.train_units) \
             if traits.update_mean == "rollout_entries" else None
         updates.accumulate(trainer, rollout, plan.train_units, minibatches, scored, advantages, entries)
     grad = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).detach().float().flatten().cpu()
                       for p in params])  # [P]
     trainer.optimizer.zero_grad(set_to_none=True)
-    equal = reward_metrics(whole.scores.float(), groups, {})["reward/zero_std_groups"]
-    info = {"equal_reward_groups": equal,
-            "reward": float(whole.scores.float()[rewarded].mean()), "taken": taken,
+    equal = reward_metrics(batch.scores, batch.groups, {})["reward/zero_std_groups"]
+    info = {"equal_reward_groups": equal, "reward": float(batch.scores[rewarded].mean()), "taken": taken,
             "seconds": time.perf_counter() - start}
     return grad, info
 

@@ -34,13 +34,14 @@ from __future__ import annotations
 
 import json
 import os
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from . import checkpoint, sharding, updates, weight_ema
 from .advantages import groups_with_signal, reward_advantages
-from .async_rollouts import AsyncRollouts, StepInputs, refuse_stale_schedule, rollout_copy
+from .async_rollouts import AsyncRollouts, Scored, StepInputs, refuse_stale_schedule, rollout_copy
 from .components import build_components
 from .config import ExperimentConfig
 from .best_checkpoint import BestCheckpoint
@@ -51,7 +52,7 @@ from .evaluation import evaluate_splits, finite_mean, gather_rewards, reward_met
 from .held_out_splits import chosen_splits
 from .metrics_log import MetricsLog, read_records
 from .optim import build_optimizer
-from .overlapped_scoring import ChunkedScoring
+from .overlapped_scoring import ChunkedScoring, PendingScores
 from .prompt_stream import PromptStream
 from .rollout_correction import correct_rollout
 from .plans import SamplingPlan
@@ -59,9 +60,24 @@ from .run_loop import make_accelerator, run_steps, timed_step
 from .seeding import mix_seed
 from .stop_signals import StopSignals
 from .tracking import Trackers
-from .types import RewardResult
+from .types import RewardResult, Rollout
 from .vas import refresh_weights
 from .visualize import plot_reward_curve
+
+
+@dataclass
+class AdvantagedBatch:
+    """One step's rollout batch, rewarded and given advantages, before its update ([`Trainer.advantaged`])."""
+
+    inputs: StepInputs
+    rollout: Rollout  # this process's samples [n], corrected for the engine's numerics
+    corrected: dict[str, float]  # rollout_corr/* metrics
+    scores: torch.Tensor  # [N] the whole batch's rewards after the reward's group stage
+    components: dict[str, torch.Tensor]  # name -> [N]
+    groups: torch.Tensor  # [N] group ids
+    advantages: torch.Tensor  # [N] or [N, S]
+    with_signal: torch.Tensor  # [N] bool: the sample's group has a non-zero advantage
+    rewarded: torch.Tensor  # [N] bool: the reward is finite
 
 
 class Trainer:
@@ -159,28 +175,23 @@ class Trainer:
                                         cfg.seed, self.step) if self.stream.refresh_due(self.step - 1) else {}  # VAS
             inputs = self._step_inputs(self.step)
             rollout, scores = self._sample_and_score(inputs)
-        batch, local, plan, generator = inputs.batch, inputs.local, inputs.plan, inputs.generator
-        rollout, corrected = correct_rollout(rollout, self.policy, self.algorithm, plan.train_units, cfg.train.minibatch_size)
-        contiguous = cfg.train.group_placement == "contiguous"
-        placed = self.local_advantages if contiguous else self.global_advantages
-        members = local.member_ids if contiguous else batch.member_ids  # those of the samples the advantages read
-        whole, all_groups, advantages = placed(scores.result(), rollout.group_ids, members, plan, rollout.old_log_probs)
-        all_scores = whole.scores.float()  # [N] after the reward's group stage
+        scored = self.advantaged(inputs, rollout, scores)
+        batch, all_scores, all_groups = inputs.batch, scored.scores, scored.groups
         if self.stream.adaptive:  # group_variance sampling reads back each prompt's group rewards (batch order)
             self.stream.observe(all_scores, batch.group_ids - (self.step - 1) * cfg.train.prompts_per_step)
-        local_adv = self._this_process(advantages, len(local))
-        metrics = reward_metrics(all_scores, all_groups, whole.components)
+        local_adv = self._this_process(scored.advantages, len(inputs.local))
+        metrics = reward_metrics(all_scores, all_groups, scored.components)
         if self.algorithm.traits.ground_truth_member:  # TempSamp: the reward of the policy's own answers alone
             metrics["reward/sampled_mean"] = finite_mean(all_scores[batch.member_ids != 0])
-        with_signal, rewarded = groups_with_signal(advantages, all_groups), torch.isfinite(all_scores)  # [N], [N]
-        metrics.update(self._update(rollout, plan, local_adv, with_signal, generator, rewarded))
+        rollout, with_signal, rewarded = scored.rollout, scored.with_signal, scored.rewarded
+        metrics.update(self._update(rollout, inputs.plan, local_adv, with_signal, inputs.generator, rewarded))
         if self.engine.holds_weights and self.rollouts is None:  # vLLM / SGLang: their own copy takes this step's
             # weights (train.async: each production syncs the engine to its own version instead)
             self.engine.sync_weights(self.policy)
         metrics["lr"] = self.lr_scheduler.get_last_lr()[0]
         metrics["samples_seen"] = self.step * len(all_scores)
         metrics["time/reward_wait_s"] = scores.exposed_s  # reward time not overlapped with sampling (sample_chunks)
-        metrics.update({**refreshed, **corrected})  # the VAS refresh before this batch (vas/*), rollout_corr/*
+        metrics.update({**refreshed, **scored.corrected})  # the VAS refresh before this batch (vas/*), rollout_corr/*
         if self.algorithm.traits.after_step:
             self.algorithm.after_step()  # one rollout iteration done (MixGRPO's window), updates taken or not
         if self.rollouts is not None:
@@ -208,6 +219,30 @@ class Trainer:
         """[`~mmgrpo.evaluation.gather_rewards`] over this run's processes with the reward's group stage: returns
         ``(result [N], groups [N])``."""
         return gather_rewards(self.accelerator, result, group_ids, self.group_stage)
+
+    def rollout_batch(self, step: int) -> AdvantagedBatch:
+        """Training step `step`'s batch as [`train_step`] draws it (its prompts, plan and generator), sampled at the
+        current weights, rewarded and given advantages; no update is taken and nothing else changes but the prompt
+        stream's position. For measurements on rollout batches (``bench/gradient_snr.py``)."""
+        inputs = self._step_inputs(step)
+        rollout, scores = self._sample_and_score(inputs)
+        return self.advantaged(inputs, rollout, scores)
+
+    def advantaged(self, inputs: StepInputs, rollout: Rollout, scores: PendingScores | Scored) -> AdvantagedBatch:
+        """This process's `rollout` of `inputs` with its pending reward `scores`: the rollout corrected for the
+        engine's numerics ([`~mmgrpo.rollout_correction.correct_rollout`], while the reward may still be scoring),
+        then the whole batch's rewards and advantages, as ``train.group_placement`` places them."""
+        cfg = self.config
+        rollout, corrected = correct_rollout(rollout, self.policy, self.algorithm, inputs.plan.train_units,
+                                             cfg.train.minibatch_size)
+        contiguous = cfg.train.group_placement == "contiguous"
+        placed = self.local_advantages if contiguous else self.global_advantages
+        members = inputs.local.member_ids if contiguous else inputs.batch.member_ids  # the advantages' samples
+        whole, groups, advantages = placed(scores.result(), rollout.group_ids, members, inputs.plan,
+                                           rollout.old_log_probs)
+        scores = whole.scores.float()  # [N] after the reward's group stage
+        return AdvantagedBatch(inputs, rollout, corrected, scores, whole.components, groups, advantages,
+                               groups_with_signal(advantages, groups), torch.isfinite(scores))
 
     def global_advantages(self, result: RewardResult, group_ids: torch.Tensor, member_ids: torch.Tensor | None = None,
                           plan: SamplingPlan | None = None, log_probs: torch.Tensor | None = None):
