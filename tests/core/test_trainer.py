@@ -192,3 +192,25 @@ def test_eval_every_seconds_spaces_evaluations_in_training_time(tmp_path, tiny_s
     trainer.train()
     records = read_metrics(tmp_path / "run")
     assert [r["step"] for r in records if "eval/jpeg_kb" in r] == [0, 2, 4, 6, 7]  # base, every 2 s, and the last
+
+
+def test_rollout_batch_is_the_training_steps_batch_and_changes_no_weight(tmp_path, tiny_sd3_dir):
+    """`Trainer.rollout_batch(1)` samples, rewards and advantages step 1's batch as `train_step` does (same rewards
+    and advantages as a second trainer's step 1 logs), and takes no update."""
+    measured = Trainer(config_mod.from_dict(make_config(tmp_path / "a", tiny_sd3_dir)), record_config=False)
+    before = weights(measured)
+    batch = measured.rollout_batch(1)
+    measured.scoring.close()
+    assert all(torch.equal(a, b) for a, b in zip(before, weights(measured)))
+    assert all(p.grad is None for p in measured.policy.trainable_parameters())
+    assert batch.scores.shape == batch.groups.shape == batch.with_signal.shape == (4,)
+    assert batch.groups.tolist() == [0, 0, 1, 1] and bool(batch.rewarded.all())
+    trained = Trainer(config_mod.from_dict(make_config(tmp_path / "b", tiny_sd3_dir)), record_config=False)
+    trained.step += 1
+    metrics = trained.train_step()
+    trained.scoring.close()
+    assert metrics["reward/mean"] == pytest.approx(float(batch.scores.mean()), rel=1e-6)
+    per_group = batch.scores.view(2, 2)  # [groups, G]: flow_grpo's (r - mean) / (population std + 1e-4) per group
+    std = per_group.std(1, keepdim=True, unbiased=False)
+    expected = ((per_group - per_group.mean(1, keepdim=True)) / (std + 1e-4)).clamp(-5.0, 5.0)
+    torch.testing.assert_close(batch.advantages.view(2, 2), expected, rtol=1e-4, atol=1e-4)
