@@ -155,7 +155,8 @@ def write_per_prompt_scores(items: list[tuple[str, float, float, int]], path: st
     Args:
         items (`list[tuple[str, float, float, int]]`): one ``(prompt, reward, metric, index)`` per evaluated item, its
             index in the held-out split (a prompt may appear several times, each with its own noise, or, for a
-            prompt with images, each with other images: the row's ``items`` lists their indices).
+            prompt with images, each with other images: the row's ``items`` lists their indices, ``values`` their
+            metric values in the same order, ``null`` where unscorable).
         path (`str` or `Path`): the JSON file to write (its folder is created).
         metric (`str`): the name of the third value (the config's ``eval.metric``).
     """
@@ -167,8 +168,12 @@ def write_per_prompt_scores(items: list[tuple[str, float, float, int]], path: st
         finite = [v for v in values if v == v]  # NaN (unscorable) items are left out
         return sum(finite) / len(finite) if finite else None
 
-    rows = [{"prompt": p, "n": len(v), "reward": mean([r for r, _, _ in v]), metric: mean([m for _, m, _ in v]),
-             "items": sorted(i for _, _, i in v)} for p, v in grouped.items()]
+    rows = []
+    for prompt, values in grouped.items():
+        values.sort(key=lambda entry: entry[2])  # by held-out index
+        rows.append({"prompt": prompt, "n": len(values), "reward": mean([r for r, _, _ in values]),
+                     metric: mean([m for _, m, _ in values]), "items": [i for _, _, i in values],
+                     "values": [m if m == m else None for _, m, _ in values]})
     rows.sort(key=lambda row: (row[metric] is None, row[metric] if row[metric] is not None else 0.0, row["prompt"]))
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -19,8 +19,10 @@ def test_groups_by_prompt_sorts_worst_first_and_skips_nan(tmp_path):
     rows = json.loads(path.read_text())
     assert [r["prompt"] for r in rows] == ["two blue squares", "a red circle", "no objects"]
     assert rows[0]["n"] == 3 and rows[0]["strict"] == pytest.approx(0.5) and rows[0]["reward"] == pytest.approx(0.4)
-    assert rows[1] == {"prompt": "a red circle", "n": 2, "reward": 0.75, "strict": 1.0, "items": [0, 2]}
-    assert rows[0]["items"] == [1, 3, 4]  # the held-out items behind each row
+    assert rows[1] == {"prompt": "a red circle", "n": 2, "reward": 0.75, "strict": 1.0, "items": [0, 2],
+                       "values": [1.0, 1.0]}
+    assert rows[0]["items"] == [1, 3, 4]  # the held-out items behind each row, and each one's value
+    assert rows[0]["values"] == [0.0, 1.0, None]  # an unscorable item: null, not NaN (which JSON has not)
     assert rows[2]["strict"] is None and rows[2]["reward"] is None  # nothing scorable: last, not a fake 0
 
 
