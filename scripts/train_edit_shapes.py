@@ -67,6 +67,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--text-hidden", type=int, default=64)
     parser.add_argument("--vae-channels", type=int, nargs="+", default=[8, 16])
     parser.add_argument("--text-length", type=int, default=8, help="CLIP and T5 tokens (max_sequence_length)")
+    parser.add_argument("--freeze-text-encoders", action="store_true",
+                        help="keep both text encoders at their random initialisation (in eval mode) and train the "
+                             "transformer alone, as FLUX models are trained on frozen encoders")
     parser.add_argument("--n-train", type=int, default=4000, help="training edits (scenes of even indices)")
     parser.add_argument("--vae-steps", type=int, default=600)
     parser.add_argument("--vae-batch", type=int, default=32)
@@ -160,10 +163,10 @@ def evaluate(pipe, items: list[dict], reward: EditFidelityReward, seed: int, ste
 
 
 def train_flow(pipe, items, select_items, reward, args, rng, log, checkpoint=None) -> tuple[dict, list[dict]]:
-    """Trains both text encoders and the transformer with the rectified-flow loss on the train edits' targets, the
-    input scene's tokens appended as `FluxKontextPipeline` does; the EMA weights are evaluated on `select_items` and
-    training stops inside `args.target` (see [`_shapes_common.train_selected`], which also resumes from
-    `checkpoint`).
+    """Trains both text encoders (with `--freeze-text-encoders`: neither) and the transformer with the rectified-flow
+    loss on the train edits' targets, the input scene's tokens appended as `FluxKontextPipeline` does; the EMA weights
+    are evaluated on `select_items` and training stops inside `args.target` (see
+    [`_shapes_common.train_selected`], which also resumes from `checkpoint`).
 
     Returns:
         `tuple[dict, list[dict]]`: the chosen checkpoint and the evaluation history.
@@ -177,7 +180,12 @@ def train_flow(pipe, items, select_items, reward, args, rng, log, checkpoint=Non
     image_ids = ids.clone()
     image_ids[:, 0] = 1  # the input image's tokens, as the pipeline marks them
     img_ids = torch.cat([ids, image_ids])  # [128, 3]
-    modules = {name: getattr(pipe, name) for name in ("transformer", "text_encoder", "text_encoder_2")}
+    trained = ("transformer",) if args.freeze_text_encoders else ("transformer", "text_encoder", "text_encoder_2")
+    modules = {name: getattr(pipe, name) for name in trained}
+    if args.freeze_text_encoders:
+        for encoder in (pipe.text_encoder, pipe.text_encoder_2):
+            encoder.eval()
+            encoder.requires_grad_(False)
     gen = torch.Generator().manual_seed(args.seed + 1)
 
     def batch_loss() -> torch.Tensor:

@@ -56,8 +56,33 @@ def test_script_defaults_build_the_shipped_architecture(monkeypatch):
     script = load_repo_script("scripts", "train_edit_shapes")
     args = script.parse_args(["--output", "unused"])
     path, metrics = shipped()
-    assert {k: v for k, v in vars(args).items() if k != "output"} == metrics["args"]
+    defaults = {k: v for k, v in vars(args).items() if k != "output"}
+    assert {k: defaults[k] for k in metrics["args"]} == metrics["args"]
+    # options added after the shipped model was trained are off by default (it trained its text encoders)
+    assert {k: v for k, v in defaults.items() if k not in metrics["args"]} == {"freeze_text_encoders": False}
     pipe = script.build_pipeline(args)
     config = json.loads((path / "transformer" / "config.json").read_text(encoding="utf-8"))
     assert pipe.transformer.config.num_layers == config["num_layers"]
     assert sum(p.numel() for p in pipe.transformer.parameters()) == metrics["parameters"]["transformer"]
+
+
+def test_frozen_text_encoders_stay_at_their_initialisation(monkeypatch, tmp_path):
+    """`--freeze-text-encoders`: a few steps of the script train the transformer only; the saved pipeline's text
+    encoders are the randomly initialised ones `build_pipeline` makes for the seed."""
+    import torch
+    from diffusers import FluxKontextPipeline
+
+    monkeypatch.syspath_prepend(str(ROOT / "scripts"))
+    script = load_repo_script("scripts", "train_edit_shapes")
+    argv = ["--output", str(tmp_path / "model"), "--freeze-text-encoders", "--n-train", "64", "--vae-steps", "2",
+            "--vae-batch", "4", "--steps", "3", "--batch", "4", "--warmup", "1", "--eval-start", "2",
+            "--eval-every", "2", "--n-select", "3", "--n-eval", "3", "--eval-steps", "2", "--checkpoint-every", "2"]
+    initial = script.build_pipeline(script.parse_args(argv))
+    script.main(argv)
+    saved = FluxKontextPipeline.from_pretrained(tmp_path / "model")
+    for name in ("text_encoder", "text_encoder_2"):
+        before, after = getattr(initial, name).state_dict(), getattr(saved, name).state_dict()
+        assert all(torch.equal(before[k], after[k]) for k in before), name
+    moved = [not torch.equal(v, saved.transformer.state_dict()[k]) for k, v in initial.transformer.state_dict().items()]
+    assert any(moved)  # the transformer trained
+    assert json.loads((tmp_path / "model" / "metrics.json").read_text())["args"]["freeze_text_encoders"] is True
