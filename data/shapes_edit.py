@@ -131,8 +131,13 @@ def edit(shapes: list[dict], kind: str, rng: random.Random, size: int,
     if not options:
         return None
     k, word, edited = rng.choice(options)
-    verb = {"remove": "remove {}", "recolor": "make {} " + word, "move": "move {} " + word}[kind]
-    return verb.format(name_of(shapes, k)), copy.deepcopy(edited)
+    return instruction(kind, name_of(shapes, k), word), copy.deepcopy(edited)
+
+
+def instruction(kind: str, name: str, word: str) -> str:
+    """The instruction of an edit of `kind` on the shape called `name` ("the red circle") with `word` (the new colour
+    of a recolour, the direction of a move, empty for a removal)."""
+    return {"remove": f"remove {name}", "recolor": f"make {name} {word}", "move": f"move {name} {word}"}[kind]
 
 
 def as_tensor(image) -> torch.Tensor:
