@@ -120,7 +120,7 @@ def run_case(root: Path, args, pipe_factory, lora: bool, checkpointing: bool) ->
     for step in range(args.steps + 1):
         sync()
         start = time.perf_counter()
-        trainer._update(rollout, plan, advantages, torch.ones(len(batch), dtype=torch.bool),
+        trainer.update(rollout, plan, advantages, torch.ones(len(batch), dtype=torch.bool),
                         torch.Generator().manual_seed(3 + step))
         sync()
         if step:

@@ -181,7 +181,7 @@ def worker_case(config: dict, steps: int) -> dict:
                                         generator=torch.Generator().manual_seed(100 + 10 * step + trainer.rank))
         sampled = time.perf_counter()
         advantages = torch.randn(len(batch), generator=torch.Generator().manual_seed(200 + step))  # [N]
-        trainer._update(rollout, plan, advantages[list(mine)], torch.ones(len(batch), dtype=torch.bool),
+        trainer.update(rollout, plan, advantages[list(mine)], torch.ones(len(batch), dtype=torch.bool),
                         torch.Generator().manual_seed(300 + step))
         if step:  # the first update (allocations, lazy initialisation) is not timed
             sample_times.append(sampled - start)

@@ -184,7 +184,7 @@ class Trainer:
         if self.algorithm.traits.ground_truth_member:  # TempSamp: the reward of the policy's own answers alone
             metrics["reward/sampled_mean"] = finite_mean(all_scores[batch.member_ids != 0])
         rollout, with_signal, rewarded = scored.rollout, scored.with_signal, scored.rewarded
-        metrics.update(self._update(rollout, inputs.plan, local_adv, with_signal, inputs.generator, rewarded))
+        metrics.update(self.update(rollout, inputs.plan, local_adv, with_signal, inputs.generator, rewarded))
         if self.engine.holds_weights and self.rollouts is None:  # vLLM / SGLang: their own copy takes this step's
             # weights (train.async: each production syncs the engine to its own version instead)
             self.engine.sync_weights(self.policy)
@@ -278,8 +278,12 @@ class Trainer:
         """This process's slice `[n, ...]` of a batch gathered from every process `[N, ...]`."""
         return values[self.rank * n : (self.rank + 1) * n]
 
-    def _update(self, rollout, plan: SamplingPlan, advantages, with_signal, generator, rewarded=None) -> dict:
-        """Optimizer updates on one rollout batch: [`~mmgrpo.updates.update`]."""
+    def update(self, rollout: Rollout, plan: SamplingPlan, advantages: torch.Tensor, with_signal: torch.Tensor,
+               generator: torch.Generator, rewarded: torch.Tensor | None = None) -> dict:
+        """The step's optimizer updates on this process's `rollout` `[n]` with its `advantages` (`[n]` or `[n, S]`),
+        under the skip rules decided on the whole batch (`with_signal`, `rewarded`: `[N]` bool); see
+        [`~mmgrpo.updates.update`]. [`train_step`] calls it with an [`AdvantagedBatch`]'s fields; benches and tests
+        call it to update on a batch of their own."""
         return updates.update(self, rollout, plan, advantages, with_signal, generator, rewarded)
 
     # --------------------------------------------------------------------------------------------- evaluation

@@ -322,7 +322,7 @@ def test_groups_without_signal_are_not_scored_and_the_gradient_is_unchanged(tmp_
     for inert in (True, False):
         trainer.algorithm.traits = dataclasses.replace(trainer.algorithm.traits, zero_advantage_is_inert=inert)
         scored.clear(), grads.clear()
-        metrics = trainer._update(rollout, plan, advantages, with_signal, torch.Generator().manual_seed(1))
+        metrics = trainer.update(rollout, plan, advantages, with_signal, torch.Generator().manual_seed(1))
         trainer.optimizer.zero_grad(set_to_none=True)
         runs.append((list(scored), grads[0], metrics))
     trainer.optimizer.step = step

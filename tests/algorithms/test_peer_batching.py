@@ -125,7 +125,7 @@ def test_dapo_step_takes_trls_updates(tmp_path, tiny_qwen2_vl_dir, monkeypatch):
             rollout.mask[row, :length] = True
         adv = torch.tensor([1.0, -0.5, 0.0, 0.8, -1.2, 0.4, 0.3, -0.9])
         grads, groups = record_updates(trainer, monkeypatch)
-        trainer._update(rollout, plan, adv, torch.ones(8, dtype=torch.bool), torch.Generator().manual_seed(2))
+        trainer.update(rollout, plan, adv, torch.ones(8, dtype=torch.bool), torch.Generator().manual_seed(2))
         assert len(grads) == 2 and [len(g) for g in groups] == [2, 2]
         sums = token_sums(trainer, rollout, plan.train_units[0], adv)  # [8]
         if token_mean == "rollout":
@@ -181,7 +181,7 @@ def test_flow_grpo_drops_zero_advantages_before_batching(tmp_path, tiny_sd3_dir,
         rollout, plan = rollout_of(trainer, 2, 4)
         grads, groups = record_updates(trainer, monkeypatch)
         with_signal = torch.ones(8, dtype=torch.bool)
-        trainer._update(rollout, plan, adv, with_signal, torch.Generator().manual_seed(3))
+        trainer.update(rollout, plan, adv, with_signal, torch.Generator().manual_seed(3))
         assert len(grads) == 2
         assert all(len(g) == 1 for g in groups)  # one minibatch per update
         sizes = [len(g[0]) for g in groups]

@@ -43,7 +43,7 @@ def fixed_step(trainer: Trainer, step: int, nan: bool, die: dict | None = None) 
         advantages[-1] = float("nan")  # the last sample: on the last process only
     mine = torch.arange(trainer.rank * trainer.local_n, (trainer.rank + 1) * trainer.local_n)
     trainer.step = step
-    metrics = trainer._update(rollout.select(mine), plan, advantages[mine], torch.ones(n, dtype=torch.bool),
+    metrics = trainer.update(rollout.select(mine), plan, advantages[mine], torch.ones(n, dtype=torch.bool),
                               torch.Generator().manual_seed(300 + step))
     out = {}
     for key in sorted(metrics):  # every process has the same keys: a process holds samples of every update

@@ -112,9 +112,9 @@ def test_samples_without_reward_add_nothing_and_the_others_still_update(trainer)
     grads = []
     trainer.optimizer.step = lambda: grads.append([p.grad.clone() for p in trainer.policy.trainable_parameters()])
     with_signal = groups_with_signal(advantages, groups)
-    metrics = trainer._update(rollout, plan, advantages, with_signal, torch.Generator().manual_seed(1), rewarded)
+    metrics = trainer.update(rollout, plan, advantages, with_signal, torch.Generator().manual_seed(1), rewarded)
     trainer.optimizer.zero_grad(set_to_none=True)
-    trainer._update(rollout.select(kept), plan, advantages[kept], with_signal[kept], torch.Generator().manual_seed(1))
+    trainer.update(rollout.select(kept), plan, advantages[kept], with_signal[kept], torch.Generator().manual_seed(1))
     assert len(grads) == 2 and metrics["train/skipped_updates"] == 0  # the update is taken
     assert metrics["train/unscored_share"] == pytest.approx(2 / 6)
     assert any(torch.count_nonzero(g) for g in grads[0])
