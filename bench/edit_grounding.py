@@ -105,14 +105,14 @@ def determined_breakdown(values: dict[int, float], items: list[dict]) -> dict[st
 
 
 def held_out_items(config_path: str, n_eval: int) -> list[dict]:
-    """The held-out items of the config's ``data`` section (a `shapes_edit` source) with `n_eval` items."""
-    import yaml
+    """The held-out items of the config (loaded and validated as ``mmgrpo eval`` loads it, with ``data.n_eval`` set
+    to `n_eval`), whose prompt source must be `shapes_edit`."""
+    from mmgrpo import config as config_mod
 
-    data = dict(yaml.safe_load(Path(config_path).read_text(encoding="utf-8"))["data"])
-    if data.pop("name") != "shapes_edit":
+    config = config_mod.load(config_path, [f"data.n_eval={n_eval}"])
+    if config.data.name != "shapes_edit":
         raise SystemExit(f"{config_path}: data.name must be shapes_edit for this measurement.")
-    data["n_eval"] = n_eval
-    return ShapesEdit(ShapesEdit.Config(**data)).eval_items()
+    return ShapesEdit(config.data.options).eval_items()
 
 
 def tables(encoders: dict[str, dict[str, float]] | None, breakdowns: dict[str, dict[str, tuple[float, int]]]) -> str:
