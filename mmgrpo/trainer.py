@@ -240,9 +240,9 @@ class Trainer:
         members = inputs.local.member_ids if contiguous else inputs.batch.member_ids  # the advantages' samples
         whole, groups, advantages = placed(scores.result(), rollout.group_ids, members, inputs.plan,
                                            rollout.old_log_probs)
-        scores = whole.scores.float()  # [N] after the reward's group stage
-        return AdvantagedBatch(inputs, rollout, corrected, scores, whole.components, groups, advantages,
-                               groups_with_signal(advantages, groups), torch.isfinite(scores))
+        final = whole.scores.float()  # [N] after the reward's group stage
+        return AdvantagedBatch(inputs, rollout, corrected, final, whole.components, groups, advantages,
+                               groups_with_signal(advantages, groups), torch.isfinite(final))
 
     def global_advantages(self, result: RewardResult, group_ids: torch.Tensor, member_ids: torch.Tensor | None = None,
                           plan: SamplingPlan | None = None, log_probs: torch.Tensor | None = None):
