@@ -30,7 +30,7 @@ for the benchmark only (the extra ``bench``), without touching the pinned stack:
     pip install --no-deps trl==1.16.0 datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19 pandas==3.1.1 \\
         pyarrow==26.0.1 xxhash==4.1.0
     HF_HUB_OFFLINE=1 python bench/vlm_vs_trl.py --output outputs/bench_vlm_vs_trl [--steps 4] [--prompts 16] \\
-        [--image-size 224] [--mmgrpo-override pipeline.compile_decode=true]
+        [--image-size 224] [--mmgrpo-override pipeline.compile_decode=true] [--device cuda]
 
 On a machine shared with other jobs, ``OMP_NUM_THREADS=1`` (one torch thread per measurement) keeps the times stable.
 
@@ -244,7 +244,7 @@ def run_trl(args) -> dict:
             per_device_train_batch_size=n, gradient_accumulation_steps=1, num_iterations=1,
             max_steps=args.warmup + args.steps, learning_rate=args.learning_rate, lr_scheduler_type="constant",
             temperature=1.0, top_p=1.0, top_k=0, beta=0.0, epsilon=0.2, loss_type="grpo", scale_rewards="group",
-            use_cpu=True, use_vllm=False, bf16=False, fp16=False, gradient_checkpointing=False, report_to=[],
+            use_cpu=args.device == "cpu", use_vllm=False, bf16=False, fp16=False, gradient_checkpointing=False, report_to=[],
             logging_steps=1, save_strategy="no", disable_tqdm=True, seed=0, dataloader_num_workers=0,
         )
         trainer = GRPOTrainer(model=model, reward_funcs=[accuracy_reward], args=config, train_dataset=dataset,
@@ -271,6 +271,10 @@ def worker(args) -> None:
         traceback.print_exc()
         result = {"error": f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"[:500]}
     result["peak_rss_mib"] = peak_rss_mib()
+    if args.device == "cuda":
+        import torch
+
+        result["peak_gpu_mib"] = torch.cuda.max_memory_allocated() / 2**20  # weights, optimizer state, activations
     print("RESULT " + json.dumps(result), flush=True)
 
 
@@ -278,12 +282,13 @@ def worker(args) -> None:
 def measure(args, framework: str, group_size: int) -> dict:
     command = [sys.executable, str(Path(__file__).resolve()), "--worker", framework, "--group-size", str(group_size)]
     for key in ("model", "config", "prompts", "max_new_tokens", "steps", "warmup", "learning_rate", "n_train",
-                "image_size"):
+                "image_size", "device"):
         command += [f"--{key.replace('_', '-')}", str(getattr(args, key))]
     for override in args.mmgrpo_override:
         command += ["--mmgrpo-override", override]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
-           "TOKENIZERS_PARALLELISM": "false", "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+           "TOKENIZERS_PARALLELISM": "false", **({"CUDA_VISIBLE_DEVICES": ""} if args.device == "cpu" else {}),
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
     started = time.perf_counter()
     proc = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=args.timeout)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
@@ -333,7 +338,7 @@ def write_outputs(args, results: dict, out: Path) -> None:
                      "increment_ratio": ratio(ours, trl, "train_increment_mib")})
     image_size = args.image_size
     settings = {k: getattr(args, k) for k in ("model", "config", "prompts", "max_new_tokens", "steps", "warmup",
-                                              "learning_rate", "group_sizes", "main_g", "rounds")}
+                                              "learning_rate", "group_sizes", "main_g", "rounds", "device")}
     summary = {"settings": {**settings, "image_size": image_size},
                "torch_threads": torch.get_num_threads(), "cpu_count": os.cpu_count(), "rows": rows}
     (out / "results.json").write_text(json.dumps(summary, indent=2), encoding="utf-8")
@@ -345,7 +350,8 @@ def write_outputs(args, results: dict, out: Path) -> None:
              f"completions per step, {args.max_new_tokens} completion tokens, full fine-tuning, one optimizer update per step; median of {args.steps} steps after "
              f"{args.warmup} warm-up" + (f", median over {args.rounds} interleaved rounds (speed-up: median of the "
                                         "per-round ratios)" if args.rounds > 1 else "") +
-             f"; {torch.get_num_threads()} torch threads, CPU. Peak RSS: fresh process per "
+             f"; {torch.get_num_threads()} torch threads, " + ("CPU" if args.device == "cpu" else "one GPU (float32)") +
+             ". Peak RSS: fresh process per "
              "measurement (\"after build\": peak minus the RSS just before the first step).", "",
              "| G | mmgrpo s/step | TRL s/step | time ratio mmgrpo / TRL | speed-up TRL / mmgrpo | mmgrpo peak RSS MiB | TRL peak RSS MiB "
              "| peak ratio | mmgrpo after build MiB | TRL after build MiB | after-build ratio |",
@@ -384,6 +390,9 @@ def write_outputs(args, results: dict, out: Path) -> None:
             f"{pair(row, 'completion_length', '{:.1f}', True)} | {pair(row, 'reward_mean', '{:.2f}', True)} | "
             f"{pair(row, 'zero_std_groups', '{:.2f}', True)} | {pair(row, 'grad_norm', '{:.2f}', True)} | "
             f"{o.get('skipped_updates', '-')} |")
+    if args.device == "cuda":
+        lines += ["", "Peak GPU memory (`torch.cuda.max_memory_allocated`, MiB), mmgrpo / TRL: "
+                  + ", ".join(f"G={row['G']}: {pair(row, 'peak_gpu_mib', '{:.0f}')}" for row in rows)]
     errors = [(fw, row["G"], row[fw]["error"]) for row in rows for fw in ("mmgrpo", "trl") if "error" in row[fw]]
     if errors:
         lines += ["", "Errors:"] + [f"- {fw} G={g}: `{e}`" for fw, g, e in errors]
@@ -412,7 +421,7 @@ def write_outputs(args, results: dict, out: Path) -> None:
         ax.grid(alpha=0.3)
     axes[0].legend()
     vision = f", {tokens} vision tokens per image" if tokens is not None else ""
-    fig.suptitle(f"VLM GRPO, tiny Qwen2-VL, {image_size} x {image_size} images{vision}, CPU")
+    fig.suptitle(f"VLM GRPO, tiny Qwen2-VL, {image_size} x {image_size} images{vision}, {args.device.upper()}")
     fig.tight_layout()
     fig.savefig(out / "step_time_vs_g.png", dpi=120)
 
@@ -438,6 +447,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--mmgrpo-override", action="append", default=[], metavar="KEY=VALUE",
                         help="a config override of mmgrpo's side, after the benchmark's own (repeatable), e.g. "
                         "pipeline.compile_decode=true")
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                        help="where both trainers run (cuda: the first GPU, float32 on both sides)")
     parser.add_argument("--worker", choices=["mmgrpo", "trl"], help=argparse.SUPPRESS)
     parser.add_argument("--group-size", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--n-train", type=int, default=None, help=argparse.SUPPRESS)

@@ -20,7 +20,7 @@ def test_step_stats_take_the_median_after_the_warmup(bench):
 def test_report_ratios_errors_and_files(bench, tmp_path):
     args = bench.argparse.Namespace(model="mmgrpo:vlm_shapes", config="configs/tiny/vlm_count.yaml", prompts=16,
                                     max_new_tokens=20, steps=4, warmup=1, learning_rate=2e-4, group_sizes=[2, 8],
-                                    main_g=8, image_size=56, rounds=1)
+                                    main_g=8, image_size=56, rounds=1, device="cpu")
     results = {
         "mmgrpo": {"2": {"step_s": 0.5, "peak_rss_mib": 700.0, "rss_before_steps_mib": 600.0},
                    "8": {"step_s": 1.0, "peak_rss_mib": 800.0, "rss_before_steps_mib": 600.0}},
@@ -36,6 +36,13 @@ def test_report_ratios_errors_and_files(bench, tmp_path):
     assert "| **8** | 1.000 | 4.000 | 0.25 | 4.0x | 800 | 1000 | 0.8 | 200 | 400 | 0.5 |" in table
     assert "| 2 | 0.500 | error |" in table and "- trl G=2: `RuntimeError: boom`" in table
     assert (tmp_path / "step_time_vs_g.png").stat().st_size > 1000
+    assert "Peak GPU memory" not in table and "torch threads, CPU." in table
+
+    args.device = "cuda"  # on a GPU the table also gives each side's peak GPU memory
+    results["mmgrpo"]["8"]["peak_gpu_mib"], results["trl"]["8"]["peak_gpu_mib"] = 300.0, 900.0
+    bench.write_outputs(args, results, tmp_path)
+    table = (tmp_path / "table.md").read_text()
+    assert "one GPU (float32)" in table and "G=2: - / -, G=8: 300 / 900" in table
 
 
 def test_interleaved_rounds_report_the_median_run_and_the_median_per_round_ratio(bench):
