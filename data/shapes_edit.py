@@ -154,22 +154,38 @@ class ShapesEdit:
     def __init__(self, config: ShapesEditConfig | None = None):
         self.config = config or self.Config()
 
+    def _allowed(self, index: int):
+        """Which edit combinations scene `index`'s split takes (the index's parity; see the module docstring)."""
+        held = index % 2 == 1
+        if self.config.held_out == "unseen":
+            return lambda combo: (combo in HELD_OUT) == held
+        return lambda combo: True
+
+    def _as_item(self, shapes: list[dict], kind: str, instruction: str, edited: list[dict]) -> dict:
+        size = self.config.size
+        source, target = render(shapes, size), render(edited, size)
+        metadata = {"kind": kind, "scene": shapes, "target_scene": edited, "source_image": as_tensor(source),
+                    "target_image": as_tensor(target)}
+        return {"prompt": instruction, "metadata": metadata, "images": [source]}
+
     def item(self, index: int, kind: str) -> dict | None:
         """The edit item of scene `index` (None when it allows no edit of `kind` in its split: the split is the
         index's parity, and under ``held_out: unseen`` odd indices take `HELD_OUT` combinations only, even ones
         none)."""
         c = self.config
         shapes = scene(index, c.size, c.max_objects)
-        held = index % 2 == 1
-        allowed = (lambda combo: (combo in HELD_OUT) == held) if c.held_out == "unseen" else (lambda combo: True)
-        made = edit(shapes, kind, random.Random(f"edit-{index}"), c.size, allowed)
-        if made is None:
-            return None
-        instruction, edited = made
-        source, target = render(shapes, c.size), render(edited, c.size)
-        metadata = {"kind": kind, "scene": shapes, "target_scene": edited, "source_image": as_tensor(source),
-                    "target_image": as_tensor(target)}
-        return {"prompt": instruction, "metadata": metadata, "images": [source]}
+        made = edit(shapes, kind, random.Random(f"edit-{index}"), c.size, self._allowed(index))
+        return None if made is None else self._as_item(shapes, kind, *made)
+
+    def scene_edits(self, index: int) -> list[dict]:
+        """Every edit of scene `index` that its split allows, of every kind in `kinds` and on every shape named
+        unambiguously, one item each (`item` draws one of them): the same input scene under different instructions,
+        with different targets."""
+        c = self.config
+        shapes, allowed = scene(index, c.size, c.max_objects), self._allowed(index)
+        return [self._as_item(shapes, kind, instruction(kind, name_of(shapes, k), word), copy.deepcopy(edited))
+                for kind in c.kinds for k, word, edited in candidates(shapes, kind, c.size)
+                if allowed(combination(kind, shapes[k], word))]
 
     def items(self, start: int, count: int) -> list[dict]:
         out, index = [], start

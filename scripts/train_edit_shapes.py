@@ -7,10 +7,11 @@ red circle blue", "remove the square", "move the triangle left"), the edited sce
 T5 for the token states) and the `FluxTransformer2DModel` are trained jointly with the rectified-flow loss on the
 target's packed latents (``x_s = (1 - s) x_0 + s noise``, target ``noise - x_0``, `s` logit-normal), the input
 scene's packed latents appended to the transformer's tokens exactly as `FluxKontextPipeline` does it (VAE mode,
-position ids with first axis 1); (3) from `--eval-start` on, the held-out strict accuracy of the EMA weights
-(`edit_fidelity`'s strict rule, on edits of combinations never trained on, sampled with the stock pipeline: 10
-steps) is measured every `--eval-every` steps, and training stops once it reaches `--target` (RL needs an imperfect
-start). The result is written with `save_pretrained`, with ``metrics.json`` and ``samples.png`` (input | edit |
+position ids with first axis 1), on one drawn edit per training scene, or with `--all-edits-per-scene` on every
+edit of the same scenes (each kind drawn equally often); (3) from `--eval-start` on, the held-out strict accuracy of
+the EMA weights (`edit_fidelity`'s strict rule, on edits of combinations never trained on, sampled with the stock
+pipeline: 10 steps) is measured every `--eval-every` steps, and training stops once it reaches `--target` (RL needs an
+imperfect start). The result is written with `save_pretrained`, with ``metrics.json`` and ``samples.png`` (input | edit |
 target, with the instruction and strict score) beside it.
 
 The model has no distilled guidance embedding (``guidance_embeds=False``; guidance_scale is ignored) and was trained
@@ -71,6 +72,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="keep both text encoders at their random initialisation (in eval mode) and train the "
                              "transformer alone, as FLUX models are trained on frozen encoders")
     parser.add_argument("--n-train", type=int, default=4000, help="training edits (scenes of even indices)")
+    parser.add_argument("--all-edits-per-scene", action="store_true",
+                        help="train on every edit of each of the --n-train scenes (every kind, every shape named), "
+                        "not one drawn edit per scene: the same scene under different instructions")
     parser.add_argument("--vae-steps", type=int, default=600)
     parser.add_argument("--vae-batch", type=int, default=32)
     parser.add_argument("--vae-lr", type=float, default=4e-3)
@@ -187,9 +191,17 @@ def train_flow(pipe, items, select_items, reward, args, rng, log, checkpoint=Non
             encoder.eval()
             encoder.requires_grad_(False)
     gen = torch.Generator().manual_seed(args.seed + 1)
+    # with every edit of each scene (recolours outnumber the rest about 3 to 1), each kind is drawn equally often
+    share = None  # [N] each item's probability of being drawn, when not uniform
+    if args.all_edits_per_scene:
+        _, kind_index, counts = np.unique([item["metadata"]["kind"] for item in items], return_inverse=True,
+                                          return_counts=True)
+        share = 1.0 / counts[kind_index]
+        share /= share.sum()
 
     def batch_loss() -> torch.Tensor:
-        picks = rng.integers(len(items), size=args.batch)
+        picks = rng.integers(len(items), size=args.batch) if share is None else rng.choice(len(items), args.batch,
+                                                                                           p=share)
         x0, image = pack(targets[picks]), pack(sources[picks])  # [B, 64, 16] each
         prompts = [items[i]["prompt"] for i in picks]
         embeds, pooled, text_ids = pipe.encode_prompt(prompt=prompts, prompt_2=prompts, device="cpu",
@@ -227,10 +239,25 @@ def save_grid(items: list[dict], images: torch.Tensor, scores: list[float], path
     grid.save(path)
 
 
+def training_edits(args) -> list[dict]:
+    """The base's training edits: one drawn edit on each of `--n-train` training scenes (`ShapesEdit.train_items`),
+    or with `--all-edits-per-scene` every edit those scenes allow (`ShapesEdit.scene_edits`)."""
+    source = ShapesEdit(ShapesEdit.Config(seed=args.seed, n_train=args.n_train, n_eval=0, size=SIZE))
+    if not args.all_edits_per_scene:
+        return source.train_items()
+    items, index, scenes = [], 2 * args.seed * 10**7, 0  # the scenes `train_items` visits, in its order
+    while scenes < args.n_train:
+        if source.item(index, source.config.kinds[scenes % len(source.config.kinds)]) is not None:
+            items += source.scene_edits(index)
+            scenes += 1
+        index += 2
+    return items
+
+
 def main(argv=None) -> None:
     args = parse_args(argv)
     rng, log, start = common.start_run(args)
-    items = ShapesEdit(ShapesEdit.Config(seed=args.seed, n_train=args.n_train, n_eval=0, size=SIZE)).train_items()
+    items = training_edits(args)
     # selection and final items: held-out edits of other scenes than the RL config's evaluation (data.seed 0)
     select_items = ShapesEdit(ShapesEdit.Config(seed=args.seed + 2000, n_train=0, n_eval=args.n_select,
                                                 size=SIZE)).eval_items()

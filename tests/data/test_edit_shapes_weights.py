@@ -59,7 +59,8 @@ def test_script_defaults_build_the_shipped_architecture(monkeypatch):
     defaults = {k: v for k, v in vars(args).items() if k != "output"}
     assert {k: defaults[k] for k in metrics["args"]} == metrics["args"]
     # options added after the shipped model was trained are off by default (it trained its text encoders)
-    assert {k: v for k, v in defaults.items() if k not in metrics["args"]} == {"freeze_text_encoders": False}
+    assert {k: v for k, v in defaults.items() if k not in metrics["args"]} == {"freeze_text_encoders": False,
+                                                                                 "all_edits_per_scene": False}
     pipe = script.build_pipeline(args)
     config = json.loads((path / "transformer" / "config.json").read_text(encoding="utf-8"))
     assert pipe.transformer.config.num_layers == config["num_layers"]
@@ -86,3 +87,15 @@ def test_frozen_text_encoders_stay_at_their_initialisation(monkeypatch, tmp_path
     moved = [not torch.equal(v, saved.transformer.state_dict()[k]) for k, v in initial.transformer.state_dict().items()]
     assert any(moved)  # the transformer trained
     assert json.loads((tmp_path / "model" / "metrics.json").read_text())["args"]["freeze_text_encoders"] is True
+
+
+def test_all_edits_per_scene_trains_every_edit_of_the_same_scenes(monkeypatch):
+    """`--all-edits-per-scene`: the base's training edits are every edit of the same training scenes that the one
+    drawn edit per scene comes from."""
+    monkeypatch.syspath_prepend(str(ROOT / "scripts"))
+    script = load_repo_script("scripts", "train_edit_shapes")
+    one = script.training_edits(script.parse_args(["--output", "unused", "--n-train", "12"]))
+    every = script.training_edits(script.parse_args(["--output", "unused", "--n-train", "12", "--all-edits-per-scene"]))
+    key = lambda item: (repr(item["metadata"]["scene"]), item["prompt"])
+    assert len(one) == 12 and {key(i) for i in one} < {key(i) for i in every}
+    assert {repr(i["metadata"]["scene"]) for i in every} == {repr(i["metadata"]["scene"]) for i in one}

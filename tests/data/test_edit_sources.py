@@ -126,3 +126,18 @@ def test_shapes_edit_config_errors():
         ShapesEditConfig(max_objects=5)
     with pytest.raises(ValueError, match="held_out"):
         ShapesEditConfig(held_out="none")
+
+
+def test_scene_edits_give_every_allowed_edit_of_a_scene_with_distinct_targets():
+    source = ShapesEdit(ShapesEditConfig(n_train=0, n_eval=0, size=32))
+    for index in (0, 2, 4, 1, 3):  # training scenes (even) and held-out ones (odd)
+        edits = source.scene_edits(index)
+        drawn = [source.item(index, kind) for kind in KINDS]
+        prompts = [e["prompt"] for e in edits]
+        assert len(set(prompts)) == len(prompts)  # one item per instruction
+        assert {d["prompt"] for d in drawn if d is not None} <= set(prompts)  # `item` draws one of them
+        assert {e["metadata"]["kind"] for e in edits} == {d["metadata"]["kind"] for d in drawn if d is not None}
+        assert all((combo_of(e) in HELD_OUT) == (index % 2 == 1) for e in edits)  # the split's combinations only
+        sources = {e["metadata"]["source_image"].numpy().tobytes() for e in edits}
+        targets = {e["metadata"]["target_image"].numpy().tobytes() for e in edits}
+        assert len(sources) == 1 and len(targets) == len(edits)  # one input scene, a different target per edit
