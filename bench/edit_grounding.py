@@ -82,7 +82,7 @@ def scene_choices(item: dict) -> int:
     """How many edits of the item's kind and word its scene allows, whichever shape is named (1: the scene
     determines the edit)."""
     kind = item["metadata"]["kind"]
-    word = "" if kind == "remove" else item["prompt"].split()[-1]
+    word = item["metadata"]["word"]
     size = item["metadata"]["source_image"].shape[-1]
     return sum(1 for _, w, _ in candidates(item["metadata"]["scene"], kind, size) if w == word)
 

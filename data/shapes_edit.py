@@ -9,8 +9,9 @@ shape of the scene has it, else by colour and shape):
 - ``move``: "move the triangle left" (the shape shifted by half the image into the empty quadrant beside it: left,
   right, up or down).
 
-Items carry ``images`` (the input scene, one PIL image) and metadata ``kind``, ``scene`` and ``target_scene`` (the
-shapes before and after, JSON-able), and ``source_image`` / ``target_image`` (uint8 tensors `[3, size, size]`), which
+Items carry ``images`` (the input scene, one PIL image) and metadata ``kind``, ``word`` (the new colour of a
+recolour, the direction of a move, empty for a removal), ``scene`` and ``target_scene`` (the shapes before and after,
+JSON-able), and ``source_image`` / ``target_image`` (uint8 tensors `[3, size, size]`), which
 `edit_fidelity` compares the edited image with. Training items use even scene indices, held-out items odd ones (disjoint splits).
 With ``held_out: unseen`` (the default) the held-out items are moreover edits of combinations never trained on: an
 edit's combination is its kind, the edited shape and its colour (the new colour of a recolour), and a quarter of them
@@ -124,14 +125,11 @@ def combination(kind: str, shape: dict, word: str) -> tuple[str, str, str]:
 
 
 def edit(shapes: list[dict], kind: str, rng: random.Random, size: int,
-         allowed=lambda combo: True) -> tuple[str, list[dict]] | None:
-    """``(instruction, edited shapes)`` of one edit of `kind` (drawn by `rng` among those whose combination
-    `allowed` accepts) on a shape named unambiguously, or None when there is none."""
+         allowed=lambda combo: True) -> tuple[int, str, list[dict]] | None:
+    """One of the `candidates` of `kind` (drawn by `rng` among those whose combination `allowed` accepts), or None
+    when there is none."""
     options = [c for c in candidates(shapes, kind, size) if allowed(combination(kind, shapes[c[0]], c[1]))]
-    if not options:
-        return None
-    k, word, edited = rng.choice(options)
-    return instruction(kind, name_of(shapes, k), word), copy.deepcopy(edited)
+    return rng.choice(options) if options else None
 
 
 def instruction(kind: str, name: str, word: str) -> str:
@@ -161,12 +159,13 @@ class ShapesEdit:
             return lambda combo: (combo in HELD_OUT) == held
         return lambda combo: True
 
-    def _as_item(self, shapes: list[dict], kind: str, instruction: str, edited: list[dict]) -> dict:
-        size = self.config.size
+    def _as_item(self, shapes: list[dict], kind: str, k: int, word: str, edited: list[dict]) -> dict:
+        """The item of one of the `candidates` of `kind` on `shapes`: shape `k` edited with `word`."""
+        size, edited = self.config.size, copy.deepcopy(edited)
         source, target = render(shapes, size), render(edited, size)
-        metadata = {"kind": kind, "scene": shapes, "target_scene": edited, "source_image": as_tensor(source),
-                    "target_image": as_tensor(target)}
-        return {"prompt": instruction, "metadata": metadata, "images": [source]}
+        metadata = {"kind": kind, "word": word, "scene": shapes, "target_scene": edited,
+                    "source_image": as_tensor(source), "target_image": as_tensor(target)}
+        return {"prompt": instruction(kind, name_of(shapes, k), word), "metadata": metadata, "images": [source]}
 
     def item(self, index: int, kind: str) -> dict | None:
         """The edit item of scene `index` (None when it allows no edit of `kind` in its split: the split is the
@@ -183,9 +182,8 @@ class ShapesEdit:
         with different targets."""
         c = self.config
         shapes, allowed = scene(index, c.size, c.max_objects), self._allowed(index)
-        return [self._as_item(shapes, kind, instruction(kind, name_of(shapes, k), word), copy.deepcopy(edited))
-                for kind in c.kinds for k, word, edited in candidates(shapes, kind, c.size)
-                if allowed(combination(kind, shapes[k], word))]
+        return [self._as_item(shapes, kind, *made) for kind in c.kinds for made in candidates(shapes, kind, c.size)
+                if allowed(combination(kind, shapes[made[0]], made[1]))]
 
     def items(self, start: int, count: int) -> list[dict]:
         out, index = [], start

@@ -13,7 +13,9 @@ BLUE_SQUARE = {"shape": "square", "colour": "blue", "box": [18, 18, 28, 28], "ma
 
 
 def item(prompt: str, kind: str, scene: list[dict]) -> dict:
-    return {"prompt": prompt, "metadata": {"kind": kind, "scene": scene, "source_image": torch.zeros(3, 32, 32)}}
+    word = "" if kind == "remove" else prompt.split()[-1]  # as `shapes_edit` items carry it
+    return {"prompt": prompt, "metadata": {"kind": kind, "word": word, "scene": scene,
+                                           "source_image": torch.zeros(3, 32, 32)}}
 
 
 def test_separation_reads_which_words_the_embedding_ignores(load_bench):

@@ -72,8 +72,9 @@ def test_shapes_edits_change_exactly_the_named_shape():
         assert changed.any()  # the edit is visible
         if m["kind"] == "remove":
             assert len(m["target_scene"]) == len(m["scene"]) - 1 and item["prompt"].startswith("remove the ")
+            assert m["word"] == ""
         elif m["kind"] == "recolor":
-            assert item["prompt"].split()[-1] in {s["colour"] for s in m["target_scene"]}
+            assert item["prompt"].split()[-1] == m["word"] in {s["colour"] for s in m["target_scene"]}
         batch = items_to_batch([item, item])
         outputs = torch.stack([m["target_image"], m["source_image"]]).float() / 255
         scores = reward({"images": outputs}, batch).scores
@@ -104,6 +105,7 @@ def test_moves_shift_the_named_shape_into_the_empty_quadrant_beside_it():
                                    before[k]["box"][3] + dy]
         assert after[k]["cell"] not in {s["cell"] for s in before}  # into an empty quadrant
         assert item["prompt"].startswith("move the ") and before[k]["shape"] in item["prompt"]
+        assert item["metadata"]["word"] == item["prompt"].split()[-1]
     assert {i["prompt"].split()[-1] for i in items} == set(steps)
 
 
