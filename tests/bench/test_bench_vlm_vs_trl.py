@@ -1,5 +1,5 @@
 """bench/vlm_vs_trl.py without running a model: the step clock, the report it writes from measurements (table,
-ratios, errors, figure) and its message when TRL is not installed."""
+ratios, errors, figure; `bench/_vlm_report.py`) and its message when TRL is not installed."""
 
 import importlib.metadata
 import json
@@ -45,13 +45,13 @@ def test_report_ratios_errors_and_files(bench, tmp_path):
     assert "one GPU (float32)" in table and "G=2: - / -, G=8: 300 / 900" in table
 
 
-def test_interleaved_rounds_report_the_median_run_and_the_median_per_round_ratio(bench):
+def test_interleaved_rounds_report_the_median_run_and_the_median_per_round_ratio(bench, load_bench):
     ours = [{"step_s": 1.0}, {"step_s": 3.0}, {"step_s": 2.0}]  # round 2 was slow for both frameworks
     trl = [{"step_s": 4.0}, {"step_s": 6.0}, {"error": "boom"}]
     merged = bench.median_round(ours)
     assert merged["step_s"] == 2.0 and merged["round_step_s"] == [1.0, 3.0, 2.0]
     # per-round ratios 4.0 and 2.0 (the round without a TRL time is left out): their median
-    assert bench.round_speedup(merged, bench.median_round(trl)) == 3.0
+    assert load_bench("_vlm_report").round_speedup(merged, bench.median_round(trl)) == 3.0
     assert bench.median_round([{"error": "a"}, {"error": "b"}]) == {"error": "a"}
 
 
