@@ -58,7 +58,11 @@ class ParameterEMA:
 
     @contextlib.contextmanager
     def swapped(self, parameters):
-        """Inside, the parameters hold the EMA values; their own values are restored on exit (bit for bit)."""
+        """Inside, the parameters hold the EMA values; their own values are restored on exit (bit for bit).
+
+        Yields:
+            `list[torch.Tensor]`: the parameters' own values, kept aside until the exit (read them, do not change them).
+        """
         parameters = list(parameters)
         shadow = self._ensure(parameters)
         saved = [p.detach().clone() for p in parameters]
@@ -66,7 +70,7 @@ class ParameterEMA:
             for param, value in zip(parameters, shadow):
                 param.copy_(value)
         try:
-            yield
+            yield saved
         finally:
             with torch.no_grad():
                 for param, value in zip(parameters, saved):

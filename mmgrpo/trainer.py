@@ -307,10 +307,10 @@ class Trainer:
         state = {"data_position": stream["position"], "skipped_updates": self.skipped_updates,
                  "train_seconds": self.train_seconds, "prompt_stream": stream, **(extra or {}),
                  **self.log.tracker_state()}  # the trackers' run ids, continued on resume
-        params = self.policy.trainable_parameters()
-        files = {**({} if self.rollouts is None else self.rollouts.checkpoint_files()),
-                 **({} if self.weight_ema is None else self.weight_ema.checkpoint_files(params))}
-        with weight_ema.applied_or_not(self.weight_ema, params):  # train.ema: weights/ hold the average
+        files = {} if self.rollouts is None else self.rollouts.checkpoint_files()
+        with weight_ema.applied_or_not(self.weight_ema, self.policy.trainable_parameters()) as trained:
+            if self.weight_ema is not None:  # train.ema: weights/ hold the average, the trained weights a file
+                files.update(self.weight_ema.checkpoint_files(trained))
             return checkpoint.save(
                 self.accelerator, root or self.output_dir / "checkpoints", self.step, self.policy, self.optimizer,
                 self.lr_scheduler, state, 1 if root else self.config.checkpoint.keep_last, algorithm=self.algorithm,

@@ -85,15 +85,16 @@ class WeightEMA:
             self.average.update(parameters, warmed_decay(self.updates, self.config.decay))
 
     def applied(self, parameters):
-        """A context in which `parameters` hold the average (their own values restored on exit, bit for bit)."""
+        """A context in which `parameters` hold the average (their own values restored on exit, bit for bit); it
+        yields their own values (see [`ParameterEMA.swapped`])."""
         return self.average.swapped(parameters)
 
-    def checkpoint_files(self, parameters) -> dict[str, dict]:
+    def checkpoint_files(self, trained) -> dict[str, dict]:
         """The state file of a checkpoint: the trained weights (full tensors; every process must call it) and the
-        update count. The checkpoint's ``weights/`` are written inside [`applied`]."""
-        trained = [sharding.full_tensors(p.detach()).cpu().clone() for p in parameters]  # a copy: the parameters
-        # take the average while the checkpoint is written
-        return {TRAINED_FILE: {"trained": trained, "updates": self.updates}}
+        update count. Called inside [`applied`], with the trained values it yields (the parameters then hold the
+        average, which the checkpoint's ``weights/`` are written from): they stay unchanged until it exits, so they
+        are not copied again."""
+        return {TRAINED_FILE: {"trained": [sharding.full_tensors(t).cpu() for t in trained], "updates": self.updates}}
 
     @torch.no_grad()
     def resume(self, path: Path, parameters) -> None:
