@@ -167,13 +167,18 @@ class ShapesEdit:
                     "source_image": as_tensor(source), "target_image": as_tensor(target)}
         return {"prompt": instruction(kind, name_of(shapes, k), word), "metadata": metadata, "images": [source]}
 
+    def _drawn(self, index: int, kind: str) -> tuple[list[dict], tuple[int, str, list[dict]] | None]:
+        """Scene `index`'s shapes and the edit of `kind` drawn on it (one of its `candidates`; None when its split
+        allows none), before anything is rendered."""
+        c = self.config
+        shapes = scene(index, c.size, c.max_objects)
+        return shapes, edit(shapes, kind, random.Random(f"edit-{index}"), c.size, self._allowed(index))
+
     def item(self, index: int, kind: str) -> dict | None:
         """The edit item of scene `index` (None when it allows no edit of `kind` in its split: the split is the
         index's parity, and under ``held_out: unseen`` odd indices take `HELD_OUT` combinations only, even ones
         none)."""
-        c = self.config
-        shapes = scene(index, c.size, c.max_objects)
-        made = edit(shapes, kind, random.Random(f"edit-{index}"), c.size, self._allowed(index))
+        shapes, made = self._drawn(index, kind)
         return None if made is None else self._as_item(shapes, kind, *made)
 
     def scene_edits(self, index: int) -> list[dict]:
@@ -185,20 +190,30 @@ class ShapesEdit:
         return [self._as_item(shapes, kind, *made) for kind in c.kinds for made in candidates(shapes, kind, c.size)
                 if allowed(combination(kind, shapes[made[0]], made[1]))]
 
-    def items(self, start: int, count: int) -> list[dict]:
-        out, index = [], start
-        while len(out) < count:
-            made = self.item(index, self.config.kinds[len(out) % len(self.config.kinds)])
-            index += 2  # one parity per split
-            if made is not None:
-                out.append(made)
-        return out
+    def _scenes(self, start: int, count: int):
+        """The first `count` scenes from index `start` on (one parity: one split) that allow an edit of their turn's
+        kind (the kinds taken in turn), as ``(index, kind)``."""
+        index, found = start, 0
+        while found < count:
+            kind = self.config.kinds[found % len(self.config.kinds)]
+            if self._drawn(index, kind)[1] is not None:
+                yield index, kind
+                found += 1
+            index += 2
+
+    def _split_start(self, held_out: bool) -> int:
+        return 2 * self.config.seed * 10**7 + int(held_out)
 
     def train_items(self) -> list[dict]:
-        return self.items(2 * self.config.seed * 10**7, self.config.n_train)
+        return [self.item(index, kind) for index, kind in self._scenes(self._split_start(False), self.config.n_train)]
 
     def eval_items(self) -> list[dict]:
-        return self.items(2 * self.config.seed * 10**7 + 1, self.config.n_eval)
+        return [self.item(index, kind) for index, kind in self._scenes(self._split_start(True), self.config.n_eval)]
+
+    def train_scene_edits(self) -> list[dict]:
+        """Every edit (`scene_edits`) of the `n_train` scenes `train_items` draws one edit from, in its order."""
+        return [e for index, _ in self._scenes(self._split_start(False), self.config.n_train)
+                for e in self.scene_edits(index)]
 
     def eval_splits(self) -> dict[str, list[dict]]:
         return {"eval": self.eval_items()}  # one held-out split

@@ -241,17 +241,9 @@ def save_grid(items: list[dict], images: torch.Tensor, scores: list[float], path
 
 def training_edits(args) -> list[dict]:
     """The base's training edits: one drawn edit on each of `--n-train` training scenes (`ShapesEdit.train_items`),
-    or with `--all-edits-per-scene` every edit those scenes allow (`ShapesEdit.scene_edits`)."""
+    or with `--all-edits-per-scene` every edit those scenes allow (`ShapesEdit.train_scene_edits`)."""
     source = ShapesEdit(ShapesEdit.Config(seed=args.seed, n_train=args.n_train, n_eval=0, size=SIZE))
-    if not args.all_edits_per_scene:
-        return source.train_items()
-    items, index, scenes = [], 2 * args.seed * 10**7, 0  # the scenes `train_items` visits, in its order
-    while scenes < args.n_train:
-        if source.item(index, source.config.kinds[scenes % len(source.config.kinds)]) is not None:
-            items += source.scene_edits(index)
-            scenes += 1
-        index += 2
-    return items
+    return source.train_scene_edits() if args.all_edits_per_scene else source.train_items()
 
 
 def main(argv=None) -> None:
