@@ -71,6 +71,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--freeze-text-encoders", action="store_true",
                         help="keep both text encoders at their random initialisation (in eval mode) and train the "
                              "transformer alone, as FLUX models are trained on frozen encoders")
+    parser.add_argument("--context-loss", type=float, default=0.0,
+                        help="weight of a second loss on the transformer's outputs at the input scene's tokens (which "
+                             "the pipeline discards): the packed latent change target - input, so the clean input's "
+                             "tokens must find what the instruction changes; 0: off")
     parser.add_argument("--n-train", type=int, default=4000, help="training edits (scenes of even indices)")
     parser.add_argument("--all-edits-per-scene", action="store_true",
                         help="train on every edit of each of the --n-train scenes (every kind, every shape named), "
@@ -166,6 +170,20 @@ def evaluate(pipe, items: list[dict], reward: EditFidelityReward, seed: int, ste
     return metrics, images
 
 
+def edit_flow_loss(pred: torch.Tensor, noise: torch.Tensor, x0: torch.Tensor, image: torch.Tensor,
+                   context_weight: float = 0.0) -> torch.Tensor:
+    """The base's training loss on the transformer's output `pred` `[B, 2L, C]` (the `L` noisy target tokens, then
+    the `L` input-scene tokens): rectified flow on the target tokens (velocity ``noise - x0``), plus, with
+    `context_weight` > 0, ``context_weight`` times the mean squared error of the outputs at the input's tokens
+    (which `FluxKontextPipeline` discards) against the edit's change ``x0 - image`` there. `noise`, `x0` (packed
+    target latents) and `image` (packed input latents): `[B, L, C]`."""
+    length = x0.shape[1]
+    loss = F.mse_loss(pred[:, :length], noise - x0)
+    if context_weight:
+        loss = loss + context_weight * F.mse_loss(pred[:, length:], x0 - image)
+    return loss
+
+
 def train_flow(pipe, items, select_items, reward, args, rng, log, checkpoint=None) -> tuple[dict, list[dict]]:
     """Trains both text encoders (with `--freeze-text-encoders`: neither) and the transformer with the rectified-flow
     loss on the train edits' targets, the input scene's tokens appended as `FluxKontextPipeline` does; the EMA weights
@@ -211,8 +229,8 @@ def train_flow(pipe, items, select_items, reward, args, rng, log, checkpoint=Non
         xs = (1 - s[:, None, None]) * x0 + s[:, None, None] * noise
         pred = pipe.transformer(hidden_states=torch.cat([xs, image], dim=1), timestep=s, guidance=None,
                                 pooled_projections=pooled, encoder_hidden_states=embeds, txt_ids=text_ids,
-                                img_ids=img_ids, return_dict=False)[0][:, : x0.shape[1]]  # [B, 64, 16]
-        return F.mse_loss(pred, noise - x0)
+                                img_ids=img_ids, return_dict=False)[0]  # [B, 128, 16]
+        return edit_flow_loss(pred, noise, x0, image, args.context_loss)
 
     def select() -> dict:
         return evaluate(pipe, select_items, reward, args.seed + 7, args.eval_steps, args.text_length)[0]

@@ -60,7 +60,8 @@ def test_script_defaults_build_the_shipped_architecture(monkeypatch):
     assert {k: defaults[k] for k in metrics["args"]} == metrics["args"]
     # options added after the shipped model was trained are off by default (it trained its text encoders)
     assert {k: v for k, v in defaults.items() if k not in metrics["args"]} == {"freeze_text_encoders": False,
-                                                                                 "all_edits_per_scene": False}
+                                                                                 "all_edits_per_scene": False,
+                                                                                 "context_loss": 0.0}
     pipe = script.build_pipeline(args)
     config = json.loads((path / "transformer" / "config.json").read_text(encoding="utf-8"))
     assert pipe.transformer.config.num_layers == config["num_layers"]
@@ -99,3 +100,24 @@ def test_all_edits_per_scene_trains_every_edit_of_the_same_scenes(monkeypatch):
     key = lambda item: (repr(item["metadata"]["scene"]), item["prompt"])
     assert len(one) == 12 and {key(i) for i in one} < {key(i) for i in every}
     assert {repr(i["metadata"]["scene"]) for i in every} == {repr(i["metadata"]["scene"]) for i in one}
+
+
+def test_context_loss_adds_the_change_at_the_input_tokens(monkeypatch):
+    """`--context-loss w`: the base's loss is rectified flow on the target tokens plus w times the squared error of
+    the outputs at the input's tokens against target - input, computed here element by element; 0 leaves the
+    input's outputs out of the loss."""
+    import torch
+
+    monkeypatch.syspath_prepend(str(ROOT / "scripts"))
+    script = load_repo_script("scripts", "train_edit_shapes")
+    g = torch.Generator().manual_seed(0)
+    pred, noise, x0, image = (torch.randn(shape, generator=g) for shape in [(2, 6, 4), (2, 3, 4), (2, 3, 4), (2, 3, 4)])
+    flow = sum((pred[b, t, c] - (noise[b, t, c] - x0[b, t, c])) ** 2 for b in range(2) for t in range(3)
+               for c in range(4)) / 24
+    context = sum((pred[b, 3 + t, c] - (x0[b, t, c] - image[b, t, c])) ** 2 for b in range(2) for t in range(3)
+                  for c in range(4)) / 24
+    torch.testing.assert_close(script.edit_flow_loss(pred, noise, x0, image), flow)
+    torch.testing.assert_close(script.edit_flow_loss(pred, noise, x0, image, 0.5), flow + 0.5 * context)
+    changed = pred.clone()
+    changed[:, 3:] += 1.0  # the input's outputs do not count without the option
+    torch.testing.assert_close(script.edit_flow_loss(changed, noise, x0, image), flow)
