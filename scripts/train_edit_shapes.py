@@ -240,7 +240,7 @@ def train_flow(pipe, items, select_items, reward, args, rng, log, checkpoint=Non
 
 def save_grid(items: list[dict], images: torch.Tensor, scores: list[float], path: str, cols: int = 3) -> None:
     """Writes a PNG grid: input | edit | target at 3x for each item, its instruction and strict score below."""
-    scale, tile = 3, SIZE * 3
+    tile = SIZE * 3  # each picture at 3x
     cell_w, cell_h = 3 * tile + 16, tile + 30
     rows = (len(items) + cols - 1) // cols
     grid = Image.new("RGB", (cols * cell_w, rows * cell_h), (255, 255, 255))
