@@ -30,7 +30,8 @@ Differences from the authors' code:
   index, ``i <= step_range * T`` (a variant of their ``timestep_range``, which cuts at the noise level
   ``t >= 1 - timestep_range``): the algorithm does not know the pipeline's noise levels when it plans.
 - Advantages use the shared options: the group mean over the batch's population std (``global_std: true``), plus
-  ``adv_eps`` 1e-6 where the authors floor the std at 1e-6; clamped to ``adv_clip_max`` (their ``adv_clip_range`` 1.0).
+  ``adv_eps`` 1e-6 where the authors floor the std at 1e-6; clamped to ``adv_clip_max`` (their ``adv_clip_range`` 1.0)
+  and, with ``advantage_max``, rescaled as the authors' own code does (``clamp(A, -c, c) / c * advantage_max``).
 - The authors evaluate on the EMA weights; mmgrpo evaluates the trained weights.
 """
 
@@ -44,8 +45,8 @@ import torch
 from ..ema import ParameterEMA
 from ..plans import FlowPlan
 from ..types import AlgorithmTraits, LossOutput, Score
-from ..validation import check_fields, check_range, embedded
-from ._limits import KL_BETA_LIMIT, SHIFT_LIMIT, STEP_LIMIT, UPDATES_LIMIT
+from ..validation import ConfigError, check_fields, check_range, embedded
+from ._limits import ADV_CLIP_LIMIT, KL_BETA_LIMIT, SHIFT_LIMIT, STEP_LIMIT, UPDATES_LIMIT
 from . import _options
 from ._flow_common import likelihood_plan
 from ._options import AdvantageOptions, KLOptions, KLWeight
@@ -79,6 +80,9 @@ class AWMConfig:
             ``warmup_steps``, 1000, of their ``linear`` EMA schedule).
         adv_clip_max (`float`): the advantages are clamped to ``[-adv_clip_max, adv_clip_max]`` (the published
             ``adv_clip_range`` 1.0).
+        advantage_max (`float`, *optional*): the authors' ``advantage_max``: the clamped advantages are multiplied by
+            ``advantage_max / adv_clip_max``, so they span ``[-advantage_max, advantage_max]`` (the authors' own
+            GenEval, OCR and PickScore configurations: 1 with ``adv_clip_max`` 5). Unset (Flow-Factory's): not scaled.
         solver (`str`): the rollouts' deterministic sampler, in `FlowPlan.solver`'s words: ``"flow"`` (the pipeline's
             Euler ODE on its own noise levels: Flow-Factory's ``ODE`` dynamics, published) or ``"dpm"``.
         flow_shift (`float`): ``flow_shift`` of the DPM-Solver++ noise levels (unused by ``"flow"``).
@@ -95,6 +99,7 @@ class AWMConfig:
     ema_warmup_steps: int = 1000
     advantage: AdvantageOptions = embedded(AdvantageOptions, scale_rewards="batch", adv_std="population",
                                            adv_eps=1e-6, adv_clip_max=1.0)
+    advantage_max: float | None = None
     solver: Literal["dpm", "flow"] = "flow"
     flow_shift: float = 3.0
 
@@ -107,6 +112,12 @@ class AWMConfig:
         check_range("ema_decay", self.ema_decay, 0, 1, high_open=True, fix="published: 0.3")
         check_range("ema_warmup_steps", self.ema_warmup_steps, 1, UPDATES_LIMIT, fix="published: 1000")
         check_range("flow_shift", self.flow_shift, 0.01, SHIFT_LIMIT, fix="3.0 is usual")
+        if self.advantage_max is not None:
+            check_range("advantage_max", self.advantage_max, 0, ADV_CLIP_LIMIT, low_open=True,
+                        fix="the authors use 1 (with adv_clip_max 5)")
+            if self.advantage.adv_clip_max is None:
+                raise ConfigError("algorithm.advantage_max rescales the clamped advantages by advantage_max / "
+                                  "adv_clip_max: set adv_clip_max too (the authors: 5) or leave advantage_max unset.")
 
 
 def stratified_levels(num_steps: int, config: AWMConfig, generator: torch.Generator | None) -> list[int]:
@@ -216,6 +227,8 @@ class AWM:
         adv = advantages.double()[:, None]  # [n, 1]
         if a_max is not None:
             adv = adv.clamp(-a_max, a_max)
+            if c.advantage_max is not None:  # the authors' rescaling into [-advantage_max, advantage_max]
+                adv = adv / a_max * c.advantage_max
         lp = self.weighted_log_prob(new)  # [n, k]
         ratio = torch.exp(lp - lp.detach())  # [n, k] = 1: the sampling policy is the current one
         policy_loss = (-adv * ratio).mean().float()

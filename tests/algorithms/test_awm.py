@@ -35,13 +35,17 @@ def authors_log_prob(model_output, target, t, weighting, ghuber_power=0.25):
 
 
 def authors_loss(v, target, t, v_ref, v_ema, adv, weighting, clip_range=(-1.0, 1.0), adv_clip=(-1.0, 1.0),
-                 kl_beta=1e-4, ema_kl_beta=1.0):
+                 kl_beta=1e-4, ema_kl_beta=1.0, advantage_max=None):
     """One timestep of ``AWMTrainer.optimize`` (published config: clip_range 1, adv_clip_range 1.0): the old log-probs
-    are computed under the same (current) weights just before training, the PPO clip, and both velocity KLs."""
+    are computed under the same (current) weights just before training, the PPO clip, and both velocity KLs. With
+    `advantage_max`, the authors' own training script's rescaling of the clamped advantages (``advantages /
+    adv_clip_max * advantage_max``)."""
     with torch.no_grad():
         old_log_prob = authors_log_prob(v, target, t, weighting)
     log_prob = authors_log_prob(v, target, t, weighting)
     adv = torch.clamp(adv, adv_clip[0], adv_clip[1])
+    if advantage_max is not None:
+        adv = adv / adv_clip[1] * advantage_max
     ratio = torch.exp(log_prob - old_log_prob)
     unclipped_loss = -adv * ratio
     clipped_loss = -adv * torch.clamp(ratio, 1.0 + clip_range[0], 1.0 + clip_range[1])
@@ -80,6 +84,24 @@ def test_loss_equals_the_authors_rule(weighting):
     assert out.metrics["ratio_mean"] == 1.0
 
 
+def test_advantage_max_is_the_authors_rescaling():
+    """The authors' GenEval configuration: advantages clamped at 5, rescaled into [-1, 1], reference KL 0.003."""
+    v, target, t, v_ref, v_ema, adv = tensors(2)
+    adv = adv * 4  # [8, 2.8, 0, -1.2, -6.4]: one beyond the clamp at 5
+    algorithm = AWM(algo_config(AWMConfig, adv_clip_max=5.0, advantage_max=1.0, kl_beta=0.003))
+    out = algorithm.loss(score(v, target, t), score(v_ema, target, t), adv, score(v_ref, target, t))
+    expected = authors_loss(v, target, t, v_ref, v_ema, adv, "ghuber", adv_clip=(-5.0, 5.0), kl_beta=0.003,
+                            advantage_max=1.0)
+    torch.testing.assert_close(out.loss, expected, rtol=1e-5, atol=1e-7)
+    (grad,) = torch.autograd.grad(out.loss, v)
+    (expected_grad,) = torch.autograd.grad(expected, v)
+    torch.testing.assert_close(grad, expected_grad, rtol=1e-4, atol=1e-8)
+    unscaled = AWM(algo_config(AWMConfig, adv_clip_max=5.0, kl_beta=0.0, ema_kl_beta=0.0))
+    scaled = AWM(algo_config(AWMConfig, adv_clip_max=5.0, advantage_max=1.0, kl_beta=0.0, ema_kl_beta=0.0))
+    plain = unscaled.loss(score(v, target, t), None, adv).loss
+    torch.testing.assert_close(scaled.loss(score(v, target, t), None, adv).loss, plain / 5)  # the policy term / 5
+
+
 def test_defaults_are_the_published_configuration():
     c = AWMConfig()
     assert (c.awm_weighting, c.ghuber_power, c.num_train_timesteps, c.time_sampling_strategy, c.step_range) == (
@@ -87,6 +109,7 @@ def test_defaults_are_the_published_configuration():
     assert (c.kl.kl_beta, c.ema_kl_beta, c.ema_decay, c.ema_warmup_steps) == (1e-4, 1.0, 0.3, 1000)
     assert (c.advantage.scale_rewards, c.advantage.adv_std, c.advantage.adv_clip_max, c.solver) == (
         "batch", "population", 1.0, "flow")
+    assert c.advantage_max is None  # Flow-Factory's configuration does not rescale
 
 
 def test_the_gradient_is_the_advantage_times_the_weighted_matching_gradient_and_zero_at_zero_advantage():
@@ -173,6 +196,8 @@ def test_resume_restores_the_ema_exactly(tmp_path, tiny_sd3_dir):
     ({"ema_kl_beta": -1.0}, "ema_kl_beta must be >= 0"),
     ({"ema_decay": 1.0}, "ema_decay must be < 1"),
     ({"ema_warmup_steps": 0}, "ema_warmup_steps must be >= 1"),
+    ({"advantage_max": 0.0}, "advantage_max must be > 0"),
+    ({"advantage_max": 1.0, "adv_clip_max": None}, "set adv_clip_max too"),
 ])
 def test_config_refuses_bad_options(options, message):
     with pytest.raises(ConfigError, match=message):
