@@ -21,7 +21,8 @@ log-probs) at the pre-update weights before the updates of a batch; we record th
 policy (equal up to the float differences between the sampling and the replay forward). UniRL replays all the SDE
 steps of a sample in one call and averages the loss over (sample, step); our trainer scores one step per unit and
 averages the units, the same mean when every sample trains every step. Advantages are Flow-GRPO's (the group's
-population std + 1e-4, clamped to ``[-5, 5]``), as `flow_grpo`; UniRL's are its trainer's.
+population std + 1e-4, clamped to ``[-5, 5]``), as `flow_grpo`; UniRL's SD3.5 recipe divides the group-centred rewards
+by the whole batch's std and clamps nothing (``scale_rewards: batch``, ``adv_clip_max: null`` here).
 """
 
 from __future__ import annotations
