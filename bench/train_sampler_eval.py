@@ -1,6 +1,6 @@
 """Held-out reward of a flow model under the evaluation's sampler and under the sampler its algorithm trains.
 
-`mmgrpo eval` samples with the pipeline's deterministic ODE (``deterministic_plan``). The SDE algorithms (Flow-GRPO,
+`mmgrpo eval` samples with the pipeline's deterministic ODE (``evaluation_plan``). The SDE algorithms (Flow-GRPO,
 GRPO-Guard, DanceGRPO, ...) train a stochastic sampler instead: the plan ``algorithm.schedule`` draws for a training
 step (which steps are SDE steps, their noise level). This script scores the same held-out prompts, with the same
 initial noise, once with the evaluation's plan and once per ``--plan-seeds`` seed with the training plan, for the base
@@ -40,12 +40,11 @@ def score_under_plans(trainer, num_prompts: int, plan_seeds: list[int], noise_se
     """The mean of ``eval.metric`` over the first `num_prompts` held-out prompts: under the evaluation's ODE plan
     (``"eval"``) and under the algorithm's training plan drawn with each of `plan_seeds` (``"train/<seed>"``); every
     sampler starts from the same initial noise (`noise_seed`)."""
-    from mmgrpo.evaluation import sample_and_score
-    from mmgrpo.plans import deterministic_plan
+    from mmgrpo.evaluation import evaluation_plan, sample_and_score
 
     policy, metric = trainer.policy, trainer.config.eval.metric
     items = trainer.eval_items["eval"][:num_prompts]
-    plans = {"eval": deterministic_plan(policy.plan_families[0], policy.eval_num_steps)}
+    plans = {"eval": evaluation_plan(policy)}
     for seed in plan_seeds:
         plans[f"train/{seed}"] = trainer.algorithm.schedule(policy.num_steps, torch.Generator().manual_seed(seed))
     means = {}

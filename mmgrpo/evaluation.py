@@ -42,6 +42,12 @@ def process_share(items: list, world: int, rank: int) -> tuple[list, int]:
     return items[rank * per_rank : (rank + 1) * per_rank], rank * per_rank
 
 
+def evaluation_plan(policy) -> SamplingPlan:
+    """The plan every evaluation samples with: the pipeline's own deterministic sampler (its first plan family) over
+    its evaluation steps."""
+    return deterministic_plan(policy.plan_families[0], policy.eval_num_steps)
+
+
 @torch.no_grad()
 def sample_and_score(policy, reward, items: list, plan: SamplingPlan, generator: torch.Generator, writers: list,
                      first_group: int = 0, batch_size: int = 64, progress: bool = False) -> tuple[RewardResult, list[str]]:
@@ -183,7 +189,7 @@ def evaluate_held_out(policy, reward, items: list, eval_config, accelerator, out
     world, rank = accelerator.num_processes, accelerator.process_index
     writers = writers_for(policy.modalities, eval_config.grid_size, reward.artifacts)
     mine, first = process_share(items[: eval_config.num_prompts], world, rank)
-    plan = deterministic_plan(policy.plan_families[0], policy.eval_num_steps)  # the pipeline's own family
+    plan = evaluation_plan(policy)
     generator = torch.Generator()
     generator.manual_seed(mix_seed(eval_config.seed, rank))
     local, prompts = sample_and_score(policy, reward, mine, plan, generator, writers, first, batch_size,

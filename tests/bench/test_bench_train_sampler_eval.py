@@ -10,8 +10,7 @@ import pytest
 def test_euler_rollout_algorithm_scores_alike_and_sde_algorithm_samples_otherwise(load_bench, tmp_path, monkeypatch):
     import torch
 
-    from mmgrpo.evaluation import sample_and_score
-    from mmgrpo.plans import deterministic_plan
+    from mmgrpo.evaluation import evaluation_plan, sample_and_score
 
     bench = load_bench("train_sampler_eval")
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
@@ -25,7 +24,7 @@ def test_euler_rollout_algorithm_scores_alike_and_sde_algorithm_samples_otherwis
     assert plan.sde_steps  # the trained sampler is stochastic
     items = guard.eval_items["eval"][:3]
     images = {}
-    for name, p in {"eval": deterministic_plan("flow", guard.policy.eval_num_steps), "train": plan}.items():
+    for name, p in {"eval": evaluation_plan(guard.policy), "train": plan}.items():
         writer = Collect()
         sample_and_score(guard.policy, guard.eval_reward, items, p, torch.Generator().manual_seed(5), [writer])
         images[name] = writer.images
