@@ -4,7 +4,8 @@ Both trainers get the same model (full fine-tuning, float32, vision tower traine
 questions (the same items, one N x N image each, `--image-size`, 56 by default), the same number of prompts per step
 and group size `G`, the same completion length (`max_new_tokens` / `max_completion_length`), temperature 1, the same
 reward (our `accuracy`, numeric, read from ``<answer>``), GRPO's loss (group mean/std advantages, token ratio clipped
-at 0.2, per-sequence token mean, no KL), learning rate and one optimizer update per step (one minibatch of all
+at 0.2, per-sequence token mean, no KL), learning rate, optimizer (torch's fused AdamW, transformers' default:
+``train.optim: adamw_torch_fused`` on mmgrpo's side) and one optimizer update per step (one minibatch of all
 completions). Measured:
 
   * seconds per step: the median of the intervals between consecutive step ends, after `--warmup` step(s);
@@ -159,6 +160,7 @@ def run_mmgrpo(args) -> dict:
             "reward={name: accuracy, mode: numeric}", f"data.n_train={args.n_train}", "data.n_eval=1",
             f"train.prompts_per_step={args.prompts}", f"train.group_size={args.group_size}",
             f"train.minibatch_size={n}", "train.updates_per_step=1", f"train.learning_rate={args.learning_rate}",
+            "train.optim=adamw_torch_fused",
             f"train.max_steps={args.warmup + args.steps}", "train.max_seconds=0", "eval.every=0", "checkpoint.every=0",
             *args.mmgrpo_override,
         ])
@@ -245,6 +247,7 @@ def run_trl(args) -> dict:
             output_dir=tmp, num_generations=args.group_size, max_completion_length=args.max_new_tokens,
             per_device_train_batch_size=n, gradient_accumulation_steps=1, num_iterations=1,
             max_steps=args.warmup + args.steps, learning_rate=args.learning_rate, lr_scheduler_type="constant",
+            optim="adamw_torch_fused",
             temperature=1.0, top_p=1.0, top_k=0, beta=0.0, epsilon=0.2, loss_type="grpo", scale_rewards="group",
             use_cpu=args.device == "cpu", use_vllm=False, bf16=False, fp16=False, gradient_checkpointing=False, report_to=[],
             logging_steps=1, save_strategy="no", disable_tqdm=True, seed=0, dataloader_num_workers=0,

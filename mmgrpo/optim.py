@@ -1,5 +1,5 @@
-"""The one optimizer builder: AdamW over the policy's trainable parameters, linear warm-up, then a constant or
-cosine learning rate."""
+"""The one optimizer builder: AdamW (``train.optim``: torch's default implementation or the fused one) over the
+policy's trainable parameters, linear warm-up, then a constant or cosine learning rate."""
 
 from __future__ import annotations
 
@@ -37,6 +37,7 @@ def build_optimizer(parameters, config: TrainConfig) -> tuple[torch.optim.Optimi
         betas=tuple(config.adam_betas),
         eps=config.adam_eps,
         weight_decay=config.weight_decay,
+        fused=config.optim == "adamw_torch_fused" or None,  # None: torch's own choice (foreach on GPUs)
     )
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda update: learning_rate_factor(update, config))
     return optimizer, schedule

@@ -74,6 +74,10 @@ class TrainConfig:
         updates_per_step (`int`): optimizer updates per rollout batch (minibatches are split between them).
         inner_epochs (`int`): passes over each rollout batch.
         learning_rate (`float`), weight_decay (`float`), adam_betas (`list[float]`), adam_eps (`float`): AdamW.
+        optim (`str`): AdamW's implementation, by transformers' `TrainingArguments.optim` names: ``"adamw_torch"``
+            (the default: `torch.optim.AdamW` as torch picks it, a loop over the parameters on the CPU, foreach on
+            GPUs) or ``"adamw_torch_fused"`` (``fused=True``: one kernel for all parameters, transformers' default
+            for torch >= 2.8; the same update up to float rounding, on CPUs and GPUs).
         warmup_steps (`int`): linear learning-rate warm-up, in optimizer updates.
         lr_schedule (`str`): after warm-up, ``"constant"`` or ``"cosine"`` (decays to ``min_lr_ratio`` times the
             learning rate at the last update; group-relative RL on small models tends to gain fast and then
@@ -119,6 +123,7 @@ class TrainConfig:
     weight_decay: float = 1e-4
     adam_betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
     adam_eps: float = 1e-8
+    optim: Literal["adamw_torch", "adamw_torch_fused"] = "adamw_torch"
     warmup_steps: int = 0
     lr_schedule: Literal["constant", "cosine"] = "constant"
     min_lr_ratio: float = 0.1

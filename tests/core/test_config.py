@@ -182,6 +182,31 @@ def test_cosine_schedule_warms_up_then_decays_to_the_floor():
     assert seen == [0.5, 0.375, 0.25]
 
 
+def test_fused_adamw_is_one_kernel_and_the_same_update():
+    """``train.optim: adamw_torch_fused`` builds torch's fused AdamW (transformers' ``adamw_torch_fused``), whose
+    updates equal the default implementation's up to float rounding; an unknown name is refused."""
+    from mmgrpo.optim import build_optimizer
+
+    generator = torch.Generator().manual_seed(0)
+    start = [torch.randn(33, 17, generator=generator), torch.randn(5, generator=generator)]
+    grads = [[torch.randn(p.shape, generator=generator) for p in start] for _ in range(10)]
+    trained = {}
+    for optim in ("adamw_torch", "adamw_torch_fused"):
+        parameters = [torch.nn.Parameter(p.clone()) for p in start]
+        optimizer, _ = build_optimizer(parameters, TrainConfig(learning_rate=1e-2, weight_decay=0.1, optim=optim))
+        assert bool(optimizer.defaults["fused"]) == (optim == "adamw_torch_fused")
+        for step in grads:
+            for p, g in zip(parameters, step):
+                p.grad = g
+            optimizer.step()
+        trained[optim] = parameters
+    for default, fused, first in zip(trained["adamw_torch"], trained["adamw_torch_fused"], start):
+        assert (default - first).abs().max() > 0.04  # ten steps of up to lr each moved the weights
+        torch.testing.assert_close(fused, default, rtol=0, atol=1e-6)
+    with pytest.raises(ConfigError, match="optim must be .adamw_torch. or .adamw_torch_fused."):
+        TrainConfig(optim="adamw_8bit")
+
+
 def test_bad_schedule_is_named(tmp_path):
     with pytest.raises(ConfigError, match="min_lr_ratio"):
         TrainConfig(min_lr_ratio=1.5)

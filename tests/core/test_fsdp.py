@@ -97,7 +97,7 @@ def flow_config(root: Path, pretrained: str, world: int, *, name: str, lora: boo
     return config
 
 
-def qwen_vl_config(root: Path, pretrained: str, world: int, *, lora: bool) -> dict:
+def qwen_vl_config(root: Path, pretrained: str, world: int, *, lora: bool, optim: str = "adamw_torch") -> dict:
     return {
         "output_dir": str(root / "run"), "seed": 0,
         "pipeline": {"name": "qwen_vl", "pretrained": pretrained, "max_new_tokens": 6, "lora_rank": 4 if lora else 0,
@@ -106,7 +106,8 @@ def qwen_vl_config(root: Path, pretrained: str, world: int, *, lora: bool) -> di
         "reward": {"name": "format"},
         "data": {"name": "vlm_shapes", "tasks": ["count"], "n_train": 8, "n_eval": 2},
         "train": {"max_steps": 3, "prompts_per_step": 2, "group_size": 2, "minibatch_size": 4 // world,
-                  "learning_rate": 1e-2 if lora else 1e-3, "max_grad_norm": 0.05, "sharding": "fsdp"},
+                  "learning_rate": 1e-2 if lora else 1e-3, "max_grad_norm": 0.05, "sharding": "fsdp",
+                  "optim": optim},
         "eval": {"every": 0, "num_prompts": 2, "metric": "score"},
         "checkpoint": {"every": 0},
     }
@@ -170,7 +171,7 @@ CASES = {  # name -> (builder, its fixture, options): each trains 2 steps of 2 i
     "flux_lora": (flux_config, "tiny_flux_dir", {"lora": True}),  # reference: the adapter off
     "wan_full": (wan_config, "tiny_wan_dir", {"lora": False, "checkpointing": True}),  # video latents, blocks checkpointed
     "qwen_vl_lora": (qwen_vl_config, "tiny_qwen2_vl_dir", {"lora": True}),  # prefix-shared group forward, KL
-    "qwen_vl_full": (qwen_vl_config, "tiny_qwen2_vl_dir", {"lora": False}),
+    "qwen_vl_full": (qwen_vl_config, "tiny_qwen2_vl_dir", {"lora": False, "optim": "adamw_torch_fused"}),  # one kernel
     "mdlm_lora": (mdlm_config, "tiny_mdlm_dir", {"lora": True}),  # step-by-step masked-diffusion backward, KL
     "mdlm_full": (mdlm_config, "tiny_mdlm_dir", {"lora": False, "checkpointing": True}),  # layers checkpointed
     # the 2026 flow pipelines, full fine-tuning with checkpointed blocks (a sharded frozen reference copy)
