@@ -35,8 +35,10 @@ Run from the repository root (about 1-5 s per batch at one thread on a 2-core CP
     HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_DATASETS_OFFLINE=1 OMP_NUM_THREADS=1 nice -n 5 \\
         .venv/bin/python bench/gradient_snr.py --output outputs/bench_gradient_snr --batches 8 --seed 0
 
-``--batches-for ALGORITHM=K`` lowers `K` for one algorithm; ``--algorithms`` chooses which. Writes ``table.md`` and
-``results.json`` under ``--output`` and prints the table.
+``--batches-for ALGORITHM=K`` lowers `K` for one algorithm; ``--algorithms`` chooses which; ``--override KEY=VALUE``
+(repeatable) changes every measured config as on ``mmgrpo train``'s command line (recorded in each row), e.g.
+``--algorithms flow_grpo --override algorithm.sde_type=cps --override algorithm.noise_level=0.8``. Writes
+``table.md`` and ``results.json`` under ``--output`` and prints the table.
 """
 
 from __future__ import annotations
@@ -201,14 +203,16 @@ def batch_gradient(trainer, step: int) -> tuple[torch.Tensor, dict[str, float]]:
     return grad, info
 
 
-def measure(algorithm: str, batches: int, seed: int, output: Path) -> tuple[dict, torch.Tensor]:
+def measure(algorithm: str, batches: int, seed: int, output: Path,
+            overrides: list[str] = ()) -> tuple[dict, torch.Tensor]:
     """The gradients of `batches` rollout batches (training steps 1..`batches` of seed `seed`) of `algorithm` at
-    the base weights, and their agreement ([`gradient_agreement`], [`signal_share`]).
+    the base weights (its config changed by `overrides`), and their agreement ([`gradient_agreement`],
+    [`signal_share`]).
 
     Returns:
         `(dict, torch.FloatTensor of shape [K, P])`: the table's row, and the gradients.
     """
-    trainer = build_trainer(algorithm, seed, output)
+    trainer = build_trainer(algorithm, seed, output, overrides)
     grads, infos = [], []
     try:
         for step in range(1, batches + 1):
@@ -224,7 +228,8 @@ def measure(algorithm: str, batches: int, seed: int, output: Path) -> tuple[dict
     grads = torch.stack(grads)  # [K, P]
     agreement = gradient_agreement(grads, torch.Generator().manual_seed(seed))
     train = trainer.config.train
-    row = {"algorithm": algorithm, "config": str(config_path(algorithm).relative_to(ROOT)), "batches": batches,
+    row = {"algorithm": algorithm, "config": str(config_path(algorithm).relative_to(ROOT)),
+           "overrides": list(overrides), "batches": batches,
            "samples_per_batch": train.prompts_per_step * train.group_size, "minibatch_size": train.minibatch_size,
            "updates_per_step": train.updates_per_step, "learning_rate": train.learning_rate,
            "max_grad_norm": train.max_grad_norm, **agreement, "signal_share": signal_share(gram_of(grads, grads)),
@@ -264,8 +269,9 @@ def markdown_table(rows: list[dict]) -> str:
              "SNR median (noise only) | equal-reward groups | rollout reward | mean gradient norm | s per batch |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
+        name = r["algorithm"] + (f" ({', '.join(r['overrides'])})" if r.get("overrides") else "")
         lines.append(
-            f"| {r['algorithm']} | {r['batches']} | {r['loo_cosine']:.3f} | {r['pairwise_cosine']:.3f} | "
+            f"| {name} | {r['batches']} | {r['loo_cosine']:.3f} | {r['pairwise_cosine']:.3f} | "
             f"{r['signal_share']:.3f} | {r['snr_mean']:.3f} ({r['null_snr_mean']:.3f}) | "
             f"{r['snr_median']:.3f} ({r['null_snr_median']:.3f}) | {r['equal_reward_groups']:.2f} | {r['reward']:.3f} | "
             f"{r['grad_norm']:.3g} | {r['seconds_per_batch']:.1f} |")
@@ -301,16 +307,18 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--batches", type=int, default=8, help="rollout batches per algorithm (K >= 2)")
     parser.add_argument("--batches-for", nargs="*", default=[], metavar="ALGORITHM=K", help="another K for one")
     parser.add_argument("--seed", type=int, default=0, help="the training seed whose steps 1..K give the batches")
+    parser.add_argument("--override", action="append", default=[], metavar="KEY=VALUE",
+                        help="a config override for every measured algorithm (repeatable)")
     args = parser.parse_args(argv)
     if args.batches < 2:
         parser.error("--batches must be at least 2")
     counts = batch_counts(args)
     args.output.mkdir(parents=True, exist_ok=True)
-    settings = {"seed": args.seed, "batches": counts, "threads": torch.get_num_threads(),
+    settings = {"seed": args.seed, "batches": counts, "overrides": args.override, "threads": torch.get_num_threads(),
                 "omp_num_threads": os.environ.get("OMP_NUM_THREADS"), "null_draws": NULL_DRAWS}
     rows, gradients = [], {}
     for name in args.algorithms:
-        row, gradients[name] = measure(name, counts[name], args.seed, args.output)
+        row, gradients[name] = measure(name, counts[name], args.seed, args.output, args.override)
         rows.append(row)
         write_report(args.output, {"settings": settings, "rows": rows})  # after each one: a stopped run keeps them
     report = {"settings": settings, "rows": rows, "expected_gradient_cosines": cross_cosines(gradients)}
