@@ -269,7 +269,7 @@ def markdown_table(rows: list[dict]) -> str:
              "SNR median (noise only) | equal-reward groups | rollout reward | mean gradient norm | s per batch |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        name = r["algorithm"] + (f" ({', '.join(r['overrides'])})" if r.get("overrides") else "")
+        name = r["algorithm"] + (f" ({', '.join(r['overrides'])})" if r["overrides"] else "")
         lines.append(
             f"| {name} | {r['batches']} | {r['loo_cosine']:.3f} | {r['pairwise_cosine']:.3f} | "
             f"{r['signal_share']:.3f} | {r['snr_mean']:.3f} ({r['null_snr_mean']:.3f}) | "

@@ -37,7 +37,7 @@ def build_optimizer(parameters, config: TrainConfig) -> tuple[torch.optim.Optimi
         betas=tuple(config.adam_betas),
         eps=config.adam_eps,
         weight_decay=config.weight_decay,
-        fused=config.optim == "adamw_torch_fused" or None,  # None: torch's own choice (foreach on GPUs)
+        fused=True if config.optim == "adamw_torch_fused" else None,  # None: torch's own choice (foreach on GPUs)
     )
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda update: learning_rate_factor(update, config))
     return optimizer, schedule
