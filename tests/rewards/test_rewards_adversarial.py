@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from mmgrpo import registry
 from mmgrpo.rewards._common import MAX_COMPLETION_CHARS, cut_texts, last_tag_block, tag_spans
-from mmgrpo.rewards._math import parse_number
+from mmgrpo.rewards._math import numeric_value, parse_math, parse_number
 from mmgrpo.rewards.accuracy import AccuracyReward, choice_letter
 from mmgrpo.rewards.box_iou import BoxIoU, parse_boxes
 from mmgrpo.rewards.composite import CompositeReward
@@ -177,6 +177,37 @@ def test_a_well_formed_number_is_recovered_and_junk_after_the_answer_is_ignored(
     scores = run("accuracy numeric", [text, text + junk], max_completion_chars=0).scores  # truth 42
     assert scores.tolist() == [float(abs(value - 42) <= 1e-8 + 1e-4 * 42)] * 2
     assert run("format r1", [text]).scores.tolist() == [1.0]
+
+
+def expression_value(text: str) -> float | None:
+    """What `numeric_value` computes through the expression path (sympy), for a text that parses as a number."""
+    expression = parse_math(text)
+    return None if expression is None or not expression.is_number else complex(expression.evalf()).real
+
+
+DECIMALS = st.from_regex(r"[-+]?([0-9]{1,15}(\.[0-9]{0,15})?|\.[0-9]{1,15})", fullmatch=True)
+
+
+@PROPERTY
+@given(DECIMALS, st.sampled_from(["", " ", "\n"]))
+def test_plain_decimals_read_directly_equal_the_expression_path(text, pad):
+    value = numeric_value(pad + text + pad)
+    expected = expression_value(text)  # None for "007" (not a Python literal): parse_number reads those
+    if sum(c.isdigit() for c in text) <= 15:
+        assert value == float(text)  # the correctly rounded double
+    # sympy's 15-digit evaluation can round the last bit the other way (".010011" -> 0.010010999999999999)
+    assert value == pytest.approx(float(text) if expected is None else expected, rel=1e-15, abs=0)
+
+
+def test_plain_decimals_skip_the_expression_parser(monkeypatch):
+    from mmgrpo.rewards import _math
+
+    monkeypatch.setattr(_math, "parse_math", lambda text: pytest.fail(f"parsed {text!r}"))
+    assert [numeric_value(t) for t in ["42", "-0.5", " .25 ", "+3.", "123456789012345"]] == [42.0, -0.5, 0.25, 3.0,
+                                                                                          123456789012345.0]
+    monkeypatch.undo()
+    assert numeric_value("1234567890123456") == 1234567890123456.0  # 16 digits: the expression path, same value here
+    assert numeric_value("\\frac{84}{2}") == 42.0 and numeric_value("the answer is 42.") == 42.0
 
 
 @PROPERTY
