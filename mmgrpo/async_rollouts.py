@@ -15,7 +15,8 @@ the gathers, the advantages and the updates run in the trainer's thread as in sy
 LoRA copy costs its adapters; a fully fine-tuned one the trained module once more), moved to the device without a
 distribution wrapper, and sampled through ``trainer.engine``, which is built over the copy. Before each production
 the copy takes its version's snapshot and the engine ``sync_weights`` from it (nothing to do for the local engine).
-Sampling runs under the run's autocast, as the prepared policy's forward does.
+Sampling runs under the run's autocast, as the prepared policy's forward does, and without gradients (the copy is never
+trained).
 
 **Staleness correction.** The rollout's ``old_log_probs`` are the rollout copy's. An algorithm whose old policy is
 the rollout's (``traits.old_source == "rollout"``) takes the ratio ``pi_theta / pi_rollout`` and clips it as its
@@ -43,6 +44,7 @@ step's generator).
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -160,6 +162,10 @@ class _CopyAccelerator:
     def prepare_frozen(self, module: torch.nn.Module) -> torch.nn.Module:
         return module.to(self.device)
 
+    def autocast(self):
+        """No context of its own: the worker samples under the run's autocast (see [`AsyncRollouts`])."""
+        return contextlib.nullcontext()
+
 
 def snapshot(policy) -> list[torch.Tensor]:
     """The current trainable weights of `policy`, copied, in ``trainable_parameters()`` order."""
@@ -233,7 +239,7 @@ class AsyncRollouts:
         """In the worker: the copy takes the version's weights, then samples and rewards the step."""
         self._load(weights)
         self.engine.sync_weights(self.rollout_policy)
-        with self.autocast():
+        with self.autocast(), torch.no_grad():  # the copy is never trained: no graph is kept for an update
             rollout, pending = self.produce(inputs)
             scores = pending.result()  # the reward done within the production
         return rollout, Scored(scores, pending.exposed_s)

@@ -49,6 +49,7 @@ class ReferenceSwitch:
         forward (`torch.nn.Module`): the module, its DDP/FSDP wrapper after [`~ReferenceSwitch.prepare`], or the frozen
             copy inside [`~ReferenceSwitch.reference`].
         frozen (`torch.nn.Module` or `None`): the frozen initial copy (full fine-tuning, when a reference is needed).
+        in_reference (`bool`): whether forwards run through the reference now (inside [`~ReferenceSwitch.reference`]).
     """
 
     def __init__(self, module: torch.nn.Module, disable_adapter: Callable[[], ContextManager] | None = None):
@@ -58,6 +59,7 @@ class ReferenceSwitch:
         keep = self.full and _REFERENCE_NEEDED.get()
         self.frozen = copy.deepcopy(module).requires_grad_(False).eval() if keep else None
         self.forward = module
+        self.in_reference = False
 
     def prepare(self, accelerator) -> list[torch.nn.Module]:
         """Moves the frozen reference to the accelerator's device (sharded like the trained module under FSDP2, see
@@ -79,12 +81,14 @@ class ReferenceSwitch:
         if self.full and self.frozen is None:
             raise RuntimeError("this fully fine-tuned policy keeps no reference copy: it was built for an algorithm "
                                "that reads no reference (no KL term). Build it outside reference_needed(False).")
-        if self.frozen is None:
-            with self.disable_adapter():
-                yield
-            return
-        previous, self.forward = self.forward, self.frozen
+        previous = self.forward, self.in_reference
+        self.in_reference = True
         try:
-            yield
+            if self.frozen is None:
+                with self.disable_adapter():
+                    yield
+            else:
+                self.forward = self.frozen
+                yield
         finally:
-            self.forward = previous
+            self.forward, self.in_reference = previous

@@ -7,6 +7,7 @@ Not a plugin: `mmgrpo.pipelines.qwen_vl` holds the policy and exposes this `Conf
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -91,6 +92,12 @@ class QwenVLConfig:
             Qwen3-VL, Qwen3-VL-MoE; not Qwen3.5) with ``attn_implementation`` ``"sdpa"`` or ``"eager"``; a sharded
             model (``train.sharding``) decodes eagerly. The same tokens for the same generator as eager decoding
             (unless a draw falls on a float32 rounding tie), log-probs equal to about 1e-6.
+        share_prompt_forward (`bool`): sampling forwards the prompts with gradients and hands that forward to the
+            first update, which then forwards only the completions: one prompt and vision forward less per step (see
+            `_qwen_vl_shared_prompt.py`). Its graph is held from sampling to that update (the training forward's
+            prompt activations, during decoding). One process (no ``torchrun``), ``prefix_sharing: true``, the
+            families of full-attention layers (not Qwen3.5). With ``train.mixed_precision`` the shared prompt forward
+            runs under the run's autocast, in sampling too.
     """
 
     pretrained: str
@@ -117,6 +124,7 @@ class QwenVLConfig:
     attn_implementation: str = "sdpa"
     gradient_checkpointing: bool = False
     compile_decode: bool = False
+    share_prompt_forward: bool = False
 
     @property
     def num_steps(self) -> int:
@@ -169,6 +177,24 @@ class QwenVLConfig:
                               "pipeline.prefix_sharing: false, or gradient_checkpointing: false.")
         if self.compile_decode:
             check_compile_decode(model.get("model_type"), self.attn_implementation)
+        if self.share_prompt_forward:
+            check_share_prompt_forward(model.get("model_type"), self.prefix_sharing,
+                                       int(os.environ.get("WORLD_SIZE", "1")))
+
+
+def check_share_prompt_forward(model_type: str | None, prefix_sharing: bool, world: int) -> None:
+    """Refuses ``share_prompt_forward`` where the first update cannot continue from sampling's prompt forward: the
+    naive training forward, a hybrid family (its recurrent states are overwritten in place by decoding), or a run
+    over several processes (`world`, torchrun's ``WORLD_SIZE``: the distributed wrapper's forward must run)."""
+    if not prefix_sharing:
+        raise ConfigError("share_prompt_forward needs prefix_sharing: true (the naive training forward has no prompt "
+                          "forward to share): set pipeline.share_prompt_forward: false.")
+    if model_type is not None and model_type not in COMPILED_FAMILIES:
+        raise ConfigError(f"share_prompt_forward takes the families of full-attention layers {list(COMPILED_FAMILIES)}; "
+                          f"the model is a {model_type!r}: set pipeline.share_prompt_forward: false.")
+    if world > 1:
+        raise ConfigError(f"share_prompt_forward runs in one process; this launch has {world} (WORLD_SIZE): set "
+                          "pipeline.share_prompt_forward: false.")
 
 
 def check_compile_decode(model_type: str | None, attn_implementation: str) -> None:

@@ -18,6 +18,7 @@ Not a plugin: the name starts with an underscore and it defines no ``PLUGIN``.
 from __future__ import annotations
 
 import contextlib
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -141,6 +142,30 @@ def preserve_states(cache) -> contextlib.AbstractContextManager:
     )
 
 
+@dataclass
+class PromptStates:
+    """The forward of `U` prompts, which decoding and the completions' forward continue from.
+
+    Args:
+        logits (`torch.FloatTensor` of shape `[U, V]`): the last prompt token's logits.
+        cache: the model's KV cache of the `U` prompts (`P` positions).
+        mask (`torch.LongTensor` of shape `[U, P]`): the prompts' attention mask (left padding 0).
+        start (`torch.LongTensor` of shape `[U]`): the text position of each prompt's first completion token.
+    """
+
+    logits: torch.Tensor
+    cache: Any
+    mask: torch.Tensor
+    start: torch.Tensor
+
+    def expand(self, inverse: torch.Tensor) -> tuple[torch.Tensor, Any, torch.Tensor, torch.Tensor]:
+        """The states of `N` samples, `inverse` `[N]` -> prompt row: logits `[N, V]`, the cache expanded in place
+        (``index_select`` per layer: gradients flow to the prompt), mask `[N, P]` and start `[N]`."""
+        inverse = inverse.to(self.logits.device)
+        self.cache.reorder_cache(inverse)  # [U, ...] -> [N, ...] per layer
+        return self.logits[inverse], self.cache, self.mask[inverse], self.start[inverse]
+
+
 class GroupForward(torch.nn.Module):
     """Per-token log-probabilities of completions, with the prompt (and its vision tokens) forwarded once per group.
 
@@ -168,9 +193,8 @@ class GroupForward(torch.nn.Module):
             logits = logits.index_fill(-1, self.suppress.to(logits.device), float("-inf"))
         return logits.log_softmax(-1)
 
-    def prefix(self, prefix: dict[str, torch.Tensor], inverse: torch.Tensor):
-        """Forwards the `U` prompts once; returns the last prompt token's logits `[N, V]`, the KV cache expanded to
-        the `N` samples, the prompt attention mask `[N, P]` and the first completion position `[N]`."""
+    def prompt_states(self, prefix: dict[str, torch.Tensor]) -> PromptStates:
+        """Forwards the `U` collated prompts (and their images) once: [`PromptStates`] of `U` rows."""
         positions, start = rope_positions(self.model, prefix)
         vision = {k: prefix[k] for k in VISION_KEYS if k in prefix and k != "second_per_grid_ts"}
         if "second_per_grid_ts" in prefix and "second_per_grid_ts" in _rope_arguments(self.model):
@@ -179,10 +203,12 @@ class GroupForward(torch.nn.Module):
             input_ids=prefix["input_ids"], attention_mask=prefix["attention_mask"], position_ids=positions,
             mm_token_type_ids=prefix["mm_token_type_ids"], use_cache=True, logits_to_keep=1, **vision,
         )
-        cache = out.cache
-        inverse = inverse.to(out.logits.device)
-        cache.reorder_cache(inverse)  # [U, ...] -> [N, ...] per layer (index_select: gradients flow to the prompt)
-        return out.logits[:, -1][inverse], cache, prefix["attention_mask"][inverse], start[inverse]
+        return PromptStates(out.logits[:, -1], out.cache, prefix["attention_mask"], start)
+
+    def prefix(self, prefix: dict[str, torch.Tensor], inverse: torch.Tensor):
+        """Forwards the `U` prompts once; returns the last prompt token's logits `[N, V]`, the KV cache expanded to
+        the `N` samples, the prompt attention mask `[N, P]` and the first completion position `[N]`."""
+        return self.prompt_states(prefix).expand(inverse)
 
     def step(self, tokens: torch.Tensor, cache, attention_mask: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Forwards new tokens `[N, t]` after the cache; `positions` `[N, t]` text positions (same on the three
@@ -199,7 +225,12 @@ class GroupForward(torch.nn.Module):
         ``shared=False`` runs [`~GroupForward.naive`] on the prompts expanded to `N` rows instead."""
         if not shared:
             return self.naive(expand_prefix(prefix, inverse), completion, temperature)
-        first, cache, prompt_mask, start = self.prefix(prefix, inverse)
+        return self.continuation(*self.prefix(prefix, inverse), completion, temperature)
+
+    def continuation(self, first: torch.Tensor, cache, prompt_mask: torch.Tensor, start: torch.Tensor,
+                     completion: torch.Tensor, temperature: float) -> torch.Tensor:
+        """Log-probs `[N, T]` of `completion` `[N, T]` after the prompts' states of `N` samples (as
+        [`PromptStates.expand`] gives them): `first` `[N, V]`, `cache`, `prompt_mask` `[N, P]`, `start` `[N]`."""
         n, length = completion.shape
         logits = first[:, None]  # [N, 1, V]
         if length > 1:

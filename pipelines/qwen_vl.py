@@ -36,10 +36,13 @@ and segmentation rewards read with ``coords: model``.
 **Modules.** This file holds the policy (sampling, replay, teacher-forced rollouts); its options and their checks
 are `_qwen_vl_config.py`, the prompt and vision inputs `_qwen_vl_inputs.py`, the prefix-shared group forward
 `_qwen_vl_forward.py`, the decode loop (static KV cache, masks and rotary tables once per rollout, batched sampling)
-`_qwen_vl_decode.py`, the LoRA adapter and the saved weights `_qwen_vl_weights.py`.
+`_qwen_vl_decode.py`, the prompt forward handed from sampling to the first update (``share_prompt_forward``)
+`_qwen_vl_shared_prompt.py`, the LoRA adapter and the saved weights `_qwen_vl_weights.py`.
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import torch
 
@@ -51,6 +54,7 @@ from mmgrpo.pipelines import _qwen_vl_engine as engine_side
 from mmgrpo.pipelines._qwen_vl_decode import LeanStep, ModelStep, TokenSampler, decode, lean_supported
 from mmgrpo.pipelines._qwen_vl_forward import GroupForward, collate_prompts, unique_rows
 from mmgrpo.pipelines._qwen_vl_inputs import PromptEncoder, vision_inputs
+from mmgrpo.pipelines._qwen_vl_shared_prompt import SharedPromptForward
 from mmgrpo.pipelines._qwen_vl_weights import PEFT_PREFIX  # noqa: F401 (imported from here by tests)
 from mmgrpo.pipelines._qwen_vl_weights import adapters_off, inject_lora, load_weights, save_weights
 from mmgrpo.types import PromptBatch, Rollout, Score
@@ -112,6 +116,8 @@ class QwenVLPolicy:
             checkpoint_transformers(self.model)
         self.switch = ReferenceSwitch(GroupForward(self.model, suppress), adapters_off(self.model) if self.lora else None)
         self.device = torch.device("cpu")
+        self.autocast = contextlib.nullcontext  # the run's autocast after `prepare` (what the training forward runs in)
+        self.shared_prompt = SharedPromptForward()  # pipeline.share_prompt_forward: sampling's prompt states
 
     # ------------------------------------------------------------------------------------------------------ set-up
     @property
@@ -131,6 +137,7 @@ class QwenVLPolicy:
     def prepare(self, accelerator) -> list[torch.nn.Module]:
         """Moves the model (and a frozen reference) to the accelerator's device; wraps the group forward."""
         self.device = accelerator.device
+        self.autocast = accelerator.autocast
         self.model.to(self.device)
         return self.switch.prepare(accelerator)
 
@@ -166,7 +173,13 @@ class QwenVLPolicy:
         return [encoded[gid] for gid in group_ids]
 
     # ------------------------------------------------------------------------------------------------- sampling
-    @torch.no_grad()
+    def _shares_prompt_forward(self) -> bool:
+        """Whether this forward may hand its prompt states to an update (``share_prompt_forward``, with gradients
+        enabled, through the trained module itself: not its reference, not a distribution wrapper)."""
+        switch = self.switch
+        return (self.config.share_prompt_forward and torch.is_grad_enabled() and switch.forward is switch.module
+                and not switch.in_reference)
+
     def sample(self, batch: PromptBatch, plan: TokenPlan, *, generator: torch.Generator | None = None) -> Rollout:
         """Decodes up to ``plan.num_steps`` tokens per sample with a KV cache: sampled (temperature, top-p, top-k)
         unless the plan is greedy, drawn from `generator` as ``torch.multinomial`` draws (see
@@ -178,14 +191,32 @@ class QwenVLPolicy:
             [`Rollout`]: ``outputs["texts"]`` (`N` strings), ``old_log_probs`` `[N, S]`, ``mask`` `[N, S]` (completion
             tokens up to and including the end-of-turn token) and, in the trajectory, the completion ids `[N, S]`
             and the encoded prompts (one shared object per group).
+
+        With ``share_prompt_forward`` (and gradients enabled, as in training) the prompt forward keeps its graph for
+        the next update (see `_qwen_vl_shared_prompt.py`); greedy plans (evaluation) never keep one.
         """
-        n, steps = len(batch), plan.num_steps
-        forced = self._forced_tokens(batch, plan)  # [N, S]: a ground truth's tokens, -1 where the row samples
         prompts = self._encode_batch(batch)
         unique, inverse = unique_rows(prompts)
-        module = self.switch.module
         prefix = collate_prompts(unique, self.pad_id, self.device)
-        logits, cache, prompt_mask, start = module.prefix(prefix, inverse)  # [N, V], cache of N rows
+        module = self.switch.module
+        self.shared_prompt.drop()
+        if self._shares_prompt_forward() and not plan.greedy:
+            with self.autocast():
+                states = module.prompt_states(prefix)  # [U] rows, with a graph
+            self.shared_prompt.keep(states, unique, self.trainable_parameters(), self.model.training)
+        else:
+            with torch.no_grad():
+                states = module.prompt_states(prefix)
+        with torch.no_grad():
+            return self._decode(batch, plan, prompts, states.expand(inverse), generator)  # [N, V], cache of N rows
+
+    def _decode(self, batch: PromptBatch, plan: TokenPlan, prompts: list[dict], expanded: tuple,
+                generator: torch.Generator | None) -> Rollout:
+        """The decode loop of [`sample`] from the prompts' states expanded to the `N` samples."""
+        n, steps = len(batch), plan.num_steps
+        forced = self._forced_tokens(batch, plan)  # [N, S]: a ground truth's tokens, -1 where the row samples
+        logits, cache, prompt_mask, start = expanded  # [N, V], cache of N rows, [N, P], [N]
+        module = self.switch.module
         model = module.model
         if lean_supported(model):
             step = LeanStep(model, cache, prompt_mask, start, steps, compiled=self.config.compile_decode)
@@ -250,11 +281,18 @@ class QwenVLPolicy:
         """
         length = int(rollout.mask.any(dim=0).nonzero().max()) + 1 if rollout.mask.any() else 1
         unique, inverse = unique_rows(rollout.trajectory["prompt_inputs"])
-        prefix = collate_prompts(unique, self.pad_id, self.device)
         completion = rollout.trajectory["completion_ids"][:, :length].to(self.device)  # [n, T']
         module = self.switch.forward  # the reference's inside `reference()`
-        scored = module(prefix, inverse.to(self.device), completion, self.config.temperature,
-                        shared=self.config.prefix_sharing)  # [n, T']
+        kept = None
+        if self._shares_prompt_forward():  # sampling's prompt states, once (see `_qwen_vl_shared_prompt.py`)
+            kept = self.shared_prompt.take(unique, self.model.training, inverse, self.model.config)
+        if kept is not None:
+            with self.autocast():
+                scored = self.switch.module.continuation(*kept, completion, self.config.temperature)  # [n, T']
+        else:
+            prefix = collate_prompts(unique, self.pad_id, self.device)
+            scored = module(prefix, inverse.to(self.device), completion, self.config.temperature,
+                            shared=self.config.prefix_sharing)  # [n, T']
         n, full = rollout.mask.shape
         log_prob = torch.cat([scored, scored.new_zeros(n, full - length)], dim=1) if full > length else scored
         index = torch.as_tensor(steps, dtype=torch.long)
