@@ -97,7 +97,9 @@ class QwenVLConfig:
             `_qwen_vl_shared_prompt.py`). Its graph is held from sampling to that update (the training forward's
             prompt activations, during decoding). One process (no ``torchrun``), ``prefix_sharing: true``, the
             families of full-attention layers (not Qwen3.5). With ``train.mixed_precision`` the shared prompt forward
-            runs under the run's autocast, in sampling too.
+            runs under the run's autocast, in sampling too. With ``train.sample_chunks`` > 1 only the last chunk's
+            forward is kept, which the first update then rarely matches; ``train.async`` samples without gradients,
+            so nothing is kept.
     """
 
     pretrained: str
