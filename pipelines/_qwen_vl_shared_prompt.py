@@ -29,8 +29,10 @@ from mmgrpo.pipelines._qwen_vl_forward import PromptStates
 
 
 def weights_key(parameters: list[torch.Tensor], training: bool) -> tuple[int, bool]:
-    """What changes when the weights change in place (an optimizer step, a load, an old model's swap): the sum of the
-    trainable parameters' version counters, and the train / eval mode."""
+    """What changes when the weights change in place (a load, an old model's swap, a ``foreach`` or per-parameter
+    optimizer step): the sum of the trainable parameters' version counters, and the train / eval mode. torch's fused
+    AdamW (``train.optim: adamw_torch_fused``) leaves the counters as they are; in training no optimizer step falls
+    between a rollout's sampling and its first update, which is where the kept forward is taken."""
     return sum(p._version for p in parameters), training
 
 
