@@ -11,8 +11,8 @@ length) compiles once more with dynamic shapes, which then serve every shape (to
 Its attention is [`decode_attention`], transformers' sdpa attention as it runs eagerly for one query token.
 transformers' own sdpa function, under ``torch.compile``, repeats the keys and values of a grouped-query model to every
 query head instead: a copy of the whole cache per layer and step, whose cost grows with the rows and the cache length
-(with it the compiled step lost to the eager one at 32 rows of the tiny model). [`compiled_token_logits`] switches the
-language model's attention to it for the call only.
+(with it the compiled step lost to the eager one at 32 rows of the tiny model). [`use_decode_attention`] switches the
+language model's attention to it for a rollout (the decode loop switches it back when the rollout ends).
 
 The weights stay inputs of the graph (no freezing): an optimizer step that updates them in place is seen by the next
 rollout without recompiling.
@@ -93,13 +93,15 @@ def compiled() -> Callable:
     return torch.compile(token_logits, fullgraph=True, dynamic=None)
 
 
-def compiled_token_logits(config, *args: Any) -> torch.Tensor:
-    """[`token_logits`] of `args`, compiled, with the attention of the language model's `config` switched to
-    [`decode_attention`] for the call (restored after it, also on an error)."""
-    step = compiled()
+def use_decode_attention(config) -> str:
+    """Switches the attention of the language model's `config` to [`decode_attention`] (registered by [`compiled`]);
+    returns the implementation to set back when the rollout ends."""
+    compiled()
     saved = config._attn_implementation
     config._attn_implementation = DECODE_ATTENTION
-    try:
-        return step(*args)
-    finally:
-        config._attn_implementation = saved
+    return saved
+
+
+def compiled_token_logits(*args: Any) -> torch.Tensor:
+    """[`token_logits`] of `args`, compiled (the language model's attention switched by [`use_decode_attention`])."""
+    return compiled()(*args)

@@ -38,7 +38,7 @@ from typing import Callable
 
 import torch
 
-from mmgrpo.pipelines._qwen_vl_compile import compiled_token_logits, token_logits
+from mmgrpo.pipelines._qwen_vl_compile import compiled_token_logits, token_logits, use_decode_attention
 from mmgrpo.sharding import any_process
 
 LEAN_ATTENTION = ("sdpa", "eager")  # attention implementations that take a 4-D mask (what LeanStep precomputes)
@@ -131,18 +131,22 @@ class LeanStep:
         cos, sin = text.rotary_emb(shape, positions[None].expand(3, -1, -1))  # [N, S - 1, D] each
         self.rotary = [(cos[:, t : t + 1], sin[:, t : t + 1]) for t in range(fed)]
         self.compiled = compiled and self.static and self.sharded is None
+        # the attention the compiled step runs, for the rollout (finish() sets the model's own back)
+        self.own_attention = use_decode_attention(self.text_config) if self.compiled else None
 
     def __call__(self, tokens: torch.Tensor, t: int) -> torch.Tensor:
         """Forwards completion token `t` of every sample, `tokens` `[N]`; returns the next logits `[N, V]`."""
         keys = self.masks.shape[-1] if self.static else self.prompt + t + 1  # the dynamic cache holds P + t + 1
         mask = self.masks[:, :, t : t + 1, :keys]  # [N, 1, 1, keys]
         args = (self.embed, self.layers, self.kinds, self.norm, self.head, self.cache, tokens, mask, *self.rotary[t])
-        return compiled_token_logits(self.text_config, *args) if self.compiled else token_logits(*args)
+        return compiled_token_logits(*args) if self.compiled else token_logits(*args)
 
     def finish(self) -> None:
-        """Frees the parameters gathered for the rollout (sharded models)."""
+        """Frees the parameters gathered for the rollout (sharded models); sets the model's attention back (compiled)."""
         if self.sharded is not None:
             self.sharded.reshard()
+        if self.own_attention is not None:
+            self.text_config._attn_implementation = self.own_attention
 
 
 class TokenSampler:
@@ -199,7 +203,7 @@ def decode(step: "LeanStep | ModelStep", logits: torch.Tensor, steps: int, *,
 
     Args:
         step: forwards token `t` of every sample (`[N]`) and returns the next logits `[N, V]` ([`LeanStep`],
-            [`ModelStep`]); its ``finish()`` is called after the last step.
+            [`ModelStep`]); its ``finish()`` is called after the last step (also when the loop raises).
         logits (`torch.FloatTensor` of shape `[N, V]`): the logits after the prompt.
         log_softmax: the policy's log-probs `[N, V]` from logits (temperature, vision tokens excluded).
         choose ([`TokenSampler`]): the next tokens `[N]` from the log-probs `[N, V]`.
@@ -216,19 +220,21 @@ def decode(step: "LeanStep | ModelStep", logits: torch.Tensor, steps: int, *,
     teacher = forced.to(device) if bool((forced >= 0).any()) else None
     alive = torch.ones(n, dtype=torch.bool, device=device)
     drawn, scored, alive_at = [], [], []  # per step: tokens [N], log-probs [N, 1], rows not yet ended [N]
-    for t in range(steps):
-        logp = log_softmax(logits)  # [N, V] float32
-        chosen = choose(logp)  # [N]
-        if teacher is not None:  # teacher-forced rows: the ground truth
-            chosen = torch.where(teacher[:, t] >= 0, teacher[:, t], chosen)
-        drawn.append(chosen)
-        scored.append(logp.gather(1, chosen[:, None]))
-        alive_at.append(alive)
-        alive = alive & goes_on[chosen]
-        if t == steps - 1 or not any_process(bool(alive.any()), module):  # sharded: every process steps alike
-            break
-        logits = step(chosen, t)
-    step.finish()
+    try:
+        for t in range(steps):
+            logp = log_softmax(logits)  # [N, V] float32
+            chosen = choose(logp)  # [N]
+            if teacher is not None:  # teacher-forced rows: the ground truth
+                chosen = torch.where(teacher[:, t] >= 0, teacher[:, t], chosen)
+            drawn.append(chosen)
+            scored.append(logp.gather(1, chosen[:, None]))
+            alive_at.append(alive)
+            alive = alive & goes_on[chosen]
+            if t == steps - 1 or not any_process(bool(alive.any()), module):  # sharded: every process steps alike
+                break
+            logits = step(chosen, t)
+    finally:
+        step.finish()
     left = steps - len(drawn)  # steps never decoded: every row had ended
     mask = torch.stack(alive_at, dim=1)  # [N, t + 1]
     tokens = torch.stack(drawn, dim=1).masked_fill_(~mask, pad_id)  # [N, t + 1], the pad token after the end

@@ -65,6 +65,20 @@ def test_compiled_decode_equals_eager_and_replays_at_ratio_one(request, monkeypa
     assert (replayed - compiled.old_log_probs)[compiled.mask].abs().max() > 1e-2  # the update moves the policy
     eager_after, compiled_after, _ = sample_eager_and_compiled(pol, group_size=2, seed=5, monkeypatch=monkeypatch)
     assert_same_rollout(eager_after, compiled_after)
+    # a rollout that fails part-way sets the model's attention back all the same
+    draws, choose = [], decode_module.TokenSampler.__call__
+
+    def failing(sampler, logp):
+        draws.append(1)
+        if len(draws) == 3:
+            raise RuntimeError("draw failed")
+        return choose(sampler, logp)
+
+    monkeypatch.setattr(decode_module.TokenSampler, "__call__", failing)
+    with pytest.raises(RuntimeError, match="draw failed"):
+        pol.sample(vision_batch(2), TokenPlan(num_steps=6, train_units=[list(range(6))]),
+                   generator=torch.Generator().manual_seed(6))
+    assert pol.model.config.text_config._attn_implementation == "sdpa"
 
 
 def test_compile_decode_refused_where_the_step_does_not_compile(request):
