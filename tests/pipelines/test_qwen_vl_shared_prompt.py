@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from mmgrpo import config as config_mod
 from mmgrpo.algorithms.grpo import GRPO, GRPOConfig
@@ -80,6 +82,28 @@ def test_a_minibatch_of_some_groups_takes_its_rows(request, monkeypatch):
     assert not calls
     assert_same_scores(shared, scored_grads(pol, sub, list(range(pol.num_steps)), shared=True))
     assert len(calls) == 1
+
+
+def test_any_minibatch_takes_the_kept_rows_with_the_recomputed_values(request, monkeypatch):
+    """Property: whatever rows (and order) a minibatch holds, continuing from sampling's forward gives the log-probs of
+    forwarding its prompts again."""
+    pol = vl_policy(request, "tiny_qwen2_5_vl_dir", max_new_tokens=4, share_prompt_forward=True)
+    plan, steps = sampling_plan(pol), list(range(4))
+    calls = counted_prompt_forwards(monkeypatch)
+
+    @settings(derandomize=True, max_examples=12, deadline=None, database=None)
+    @given(st.lists(st.integers(0, 8), min_size=1, max_size=9, unique=True), st.integers(0, 2**31 - 1))
+    def check(rows, seed):
+        rollout = pol.sample(vision_batch(3), plan, generator=torch.Generator().manual_seed(seed))  # 9 samples
+        sub = rollout.select(torch.tensor(rows))
+        before = len(calls)
+        kept = pol.log_prob(sub, steps).log_prob
+        assert len(calls) == before and pol.shared_prompt.states is None  # taken: no prompt forward
+        again = pol.log_prob(sub, steps).log_prob
+        assert len(calls) == before + 1
+        torch.testing.assert_close(kept, again, rtol=0, atol=1e-6)
+
+    check()
 
 
 def test_the_kept_forward_is_not_taken_after_the_weights_change_nor_outside_a_training_call(request, monkeypatch):
