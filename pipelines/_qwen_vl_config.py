@@ -191,20 +191,24 @@ def check_share_prompt_forward(model_type: str | None, prefix_sharing: bool, wor
     if not prefix_sharing:
         raise ConfigError("share_prompt_forward needs prefix_sharing: true (the naive training forward has no prompt "
                           "forward to share): set pipeline.share_prompt_forward: false.")
-    if model_type is not None and model_type not in COMPILED_FAMILIES:
-        raise ConfigError(f"share_prompt_forward takes the families of full-attention layers {list(COMPILED_FAMILIES)}; "
-                          f"the model is a {model_type!r}: set pipeline.share_prompt_forward: false.")
+    require_full_attention("share_prompt_forward", model_type)
     if world > 1:
         raise ConfigError(f"share_prompt_forward runs in one process; this launch has {world} (WORLD_SIZE): set "
                           "pipeline.share_prompt_forward: false.")
 
 
+def require_full_attention(option: str, model_type: str | None) -> None:
+    """Refuses `option` for a family with other than full-attention layers (`model_type` None: the checkpoint's config
+    is not readable here, checked when the model loads)."""
+    if model_type is not None and model_type not in COMPILED_FAMILIES:
+        raise ConfigError(f"{option} takes the families of full-attention layers {list(COMPILED_FAMILIES)}; "
+                          f"the model is a {model_type!r}: set pipeline.{option}: false.")
+
+
 def check_compile_decode(model_type: str | None, attn_implementation: str) -> None:
     """Refuses ``compile_decode`` for a family or an attention backend whose decode step does not compile to one graph
     (`model_type` None: the checkpoint's config is not readable here, checked when the model loads)."""
-    if model_type is not None and model_type not in COMPILED_FAMILIES:
-        raise ConfigError(f"compile_decode takes the families of full-attention layers {list(COMPILED_FAMILIES)}; "
-                          f"the model is a {model_type!r}: set pipeline.compile_decode: false.")
+    require_full_attention("compile_decode", model_type)
     if attn_implementation not in LEAN_ATTENTION:
         raise ConfigError(f"compile_decode needs attn_implementation in {list(LEAN_ATTENTION)} (the lean decode loop's "
                           f"4-D masks), got {attn_implementation!r}: change it, or set compile_decode: false.")

@@ -1,5 +1,5 @@
 """The decode loop of the Qwen-VL adapter (`qwen_vl`): one token per sample and step after the prefix-shared prompt
-forward ([`GroupForward.prefix`]), with what transformers' forward redoes at every call done once per rollout.
+forward ([`GroupForward.prompt_states`]), with what transformers' forward redoes at every call done once per rollout.
 
 [`LeanStep`] (the default) runs a decode step as the language model's own modules: the token embedding, each decoder
 layer, the final norm and the LM head. Once per rollout it

@@ -205,11 +205,6 @@ class GroupForward(torch.nn.Module):
         )
         return PromptStates(out.logits[:, -1], out.cache, prefix["attention_mask"], start)
 
-    def prefix(self, prefix: dict[str, torch.Tensor], inverse: torch.Tensor):
-        """Forwards the `U` prompts once; returns the last prompt token's logits `[N, V]`, the KV cache expanded to
-        the `N` samples, the prompt attention mask `[N, P]` and the first completion position `[N]`."""
-        return self.prompt_states(prefix).expand(inverse)
-
     def step(self, tokens: torch.Tensor, cache, attention_mask: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Forwards new tokens `[N, t]` after the cache; `positions` `[N, t]` text positions (same on the three
         M-RoPE axes); `attention_mask` `[N, P + past + t]`. Returns logits `[N, t, V]`."""
@@ -225,7 +220,7 @@ class GroupForward(torch.nn.Module):
         ``shared=False`` runs [`~GroupForward.naive`] on the prompts expanded to `N` rows instead."""
         if not shared:
             return self.naive(expand_prefix(prefix, inverse), completion, temperature)
-        return self.continuation(*self.prefix(prefix, inverse), completion, temperature)
+        return self.continuation(*self.prompt_states(prefix).expand(inverse), completion, temperature)
 
     def continuation(self, first: torch.Tensor, cache, prompt_mask: torch.Tensor, start: torch.Tensor,
                      completion: torch.Tensor, temperature: float) -> torch.Tensor:

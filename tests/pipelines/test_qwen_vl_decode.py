@@ -76,7 +76,8 @@ def test_static_cache_holds_the_prompt_then_each_token_in_place(request):
     unique, inverse = unique_rows(pol._encode_batch(vision_batch(2)))
     module = pol.switch.module
     with torch.no_grad():
-        _, cache, prompt_mask, start = module.prefix(collate_prompts(unique, pol.pad_id, pol.device), inverse)
+        states = module.prompt_states(collate_prompts(unique, pol.pad_id, pol.device))
+        _, cache, prompt_mask, start = states.expand(inverse)
         prompt_keys = cache.layers[0].keys.clone()  # [N, heads, P, d]
         step = LeanStep(pol.model, cache, prompt_mask, start, steps=5)
         buffer = step.cache.layers[0].keys
