@@ -143,28 +143,33 @@ def encoded_sizes(input_ids, image_token_id: int) -> dict:
     return {"prompt_tokens": len(ids), "vision_tokens_per_image": ids.count(image_token_id)}
 
 
-def run_mmgrpo(args) -> dict:
-    import torch
-
+def mmgrpo_trainer(args, tmp: str):
+    """mmgrpo's `Trainer` with the benchmark's settings (`args`: model, prompts, G, completion length, image size,
+    learning rate, steps; ``mmgrpo_override`` last), its outputs and model copy in `tmp`."""
     from mmgrpo.config import load
     from mmgrpo.trainer import Trainer
 
     n = args.prompts * args.group_size
     pixels = args.image_size**2
+    return Trainer(load(args.config, [
+        f"output_dir={tmp}", f"pipeline.pretrained={model_dir(args, tmp)}",
+        f"pipeline.max_new_tokens={args.max_new_tokens}", f"pipeline.min_pixels={pixels}",
+        f"pipeline.max_pixels={pixels}", f"data.size={args.image_size}",
+        "reward={name: accuracy, mode: numeric}", f"data.n_train={args.n_train}", "data.n_eval=1",
+        f"train.prompts_per_step={args.prompts}", f"train.group_size={args.group_size}",
+        f"train.minibatch_size={n}", "train.updates_per_step=1", f"train.learning_rate={args.learning_rate}",
+        "train.optim=adamw_torch_fused",
+        f"train.max_steps={args.warmup + args.steps}", "train.max_seconds=0", "eval.every=0", "checkpoint.every=0",
+        *args.mmgrpo_override,
+    ]))
+
+
+def run_mmgrpo(args) -> dict:
+    import torch
+
     vision = VisionCounter()
     with tempfile.TemporaryDirectory() as tmp:
-        config = load(args.config, [
-            f"output_dir={tmp}", f"pipeline.pretrained={model_dir(args, tmp)}",
-            f"pipeline.max_new_tokens={args.max_new_tokens}", f"pipeline.min_pixels={pixels}",
-            f"pipeline.max_pixels={pixels}", f"data.size={args.image_size}",
-            "reward={name: accuracy, mode: numeric}", f"data.n_train={args.n_train}", "data.n_eval=1",
-            f"train.prompts_per_step={args.prompts}", f"train.group_size={args.group_size}",
-            f"train.minibatch_size={n}", "train.updates_per_step=1", f"train.learning_rate={args.learning_rate}",
-            "train.optim=adamw_torch_fused",
-            f"train.max_steps={args.warmup + args.steps}", "train.max_seconds=0", "eval.every=0", "checkpoint.every=0",
-            *args.mmgrpo_override,
-        ])
-        trainer = Trainer(config)
+        trainer = mmgrpo_trainer(args, tmp)
         policy = trainer.policy
         first = items(args)[0]
         sizes = encoded_sizes(policy.encode_prompt(first["prompt"], first["images"], [])["input_ids"],
