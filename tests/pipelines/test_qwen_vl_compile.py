@@ -1,7 +1,8 @@
 """The compiled decode step of the Qwen-VL adapter (``pipeline.compile_decode``, `pipelines/_qwen_vl_compile.py`) on a
 tiny real-class Qwen2-VL: the same tokens, masks and (to float32 rounding) log-probs as eager decoding for the same
 generator, before and after an in-place weight update; the recorded log-probs replay with an on-policy ratio of 1;
-and the option is refused, before any weight loads, where the step does not compile."""
+Qwen2.5-VL, Qwen3-VL and Qwen3-VL-MoE (LoRA) draw the eager tokens too; and the option is refused, before any weight
+loads, where the step does not compile."""
 
 import pytest
 import torch
@@ -79,6 +80,17 @@ def test_compiled_decode_equals_eager_and_replays_at_ratio_one(request, monkeypa
         pol.sample(vision_batch(2), TokenPlan(num_steps=6, train_units=[list(range(6))]),
                    generator=torch.Generator().manual_seed(6))
     assert pol.model.config.text_config._attn_implementation == "sdpa"
+
+
+@pytest.mark.parametrize("fixture", ["tiny_qwen2_5_vl_dir", "tiny_qwen3_vl_dir", "tiny_qwen3_vl_moe_dir"])
+def test_every_compiled_family_draws_the_eager_tokens(request, monkeypatch, fixture):
+    from torch._dynamo.utils import counters
+
+    pol = vl_policy(request, fixture, max_new_tokens=5)  # LoRA
+    graphs = counters["stats"]["unique_graphs"]
+    eager, compiled, calls = sample_eager_and_compiled(pol, group_size=2, seed=4, monkeypatch=monkeypatch)
+    assert calls > 0 and counters["stats"]["unique_graphs"] > graphs  # this model's step compiled (not run eagerly)
+    assert_same_rollout(eager, compiled)
 
 
 def test_compile_decode_refused_where_the_step_does_not_compile(request):
