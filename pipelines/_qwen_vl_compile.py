@@ -14,11 +14,12 @@ matrix products around a softmax), which the compiler fuses. transformers' own s
 repeats the keys and values of a grouped-query model to every query head instead: a copy of the whole cache per layer
 and step, whose cost grows with the rows and the cache length (with it the compiled step lost to the eager one at 32
 rows of the tiny model). And torch's fused attention kernel for the CPU costs more than the written-out form for one
-query token (about 60 against 20 us a call at 16 rows of the tiny model). [`use_decode_attention`] switches the
+query token: it took about 60 us a call at 16 rows of the tiny model, and the written-out form made the step (two
+attention calls) about 55 us shorter. [`use_decode_attention`] switches the
 language model's attention to it for a rollout (the decode loop switches it back when the rollout ends).
 
 On the CPU the compiled step runs under inductor's C++ wrapper (``cpp_wrapper``): the graph's kernels are called from
-C++ rather than from generated Python, about 70 us less per call of the tiny model's step.
+C++ rather than from generated Python, about 80 us less per call of the tiny model's step at 16 rows.
 
 The weights stay inputs of the graph (no freezing): an optimizer step that updates them in place is seen by the next
 rollout without recompiling.
