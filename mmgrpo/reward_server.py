@@ -275,7 +275,10 @@ class RewardServer:
     def stop(self) -> None:
         """Stops serving: closes the listening socket and every connection, then the worker threads."""
         if self.thread is not None and self.thread.is_alive():
-            self.server.trigger.pull_trigger(lambda: wasyncore.close_all(self._map))  # runs in the serving thread
+            try:
+                self.server.trigger.pull_trigger(lambda: wasyncore.close_all(self._map))  # runs in the serving thread
+            except OSError:  # the wake-up pipe's descriptor was closed under the server: close everything from here;
+                wasyncore.close_all(self._map, ignore_all=True)  # the loop sees the empty map after its 1 s poll
             self.thread.join(timeout=5)
         else:
             wasyncore.close_all(self._map)

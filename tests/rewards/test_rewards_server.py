@@ -90,6 +90,18 @@ def test_stopped_server_gives_a_clear_error_within_the_timeout():
     assert time.monotonic() - started < 2.0  # refused at once, three times
 
 
+def test_a_server_whose_wake_up_pipe_was_closed_under_it_still_stops():
+    """Another library closing a descriptor twice can close the number waitress's wake-up pipe reuses: `stop` then
+    closes the sockets itself, the serving thread ends and the port is free."""
+    server = RewardServer(JpegReward(), "jpeg").start()
+    host, port = server.server.effective_host, server.server.effective_port
+    os.close(server.server.trigger.trigger)  # the pipe's write end, as a foreign double close would
+    server.stop()
+    assert not server.thread.is_alive()
+    with pytest.raises(ConnectionRefusedError):
+        socket.create_connection((host, port), timeout=2).close()
+
+
 def test_hanging_server_times_out_after_bounded_retries():
     listener = socket.socket()
     listener.bind(("127.0.0.1", 0))
