@@ -35,7 +35,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/ is not a package: the benchmark beside it
-from vlm_vs_trl import DEFAULT_IMAGE_SIZE, mmgrpo_trainer  # noqa: E402
+from vlm_vs_trl import check_workload, mmgrpo_trainer, workload_arguments  # noqa: E402
 
 PHASES = ("processor", "prompt forward", "decode loop", "training forward", "backward", "gradient clip",
           "optimizer step")  # exclusive; "other" is the rest of the step
@@ -152,22 +152,11 @@ def write_outputs(args, rows: dict[int, dict], output: Path) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--output", type=Path, default=Path("outputs/bench_vlm_phases"))
-    parser.add_argument("--model", default="mmgrpo:vlm_shapes")
-    parser.add_argument("--config", default="configs/tiny/vlm_count.yaml")
-    parser.add_argument("--prompts", type=int, default=4, help="prompts per step")
-    parser.add_argument("--max-new-tokens", type=int, default=32)
-    parser.add_argument("--steps", type=int, default=30, help="timed steps, after the warm-up")
-    parser.add_argument("--warmup", type=int, default=4)
-    parser.add_argument("--learning-rate", type=float, default=2e-4)
-    parser.add_argument("--image-size", type=int, default=DEFAULT_IMAGE_SIZE)
-    parser.add_argument("--group-sizes", type=int, nargs="+", default=[2, 4])
-    parser.add_argument("--mmgrpo-override", action="append", default=[], metavar="KEY=VALUE",
-                        help="a config override after the benchmark's own (repeatable)")
+    workload_arguments(parser, output="outputs/bench_vlm_phases", prompts=4, max_new_tokens=32, steps=30, warmup=4,
+                       group_sizes=[2, 4])
     args = parser.parse_args(argv)
-    if args.steps < 1 or args.warmup < 0:
-        parser.error(f"--steps must be at least 1 and --warmup at least 0, got {args.steps} and {args.warmup}.")
-    args.n_train = args.prompts * (args.warmup + args.steps)  # new questions every step, as in the benchmark
+    args.n_train = None  # new questions every step, as in the benchmark
+    check_workload(parser, args)
     clock = PhaseClock()
     instrument(clock)
     rows = {}

@@ -314,38 +314,53 @@ def measure(args, framework: str, group_size: int) -> dict:
     return result
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--output", type=Path, default=Path("outputs/bench_vlm_vs_trl"))
+def workload_arguments(parser: argparse.ArgumentParser, *, output: str, prompts: int, max_new_tokens: int, steps: int,
+                       warmup: int, group_sizes: list[int]) -> None:
+    """Adds the model, questions and step-shape options both VLM benchmarks take (this one and `vlm_phases.py`), with
+    the given defaults."""
+    parser.add_argument("--output", type=Path, default=Path(output))
     parser.add_argument("--model", default="mmgrpo:vlm_shapes")
     parser.add_argument("--config", default="configs/tiny/vlm_count.yaml")
-    parser.add_argument("--prompts", type=int, default=16, help="prompts per step (the same for every G)")
-    parser.add_argument("--max-new-tokens", type=int, default=20)
-    parser.add_argument("--steps", type=int, default=4, help="measured steps, after the warm-up")
-    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--prompts", type=int, default=prompts, help="prompts per step (the same for every G)")
+    parser.add_argument("--max-new-tokens", type=int, default=max_new_tokens)
+    parser.add_argument("--steps", type=int, default=steps, help="measured steps, after the warm-up")
+    parser.add_argument("--warmup", type=int, default=warmup)
     parser.add_argument("--learning-rate", type=float, default=2e-4)
     parser.add_argument("--image-size", type=int, default=DEFAULT_IMAGE_SIZE,
                         help="image side in pixels (a multiple of 28), the same for both: (N / 28)^2 vision tokens")
-    parser.add_argument("--group-sizes", type=int, nargs="+", default=[2, 4, 8, 16])
+    parser.add_argument("--group-sizes", type=int, nargs="+", default=group_sizes)
+    parser.add_argument("--mmgrpo-override", action="append", default=[], metavar="KEY=VALUE",
+                        help="a config override of mmgrpo's side, after the benchmark's own (repeatable), e.g. "
+                        "pipeline.compile_decode=true")
+
+
+def check_workload(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Refuses out-of-range workload options (one line naming the fix) and sets `args.n_train` where it is `None`."""
+    if args.image_size < 28 or args.image_size % 28:
+        parser.error(f"--image-size must be a positive multiple of 28 (14-pixel patches, 2 x 2 merge), "
+                     f"got {args.image_size}.")
+    if args.steps < 1 or args.warmup < 0:
+        parser.error(f"--steps must be at least 1 and --warmup at least 0, got {args.steps} and {args.warmup}.")
+    if args.n_train is None:
+        args.n_train = args.prompts * (args.warmup + args.steps)  # every step sees new questions, in both trainers
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    workload_arguments(parser, output="outputs/bench_vlm_vs_trl", prompts=16, max_new_tokens=20, steps=4, warmup=1,
+                       group_sizes=[2, 4, 8, 16])
     parser.add_argument("--main-g", type=int, default=8, help="the G of the headline comparison (the config's)")
     parser.add_argument("--frameworks", nargs="+", default=["mmgrpo", "trl"], choices=["mmgrpo", "trl"])
     parser.add_argument("--timeout", type=float, default=600, help="seconds allowed per measurement")
     parser.add_argument("--rounds", type=int, default=1,
                         help="interleaved rounds of every measurement (median step times and per-round ratios)")
-    parser.add_argument("--mmgrpo-override", action="append", default=[], metavar="KEY=VALUE",
-                        help="a config override of mmgrpo's side, after the benchmark's own (repeatable), e.g. "
-                        "pipeline.compile_decode=true")
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
                         help="where both trainers run (cuda: the first GPU, float32 on both sides)")
     parser.add_argument("--worker", choices=["mmgrpo", "trl"], help=argparse.SUPPRESS)
     parser.add_argument("--group-size", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--n-train", type=int, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    if args.image_size < 28 or args.image_size % 28:
-        parser.error(f"--image-size must be a positive multiple of 28 (14-pixel patches, 2 x 2 merge), "
-                     f"got {args.image_size}.")
-    if args.n_train is None:
-        args.n_train = args.prompts * (args.warmup + args.steps)  # every step sees new questions, in both trainers
+    check_workload(parser, args)
     if args.worker:
         return worker(args)
 
