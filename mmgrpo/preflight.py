@@ -224,11 +224,12 @@ def check_items(config: ExperimentConfig, split: str = "eval") -> None:
     the run evaluates them."""
     with _named("data"):
         data = registry.get("data", config.data.name)(config.data.options)
-    if not data.train_items():
+    train_items = data.train_items()  # built once: a synthetic source renders every item
+    if not train_items:
         raise ConfigError(f"data: prompt source {config.data.name!r} has no training items: give it some (e.g. "
                           "data.n_train, data.train_file).")
     evaluating = bool(config.eval.every or config.eval.every_seconds)
-    check_input_images(config, data.train_items(), "training")
+    check_input_images(config, train_items, "training")
     if split != "eval":
         return
     splits = chosen_splits(data.eval_splits(), config.eval.splits, config.data.name)  # eval.splits names declared ones
