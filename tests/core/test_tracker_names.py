@@ -52,10 +52,14 @@ RULES = {
 def config_metric_names(path: Path) -> list[str] | None:
     """The metric names of config `path`: the trainer's and its reward's components (at training and evaluation);
     None when its reward cannot be built here (weights that are not shipped)."""
-    try:
-        config = load(path, [f"output_dir={ROOT / 'outputs' / 'unused'}"])
-    except ValueError:  # a base model that is not shipped (yet)
-        return None
+    unused = f"output_dir={ROOT / 'outputs' / 'unused'}"
+    try:  # four training items are scored: a synthetic source need not render thousands
+        config = load(path, [unused, "data.n_train=4"])
+    except ValueError:  # a source without `n_train` (a file), or a base model that is not shipped (yet)
+        try:
+            config = load(path, [unused])
+        except ValueError:
+            return None
     if config.reward.name in SERVED:
         return None
     reward_cls = registry.get("reward", config.reward.name)
