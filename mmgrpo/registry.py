@@ -19,9 +19,11 @@ accepted as a reward ([`mmgrpo.function_reward`]).
 from __future__ import annotations
 
 import ast
+import functools
 import importlib
 import importlib.util
 import re
+import sys
 from importlib import metadata
 from importlib.machinery import PathFinder
 from pathlib import Path
@@ -109,10 +111,18 @@ def entry_points(kind: str) -> dict[str, metadata.EntryPoint]:
     those whose name a built-in plugin has; the first distribution found wins a name two of them declare."""
     builtin = _builtin(kind)
     found: dict[str, metadata.EntryPoint] = {}
-    for point in metadata.entry_points(group=ENTRY_POINT_GROUPS[kind]):
+    for point in _group_entry_points(ENTRY_POINT_GROUPS[kind], tuple(sys.path)):
         if point.name not in builtin and point.name not in found:
             found[point.name] = point
     return found
+
+
+@functools.lru_cache(maxsize=16)
+def _group_entry_points(group: str, search_path: tuple[str, ...]) -> tuple[metadata.EntryPoint, ...]:
+    """The entry points of `group` in the distributions on `search_path` (``sys.path``), read once per path: a read
+    scans every installed distribution's metadata (about 10 ms), and a config check asks for each kind many times. A
+    distribution installed into a folder already searched is seen by the next process."""
+    return tuple(metadata.entry_points(group=group))
 
 
 def _entry_summary(point: metadata.EntryPoint) -> str:
