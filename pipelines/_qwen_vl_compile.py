@@ -106,8 +106,8 @@ def register_decode_attention() -> None:
 @functools.cache
 def compiled(device_type: str) -> Callable:
     """[`token_logits`] under ``torch.compile`` for tensors on `device_type` (one wrapper per process and device type:
-    its compiled graphs serve every rollout), with inductor's C++ wrapper on the CPU."""
-    register_decode_attention()
+    its compiled graphs serve every rollout), with inductor's C++ wrapper on the CPU. The attention it calls is
+    registered by [`use_decode_attention`], which the decode loop calls first."""
     options = {"cpp_wrapper": True} if device_type == "cpu" else None
     return torch.compile(token_logits, fullgraph=True, dynamic=None, options=options)
 
